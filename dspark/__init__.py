@@ -1,0 +1,8 @@
+"""dspark: an LLM inference engine built around DSpark confidence-scheduled speculative decoding."""
+
+from dspark.llm import LLM
+from dspark.outputs import CompletionOutput, RequestOutput
+from dspark.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,103 @@
+"""`dspark <command>`: parse arguments, build the config, call the library."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dspark.config import DTYPE_CHOICES
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default', a .gguf file or a HF directory")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dspark.config import EngineConfig
+    from dspark.engine.engine import LLMEngine
+    from dspark.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+        )
+    )
+    tok = engine.tokenizer
+    if args.raw:
+        prompt_ids = tok.encode(args.prompt)
+    else:
+        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+    engine.add_request("0", prompt_ids, params, prompt_text=args.prompt)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+            if out.finished:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                n = len(out.outputs[0].token_ids)
+                print(
+                    f"[{n} tokens, finish_reason={out.outputs[0].finish_reason}]", file=sys.stderr
+                )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

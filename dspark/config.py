@@ -1,0 +1,72 @@
+"""Engine configuration: one frozen dataclass, validated once, then handed down in parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_CHOICES = ("auto", *DTYPES)
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    device: str = "auto"  # auto: cuda when available
+    max_model_len: int | None = None  # None: the checkpoint's context length, capped by KV
+    max_num_seqs: int = 256  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per step (chunked prefill splits longer prompts)
+    page_size: int = 16  # tokens per KV page
+    num_kv_pages: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    seed: int = 0  # draws the seeds of requests that set none
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dtype in DTYPE_CHOICES, f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}"
+        )
+        _require(
+            self.device in DEVICE_CHOICES or self.device.startswith("cuda:"),
+            f"device must be one of {DEVICE_CHOICES} or 'cuda:N', got {self.device!r}",
+        )
+        _require(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({self.max_num_seqs}) so every running request gets a token each step",
+        )
+        if self.max_model_len is not None:
+            _require(
+                self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"
+            )
+        if self.num_kv_pages is not None:
+            _require(self.num_kv_pages >= 2, f"num_kv_pages must be >= 2, got {self.num_kv_pages}")
+        _require(
+            self.kv_cache_memory_gb > 0,
+            f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}",
+        )
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for but CUDA is not available")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

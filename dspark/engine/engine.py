@@ -1,0 +1,234 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+step():  plan = scheduler.schedule()      # who runs, how many tokens, which pages
+         sampled = runner.execute(plan)   # one forward + sampling, one host sync
+         return self._update(plan, sampled)  # append tokens, detokenize, stop, free
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.engine.detokenizer import Detokenizer
+from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches, kv_bytes_per_token
+from dspark.engine.scheduler import Scheduler
+from dspark.models.llama import LlamaForCausalLM, build_model
+from dspark.models.loader import load_checkpoint, resolve_model
+from dspark.models.model_config import ModelConfig
+from dspark.models.tokenizer import Tokenizer, load_tokenizer
+from dspark.outputs import CompletionOutput, RequestOutput
+from dspark.request import FinishReason, Request
+from dspark.runner.model_runner import ModelRunner
+from dspark.sampling_params import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Derived sizes: returned and passed down, never written back into the config."""
+
+    num_pages: int
+    max_model_len: int
+
+
+def plan_kv(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVPlan:
+    page_bytes = kv_bytes_per_token(model_config, dtype) * config.page_size
+    num_pages = config.num_kv_pages or max(2, int(config.kv_cache_memory_gb * 2**30 // page_bytes))
+    capacity = (num_pages - 1) * config.page_size  # the scratch page holds no request
+    ctx = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return KVPlan(num_pages, min(ctx, capacity))
+    if config.max_model_len > ctx:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's context length {ctx}"
+        )
+    if config.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} does not fit the KV cache ({capacity} tokens "
+            f"in {num_pages - 1} pages of {config.page_size}); raise kv_cache_memory_gb or "
+            "num_kv_pages, or lower max_model_len"
+        )
+    return KVPlan(num_pages, config.max_model_len)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        source = resolve_model(config.model)
+        model_config, weights = load_checkpoint(source)
+        self.model_config = model_config
+        self.tokenizer: Tokenizer = load_tokenizer(source)
+        self.model: LlamaForCausalLM = build_model(model_config, weights, self.dtype, self.device)
+        del weights
+        self.kv_plan = plan_kv(config, model_config, self.dtype)
+        self.max_model_len = self.kv_plan.max_model_len
+        kv_caches = allocate_kv_caches(
+            model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
+        )
+        self.allocator = PageAllocator(self.kv_plan.num_pages)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.page_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+        )
+        self.runner = ModelRunner(self.model, kv_caches, config.page_size, self.device)
+        self.eos_token_id = (
+            model_config.eos_token_ids[0]
+            if model_config.eos_token_ids
+            else self.tokenizer.eos_token_id
+        )
+        self._seed_rng = random.Random(config.seed)
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, Detokenizer] = {}
+        logger.info(
+            "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
+            source.path,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.kv_plan.num_pages - 1,
+            config.page_size,
+            self.max_model_len,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        prompt_text: str | None = None,
+    ) -> None:
+        """Validate first, then enqueue: a rejected request leaves the engine untouched.
+
+        `prompt` is text (encoded here) or token ids; `prompt_text` labels token-id prompts.
+        """
+        params = params or SamplingParams()
+        prompt_ids, text = self._prompt_ids(prompt)
+        prompt_text = text if text is not None else prompt_text
+        self.validate_request(request_id, prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.randint(0, MAX_SEED)
+        req = Request(
+            request_id,
+            prompt_ids,
+            params,
+            seed=seed,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic(),
+            prompt=prompt_text,
+        )
+        self._requests[request_id] = req
+        self._detokenizers[request_id] = Detokenizer(
+            self.tokenizer,
+            params.skip_special_tokens,
+            params.stop_strings,
+            params.include_stop_str_in_output,
+        )
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt is empty: give at least one character or token")
+            return self.tokenizer.encode(prompt), prompt
+        return list(prompt), None
+
+    def validate_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
+                f"at most {self.max_model_len - 1} prompt tokens leave room for one new token"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens {params.max_tokens} plus the {n} prompt tokens exceeds max_model_len "
+                f"{self.max_model_len}: allowed max_tokens here is 1..{self.max_model_len - n}"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ABORT, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return self._collect_aborted()
+        sampled = self.runner.execute(plan)
+        return self._update(plan, sampled)
+
+    def _update(self, plan, sampled) -> list[RequestOutput]:
+        emitted = self.scheduler.update(plan, sampled)
+        now = time.monotonic()
+        for req in emitted:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            detok = self._detokenizers[req.request_id]
+            stop = detok.add_tokens([req.token_ids[-1]])
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, stop)
+        outputs = [self._output(req) for req in emitted]
+        return outputs + self._collect_aborted()
+
+    def _collect_aborted(self) -> list[RequestOutput]:
+        # requests that finished without emitting (aborts): reported once, then forgotten
+        done = [r for r in self._requests.values() if r.is_finished]
+        return [self._output(r) for r in done if r.request_id in self._requests]
+
+    def _output(self, req: Request) -> RequestOutput:
+        detok = self._detokenizers[req.request_id]
+        if req.is_finished:
+            detok.flush()
+            self._requests.pop(req.request_id, None)
+            self._detokenizers.pop(req.request_id, None)
+        logprobs = None
+        cumulative = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = [{**lp.top, lp.token_id: lp.logprob} for lp in req.logprobs]
+            cumulative = sum(lp.logprob for lp in req.logprobs)
+        completion = CompletionOutput(
+            index=0,
+            text=detok.text,
+            token_ids=req.output_token_ids,
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason,
+        )
+        metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished, metrics
+        )

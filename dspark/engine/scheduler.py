@@ -1,0 +1,184 @@
+"""Continuous batching: which requests run this step, with how many tokens, in which pages.
+
+`schedule()` returns a frozen StepPlan; `update()` applies the step's sampled tokens. These two
+are the only places that mutate requests and KV pages.
+
+Policy (vLLM-style, one token budget per step):
+1. running requests first, in admission order: a decoding request takes 1 token, one still
+   prefilling takes the rest of its prompt up to the remaining budget (chunked prefill);
+2. then waiting requests in arrival order (preempted ones at the front), while the budget,
+   max_num_seqs and free pages allow; a request that does not fit stops admission (FIFO).
+When a running request needs a page and none is free, the most recently admitted running
+request is preempted: its pages are freed and it will recompute its prompt + outputs later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dspark.engine.kv_cache import PageAllocator, pages_for
+from dspark.request import FinishReason, Request, RequestStatus, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One request's share of a step: tokens [start, start + num_tokens) of its token_ids."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def do_sample(self) -> bool:
+        # the chunk reaches the last known token, so its logits give the next token
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: tuple[ScheduledRow, ...]
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted_before = self.num_preemptions
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:  # preempted by an earlier row this step
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or not self._reserve(req, req.num_computed_tokens + n, preempt=True):
+                continue
+            rows.append(ScheduledRow(req, req.num_computed_tokens, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, req.num_computed_tokens + n, preempt=False):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            rows.append(ScheduledRow(req, req.num_computed_tokens, n))
+            budget -= n
+        return StepPlan(tuple(rows), self.num_preemptions - preempted_before)
+
+    def _reserve(self, req: Request, num_tokens: int, preempt: bool) -> bool:
+        """Make req own enough pages for num_tokens, preempting newer requests if allowed."""
+        need = pages_for(num_tokens, self.page_size) - len(req.page_ids)
+        while need > self.allocator.num_free:
+            if not preempt:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.page_ids.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        # recomputation: drop the KV, keep the tokens; the request re-prefills prompt + outputs
+        self.running.remove(req)
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- update ---------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, sampled: list[SampledToken | None]) -> list[Request]:
+        """Advance every scheduled request; returns the ones that emitted a token."""
+        emitted = []
+        for row, token in zip(plan.rows, sampled, strict=True):
+            req = row.request
+            if req.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = row.end
+            if token is None:
+                continue
+            req.token_ids.append(token.token_id)
+            if token.logprobs is not None:
+                req.logprobs.append(token.logprobs)
+            emitted.append(req)
+            reason = self._token_stop(req, token.token_id)
+            if reason is not None:
+                self.finish(req, *reason)
+        return emitted
+
+    def _token_stop(self, req: Request, token_id: int) -> tuple[FinishReason, int | None] | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token_id == req.eos_token_id:
+                return FinishReason.STOP, None
+            if token_id in sp.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return FinishReason.LENGTH, None
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def finish(self, req: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
+        """End a request (stop, length, abort) wherever it is and free its pages."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason

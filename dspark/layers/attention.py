@@ -1,0 +1,43 @@
+"""Grouped-query self-attention over the paged KV cache, driven by one AttentionMetadata."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.kernels.paged_attention_ref import paged_attention_ref, store_kv_ref
+from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.layers.rotary import RotaryEmbedding
+from dspark.models.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, d]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, nkv, hd]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, d]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        store_kv_ref(k, v, kv_cache, attn.slot_mapping)
+        o = paged_attention_ref(q, kv_cache, attn, self.scale)  # [T, nh, hd]
+        return self.o_proj(o.reshape(T, self.q_size))

@@ -1,0 +1,113 @@
+"""The offline API: LLM(...).generate(prompts, SamplingParams) and .chat(messages), as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from dspark.config import EngineConfig
+from dspark.engine.engine import LLMEngine
+from dspark.outputs import RequestOutput
+from dspark.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batches.
+
+    LLM() and LLM(model="default") load SmolLM2-135M-Instruct. Keyword arguments are
+    EngineConfig fields (dtype, max_model_len, max_num_seqs, page_size, ...).
+    """
+
+    def __init__(self, model: str = "default", dtype: str = "auto", **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt is text, a list of token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+        All prompts are validated before any is queued, so a bad one loses nothing.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
+        for i, (ids, _) in enumerate(encoded):
+            try:
+                self.engine.validate_request(f"__check_{i}", ids, params[i])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        request_ids = []
+        for (ids, text), sp in zip(encoded, params, strict=True):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, sp, prompt_text=text)
+            request_ids.append(rid)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _encode(self, index: int, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError(f"prompt {index}: prompt is empty")
+            return self.engine.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, list):
+            return list(prompt), None
+        raise TypeError(f"prompt {index}: expected text, token ids or a dict, got {type(prompt)}")
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        return [finished[r] for r in request_ids]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one or {n}")
+    return list(params)

@@ -1,0 +1,146 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2): the target model.
+
+One forward runs any ragged mix of prefill chunks, decode tokens and verify windows. It returns
+logits only for the rows asked for (`logits_indices`) and, on request, the residual stream after
+chosen decoder layers (the DSpark drafter's context features).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.layers.attention import Attention
+from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.layers.norm import RMSNorm
+from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
+from dspark.models.model_config import ModelConfig
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [N, vocab] float32, one row per logits index
+    hidden_states: dict[int, torch.Tensor]  # layer -> [T, d], output of that decoder layer
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, d]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, d]
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, nkv, hd]
+        logits_indices: torch.Tensor | None = None,  # [N] rows of T to score; None: all
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ModelOutput:
+        x = self.embed_tokens(input_ids)  # [T, d]
+        hidden_states = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, kv_caches[i], attn)
+            if i in hidden_layers:
+                hidden_states[i] = x
+        if logits_indices is not None:
+            x = x[logits_indices]  # [N, d]
+        logits = self.lm_head(self.norm(x)).float()  # [N, vocab]
+        return ModelOutput(logits, hidden_states)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up. Every parameter must be covered."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, w in _fuse(weights, self.config).items():
+            key = name.removeprefix("model.")
+            if key not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {self.config.architecture}"
+                )
+            if params[key].shape != w.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, "
+                    f"expected {tuple(params[key].shape)}"
+                )
+            params[key].copy_(w)
+            loaded.add(key)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+
+
+def _fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    out = dict(weights)
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            names = [f"{p}self_attn.{n}_proj.{kind}" for n in "qkv"]
+            if all(n in out for n in names):
+                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in names])
+        gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+        if all(n in out for n in gate_up):
+            out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([out.pop(n) for n in gate_up])
+    return out
+
+
+def build_model(
+    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """Instantiate without random init (meta device), then fill from the checkpoint."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives every module its own fresh parameter
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(weights)
+    model.to(dtype)
+    # to_empty left the (shared) rotary buffer unset and .to(dtype) would round it: refill in fp32.
+    model.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(config).to(device)
+    return model.eval()

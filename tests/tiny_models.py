@@ -1,0 +1,79 @@
+"""Tiny real checkpoints built for the tests: random weights, real files, real tokenizers.
+
+- `make_tiny_llama(dir)`: a 2-layer Llama with SmolLM2's tokenizer (so text prompts work).
+- `make_tiny_vocab_model(dir)`: a 1-layer Llama over a 12-token word-level vocabulary, for
+  distribution tests where every token's probability is measurable.
+Both are written by transformers (config.json + model.safetensors), so they exercise the same
+loading path as a downloaded checkpoint, and transformers can serve as the logits oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_WORDS = ["<unk>", "<eos>", "a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]
+
+
+def _llama_config(vocab_size: int, arch: str = "llama", **overrides):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def save_random_model(directory: Path, config, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def make_tiny_llama(directory: Path, hf_tokenizer, arch: str = "llama", **overrides) -> Path:
+    config = _llama_config(len(hf_tokenizer), arch, **overrides)
+    save_random_model(directory, config)
+    hf_tokenizer.save_pretrained(directory)
+    return directory
+
+
+def make_tiny_vocab_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(TINY_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def make_tiny_vocab_model(directory: Path) -> Path:
+    tok = make_tiny_vocab_tokenizer()
+    # large init so next-token distributions are far from uniform (a meaningful test)
+    config = _llama_config(
+        len(TINY_WORDS), num_hidden_layers=1, eos_token_id=1, bos_token_id=None,
+        initializer_range=0.8,
+    )
+    save_random_model(directory, config, seed=1)
+    tok.save_pretrained(directory)
+    return directory

@@ -58,4 +58,4 @@ def tiny_vocab_dir(tmp_path_factory):
 def tiny_llm(tiny_llama_dir):
     from dspark import LLM
 
-    return LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu")
+    return LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_pages=512)

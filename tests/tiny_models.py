@@ -71,7 +71,10 @@ def make_tiny_vocab_model(directory: Path) -> Path:
     tok = make_tiny_vocab_tokenizer()
     # large init so next-token distributions are far from uniform (a meaningful test)
     config = _llama_config(
-        len(TINY_WORDS), num_hidden_layers=1, eos_token_id=1, bos_token_id=None,
+        len(TINY_WORDS),
+        num_hidden_layers=1,
+        eos_token_id=1,
+        bos_token_id=None,
         initializer_range=0.8,
     )
     save_random_model(directory, config, seed=1)

@@ -28,15 +28,16 @@ class ScheduledRow:
     request: Request
     start: int
     num_tokens: int
+    do_sample: bool  # the chunk reaches the last known token: its logits give the next one
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> ScheduledRow:
+        start = request.num_computed_tokens
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def do_sample(self) -> bool:
-        # the chunk reaches the last known token, so its logits give the next token
-        return self.end == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0 or not self._reserve(req, req.num_computed_tokens + n, preempt=True):
                 continue
-            rows.append(ScheduledRow(req, req.num_computed_tokens, n))
+            rows.append(ScheduledRow.of(req, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -106,7 +107,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            rows.append(ScheduledRow(req, req.num_computed_tokens, n))
+            rows.append(ScheduledRow.of(req, n))
             budget -= n
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before)
 

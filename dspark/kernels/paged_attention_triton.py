@@ -1,0 +1,275 @@
+"""Triton ragged paged attention: the fast twin of `paged_attention_ref`.
+
+One launch serves a whole step: prefill chunks, decode tokens and verify windows side by side.
+Lengths come only from the device tensors `attn.cu_num_tokens` and `attn.seq_lens`, so a CUDA
+graph can replay it with new lengths; the host mirrors only size the grid (upper bounds).
+
+Grid: (request, query block of BLOCK_M tokens, kv head [x KV split]). A program loads the queries
+of all GROUP query heads that share its kv head (GQA packing: BLOCK_M * BLOCK_H rows, BLOCK_H =
+GROUP rounded up to a power of two), so each K/V tile is read once per group. It walks the
+request's KV in BLOCK_N-key tiles, looking each key's page up in the block table, with an online
+softmax in fp32 (exp2 with log2(e) folded into the scale).
+
+When the grid is too small to fill the GPU (small decode batches), the KV range of each block is
+cut into NUM_SPLITS parts; every part writes a normalised partial output and its log2-sum-exp,
+and a second kernel merges them (flash-decoding). Empty parts write lse = -inf and weigh nothing.
+
+Under TRITON_INTERPRET=1 (CPU tensors) the kernels run in Triton's interpreter; the variable is
+read when the kernels below are decorated, so it must be set before this module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.layers.attention_metadata import AttentionMetadata
+
+LOG2_E = 1.4426950408889634
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
+MAX_ROWS = 128  # packed query rows (tokens x heads) per program in a prefill chunk
+MAX_KV_SPLITS = 16
+
+
+@triton.jit
+def _query_rows(cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLOCK_H):
+    # Row i of a program is token i // BLOCK_H of its block, head i % BLOCK_H of its group.
+    # GROUP 3 (BLOCK_H 4), BLOCK_M 2, kv_head 1, m_block 0, q_len 2, seq_len 10:
+    #   row:    [0, 1, 2, 3, 4, 5, 6, 7]
+    #   tok:    [0, 0, 0, 0, 1, 1, 1, 1]
+    #   head:   [3, 4, 5, 6, 3, 4, 5, 6]
+    #   valid:  [1, 1, 1, 0, 1, 1, 1, 0]   (head slot 3 is padding: GROUP < BLOCK_H)
+    #   q_pos:  [8, 8, 8, 8, 9, 9, 9, 9]   (seq_len - q_len + tok)
+    q_start = tl.load(cu_ptr + req)
+    q_len = tl.load(cu_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    rows = tl.arange(0, BLOCK_M * BLOCK_H)
+    tok = m_block * BLOCK_M + rows // BLOCK_H
+    head = kv_head * GROUP + rows % BLOCK_H
+    valid = (tok < q_len) & (rows % BLOCK_H < GROUP)
+    q_pos = seq_len - q_len + tok
+    return q_start, q_len, seq_len, (q_start + tok).to(tl.int64), head, valid, q_pos
+
+
+@triton.jit
+def _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS):
+    # The block's last query sees keys 0 .. kv_end - 1; split s takes one BLOCK_N-aligned chunk.
+    # seq_len 100, q_len 1, BLOCK_N 16, NUM_SPLITS 3: kv_end 100, chunk 48,
+    #   splits [0, 48) [48, 96) [96, 100)
+    kv_end = seq_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len) - 1
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return lo, tl.minimum(lo + chunk, kv_end)
+
+
+@triton.jit
+def _kv_offsets(block_table_ptr, req, stride_bt, key_pos, key_valid, kv_head, s_kp, s_ks, s_kh,
+                PAGE_SIZE):  # fmt: skip
+    # key position -> (page = block_table[req, pos // PAGE_SIZE], slot = pos % PAGE_SIZE).
+    # PAGE_SIZE 4, block_table[req] = [7, 2, ...]: keys [0..7] -> pages [7,7,7,7,2,2,2,2],
+    # slots [0,1,2,3,0,1,2,3]. Masked keys never read the table (its tail may be padding).
+    page = tl.load(
+        block_table_ptr + req * stride_bt + key_pos // PAGE_SIZE, mask=key_valid, other=0
+    )
+    return page.to(tl.int64) * s_kp + (key_pos % PAGE_SIZE) * s_ks + kv_head * s_kh
+
+
+@triton.jit
+def _attend(q, q_pos, k_ptr, v_ptr, block_table_ptr, req, stride_bt, kv_head, lo, hi, qk_scale,
+            s_kp, s_ks, s_kh, PAGE_SIZE, HEAD_DIM, BLOCK_N, DOT_PRECISION):  # fmt: skip
+    """Online softmax of q (log2 domain) over keys lo .. hi-1: (unnormalised acc, max, sum)."""
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([q.shape[0], HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        key_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        key_valid = key_pos < hi
+        kv_off = _kv_offsets(
+            block_table_ptr, req, stride_bt, key_pos, key_valid, kv_head, s_kp, s_ks, s_kh,
+            PAGE_SIZE,
+        )  # fmt: skip
+        kv_idx = kv_off[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_ptr + kv_idx, mask=key_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [rows, BLOCK_N]
+        visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])  # [rows, BLOCK_N]
+        alpha = tl.exp2(m_i - m_safe)
+        v = tl.load(v_ptr + kv_idx, mask=key_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    cu_ptr, seq_lens_ptr, block_table_ptr, qk_scale, num_heads,
+    s_qt, s_qh, s_ot, s_oh, s_kp, s_ks, s_kh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    req, m_block = tl.program_id(0), tl.program_id(1)
+    kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
+    _, q_len, seq_len, tok, head, valid, q_pos = _query_rows(
+        cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLOCK_H
+    )
+    if m_block * BLOCK_M >= q_len:  # the grid is sized for the longest request
+        return
+    dims = tl.arange(0, HEAD_DIM)
+    q_idx = tok[:, None] * s_qt + head[:, None] * s_qh + dims[None, :]  # [rows, HEAD_DIM]
+    q = tl.load(q_ptr + q_idx, mask=valid[:, None], other=0.0)
+    lo, hi = _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS)
+    acc, m_i, l_i = _attend(
+        q, q_pos, k_ptr, v_ptr, block_table_ptr, req, stride_bt, kv_head, lo, hi, qk_scale,
+        s_kp, s_ks, s_kh, PAGE_SIZE, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    has_keys = l_i > 0.0  # every valid row sees key 0, so only an empty split has none
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        out_idx = tok[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
+        tl.store(out_ptr + out_idx, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        part = (tok * num_heads + head) * NUM_SPLITS + split  # [rows] into [T, nh, NUM_SPLITS]
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=valid)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, cu_ptr, seq_lens_ptr, num_heads, s_ot, s_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """out = sum_s 2^lse_s o_s / sum_s 2^lse_s, over the same packed rows as the main kernel."""
+    req, m_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, q_len, _, tok, head, valid, _ = _query_rows(
+        cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLOCK_H
+    )
+    if m_block * BLOCK_M >= q_len:
+        return
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_M * BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
+    for split in range(NUM_SPLITS):
+        part = (tok * num_heads + head) * NUM_SPLITS + split
+        lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
+        o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None])
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, weight = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + o * weight[:, None]
+        den = den * alpha + weight
+        m_i = m_new
+    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    out_idx = tok[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
+    tl.store(out_ptr + out_idx, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # query tokens per program
+    block_h: int  # query heads per program: the GQA group rounded up to a power of two
+    block_n: int  # keys per tile
+    num_m_blocks: int
+    num_splits: int
+    num_warps: int
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(
+    q: torch.Tensor,  # [T, nh, hd]
+    num_kv_heads: int,
+    attn: AttentionMetadata,
+    num_kv_splits: int | None,
+) -> LaunchConfig:
+    """Tile sizes from host-side upper bounds only (the longest query run, the request count)."""
+    group = q.shape[1] // num_kv_heads
+    block_h = triton.next_power_of_2(group)
+    cu = attn.cu_num_tokens_cpu
+    max_q_len = max((cu[r + 1] - cu[r] for r in range(attn.num_reqs)), default=0)
+    # decode / short windows: the fewest tokens that give tl.dot its 16 rows; prefill: MAX_ROWS
+    min_block_m = max(1, MIN_DOT_ROWS // block_h)
+    max_block_m = max(min_block_m, MAX_ROWS // block_h)
+    block_m = min(max(triton.next_power_of_2(max(max_q_len, 1)), min_block_m), max_block_m)
+    num_m_blocks = triton.cdiv(max_q_len, block_m)
+    if num_kv_splits is None:
+        num_kv_splits = _default_splits(q.device, attn.num_reqs * num_m_blocks * num_kv_heads)
+    assert 1 <= num_kv_splits <= MAX_KV_SPLITS, f"num_kv_splits {num_kv_splits} not in [1, 16]"
+    rows = block_m * block_h
+    return LaunchConfig(
+        block_m=block_m,
+        block_h=block_h,
+        block_n=64 if q.shape[2] <= 64 else 32,
+        num_m_blocks=num_m_blocks,
+        num_splits=num_kv_splits,
+        num_warps=4 if rows <= 64 else 8,
+    )
+
+
+def _default_splits(device: torch.device, num_programs: int) -> int:
+    # Split the KV walk only when the grid is smaller than the GPU; the interpreter never splits.
+    if device.type != "cuda" or num_programs == 0:
+        return 1
+    return max(1, min(MAX_KV_SPLITS, _num_sms(device) // num_programs))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, nh, hd]
+    kv_cache: torch.Tensor,  # [2, num_pages, page_size, nkv, hd]
+    attn: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [T, nh, hd]; rows of no request are left untouched
+    num_kv_splits: int | None = None,  # None: split the KV walk only when the grid is small
+) -> torch.Tensor:  # [T, nh, hd]
+    T, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads over {num_kv_heads} kv heads"
+    assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, head_dim
+    assert q.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
+    assert attn.block_table.stride(1) == 1, "block_table rows must be contiguous"
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cfg = launch_config(q, num_kv_heads, attn, num_kv_splits)
+    if cfg.num_m_blocks == 0:
+        return out
+    part_shape = (T, num_heads, cfg.num_splits)
+    part_lse = torch.empty(part_shape if cfg.num_splits > 1 else (1,), device=q.device)
+    part_out = torch.empty((*part_shape, head_dim) if cfg.num_splits > 1 else (1,), device=q.device)
+    grid = (attn.num_reqs, cfg.num_m_blocks, num_kv_heads * cfg.num_splits)
+    _paged_attention_kernel[grid](
+        q, kv_cache[0], kv_cache[1], out, part_out, part_lse,
+        attn.cu_num_tokens, attn.seq_lens, attn.block_table, scale * LOG2_E, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), attn.block_table.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        NUM_SPLITS=cfg.num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    if cfg.num_splits > 1:
+        _merge_splits_kernel[grid[:2] + (num_kv_heads,)](
+            out, part_out, part_lse, attn.cu_num_tokens, attn.seq_lens, num_heads,
+            out.stride(0), out.stride(1),
+            GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
+            BLOCK_H=cfg.block_h, NUM_SPLITS=cfg.num_splits, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,45 @@
+"""Incremental detokenization equals decoding all at once; stop strings cut correctly."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.engine.detokenizer import Detokenizer
+from dspark.models.loader import resolve_model
+from dspark.models.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model("default"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! How are you?",
+        "Unicode: café 日本語 🚀🚀 done",
+        "  spaces\n\n\tand tabs  ",
+        "<|im_end|> special",
+    ],
+)
+def test_incremental_equals_full_decode(tok, text):
+    ids = tok.encode(text)
+    d = Detokenizer(tok)
+    for t in ids:
+        d.add_tokens([t])
+    d.flush()
+    assert d.text == tok.decode(ids)
+
+
+@pytest.mark.slow
+def test_stop_string_spanning_tokens(tok):
+    ids = tok.encode("The answer is 42. The end.")
+    d = Detokenizer(tok, stop_strings=("42.", "end"))
+    hit = None
+    for t in ids:
+        hit = d.add_tokens([t])
+        if hit:
+            break
+    assert hit == "42." and d.text == "The answer is "

@@ -1,0 +1,114 @@
+"""Checkpoint loading: GGUF tensor types against transformers, HF dirs, and broken files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.models.gguf_file import CheckpointError
+from dspark.models.llama import build_model
+from dspark.models.loader import load_checkpoint, resolve_model
+from dspark.models.model_config import UnsupportedModelError
+from tests.gguf_writer import write_llama_gguf
+from tests.helpers import full_logits
+from tests.tiny_models import _llama_config, save_random_model
+
+Q = gguf.GGMLQuantizationType
+IDS = [5, 6, 7, 8, 100, 3, 9]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_gguf")
+    config = _llama_config(256, tie_word_embeddings=False)
+    save_random_model(d, config)
+    return d, config, load_file(d / "model.safetensors")
+
+
+def _ours(path) -> torch.nn.Module:
+    config, weights = load_checkpoint(resolve_model(str(path)))
+    return build_model(config, weights, torch.float32, torch.device("cpu"))
+
+
+def test_f32_gguf_equals_the_hf_checkpoint_it_came_from(tiny_dir):
+    # also proves the q/k row permutation of llama.cpp is undone exactly
+    d, config, weights = tiny_dir
+    path = write_llama_gguf(d / "f32.gguf", config, weights, Q.F32)
+    got = full_logits(_ours(path), IDS).logits
+    want = full_logits(_ours(d), IDS).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_gguf_matches_transformers(tiny_dir, qtype):
+    from transformers import AutoModelForCausalLM
+
+    d, config, weights = tiny_dir
+    path = write_llama_gguf(d / f"{qtype.name}.gguf", config, weights, qtype)
+    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS])).logits[0]
+    torch.testing.assert_close(full_logits(_ours(path), IDS).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        resolve_model("no/such/model")
+
+
+def test_truncated_and_corrupt_gguf(tmp_path, tiny_dir):
+    d, config, weights = tiny_dir
+    good = write_llama_gguf(d / "q8.gguf", config, weights, Q.Q8_0).read_bytes()
+    for name, data in [
+        ("trunc.gguf", good[: len(good) // 2]),
+        ("tiny.gguf", good[:100]),
+        ("garbage.gguf", b"not a gguf file at all"),
+    ]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CheckpointError, match=name):
+            load_checkpoint(resolve_model(str(tmp_path / name)))
+
+
+def test_corrupt_safetensors_and_bad_config(tmp_path, tiny_dir):
+    d, _, _ = tiny_dir
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad, ignore=shutil.ignore_patterns("*.gguf"))
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_checkpoint(resolve_model(str(bad)))
+    (bad / "config.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_checkpoint(resolve_model(str(bad)))
+
+
+def test_unsupported_architecture(tmp_path, tiny_dir):
+    d, config, weights = tiny_dir
+    other = tmp_path / "gpt2"
+    shutil.copytree(d, other, ignore=shutil.ignore_patterns("*.gguf"))
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_checkpoint(resolve_model(str(other)))
+    path = write_llama_gguf(tmp_path / "falcon.gguf", config, weights, Q.F32, arch="falcon")
+    with pytest.raises(UnsupportedModelError, match="falcon"):
+        load_checkpoint(resolve_model(str(path)))
+
+
+@pytest.mark.slow
+def test_default_model_config(default_gguf):
+    config, _ = load_checkpoint(resolve_model("default"))
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert config.rope_theta == 100000.0 and config.eos_token_ids == (2,)

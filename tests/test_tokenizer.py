@@ -1,0 +1,31 @@
+"""Our tokenizer equals Hugging Face's for the same GGUF file."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.models.loader import resolve_model
+from dspark.models.tokenizer import load_tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnew lines",
+    "Unicode: café, naïve, 日本語, emoji 🚀",
+    "def f(x):\n    return x ** 2  # comment",
+    "<|im_start|>user\nhi<|im_end|>",
+    "1234567890 3.14159 -42",
+]
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_equals_hf(smollm_hf_tokenizer):
+    ours = load_tokenizer(resolve_model("default"))
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == smollm_hf_tokenizer.encode(text)
+        assert ours.decode(ids) == smollm_hf_tokenizer.decode(ids, skip_special_tokens=True)
+    conv = [{"role": "user", "content": "What is 2 + 2?"}]
+    expected = smollm_hf_tokenizer.apply_chat_template(conv, add_generation_prompt=True)
+    if not isinstance(expected, list):  # transformers 5 returns a BatchEncoding
+        expected = expected["input_ids"]
+    assert ours.apply_chat_template(conv) == expected

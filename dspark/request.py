@@ -48,6 +48,7 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
     first_token_time: float | None = None
+    finished_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -229,6 +229,8 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions}
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
+        if req.finished_time is not None:
+            metrics["finished_time"] = req.finished_time
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished, metrics
         )

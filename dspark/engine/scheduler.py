@@ -14,6 +14,7 @@ request is preempted: its pages are freed and it will recompute its prompt + out
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -181,5 +182,6 @@ class Scheduler:
         self.allocator.free(req.page_ids)
         req.page_ids = []
         req.status = RequestStatus.FINISHED
+        req.finished_time = time.monotonic()
         req.finish_reason = reason
         req.stop_reason = stop_reason

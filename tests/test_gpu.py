@@ -1,0 +1,46 @@
+"""The same code on a CUDA device: greedy output equals the CPU's token for token (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def _run(model: str, device: str, dtype: str = "float32", **kw):
+    llm = LLM(model, dtype=dtype, device=device, num_kv_pages=256, **kw)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def test_tiny_model_greedy_cuda_equals_cpu(tiny_llama_dir):
+    cpu, _ = _run(str(tiny_llama_dir), "cpu")
+    cuda, llm = _run(str(tiny_llama_dir), "cuda")
+    assert cuda == cpu
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def test_seeded_sampling_cuda_equals_cpu(tiny_llama_dir):
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=16, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    got = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, num_kv_pages=256)
+        got[device] = [
+            o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)
+        ]
+    assert got["cuda"] == got["cpu"]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_cuda_equals_cpu():
+    cpu, _ = _run("default", "cpu")
+    cuda, _ = _run("default", "cuda")
+    assert cuda == cpu

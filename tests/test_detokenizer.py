@@ -42,4 +42,8 @@ def test_stop_string_spanning_tokens(tok):
         hit = d.add_tokens([t])
         if hit:
             break
-    assert hit == "42." and d.text == "The answer is "
+    # several tokens in one call (a speculative step): the hit names the completing token
+    d2 = Detokenizer(tok, stop_strings=("42.",))
+    many = d2.add_tokens(ids)
+    assert many is not None and tok.decode(ids[: many.num_tokens]).endswith("42.")
+    assert hit.stop == "42." and hit.num_tokens == 1 and d.text == "The answer is "

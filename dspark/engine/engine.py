@@ -131,9 +131,9 @@ class LLMEngine:
         self._requests[request_id] = req
         self._detokenizers[request_id] = Detokenizer(
             self.tokenizer,
-            params.skip_special_tokens,
-            params.stop_strings,
-            params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            stop_strings=params.stop_strings,
+            include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self.scheduler.add(req)
 
@@ -194,10 +194,9 @@ class LLMEngine:
         for req in emitted:
             if req.first_token_time is None:
                 req.first_token_time = now
-            detok = self._detokenizers[req.request_id]
-            stop = detok.add_tokens([req.token_ids[-1]])
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish(req, FinishReason.STOP, stop)
+            hit = self._detokenizers[req.request_id].add_tokens(req.token_ids[-1:])
+            if hit is not None and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, hit.stop)
         outputs = [self._output(req) for req in emitted]
         return outputs + self._collect_aborted()
 

@@ -52,7 +52,7 @@ def _query_rows(cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLO
     head = kv_head * GROUP + rows % BLOCK_H
     valid = (tok < q_len) & (rows % BLOCK_H < GROUP)
     q_pos = seq_len - q_len + tok
-    return q_start, q_len, seq_len, (q_start + tok).to(tl.int64), head, valid, q_pos
+    return q_len, seq_len, (q_start + tok).to(tl.int64), head, valid, q_pos
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS):
     # The block's last query sees keys 0 .. kv_end - 1; split s takes one BLOCK_N-aligned chunk.
     # seq_len 100, q_len 1, BLOCK_N 16, NUM_SPLITS 3: kv_end 100, chunk 48,
     #   splits [0, 48) [48, 96) [96, 100)
-    kv_end = seq_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len) - 1
+    kv_end = seq_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     return lo, tl.minimum(lo + chunk, kv_end)
@@ -119,15 +119,16 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    req, m_block = tl.program_id(0), tl.program_id(1)
+    # causal blocks late in a chunk see the most keys: schedule them first (shorter tail)
+    req, m_block = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
-    _, q_len, seq_len, tok, head, valid, q_pos = _query_rows(
+    q_len, seq_len, token, head, valid, q_pos = _query_rows(
         cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLOCK_H
     )
     if m_block * BLOCK_M >= q_len:  # the grid is sized for the longest request
         return
     dims = tl.arange(0, HEAD_DIM)
-    q_idx = tok[:, None] * s_qt + head[:, None] * s_qh + dims[None, :]  # [rows, HEAD_DIM]
+    q_idx = token[:, None] * s_qt + head[:, None] * s_qh + dims[None, :]  # [rows, HEAD_DIM]
     q = tl.load(q_ptr + q_idx, mask=valid[:, None], other=0.0)
     lo, hi = _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS)
     acc, m_i, l_i = _attend(
@@ -138,10 +139,10 @@ def _paged_attention_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
-        out_idx = tok[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
+        out_idx = token[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
         tl.store(out_ptr + out_idx, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
     else:
-        part = (tok * num_heads + head) * NUM_SPLITS + split  # [rows] into [T, nh, NUM_SPLITS]
+        part = (token * num_heads + head) * NUM_SPLITS + split  # [rows] into [T, nh, NUM_SPLITS]
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=valid)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=valid[:, None])
@@ -155,7 +156,7 @@ def _merge_splits_kernel(
 ):  # fmt: skip
     """out = sum_s 2^lse_s o_s / sum_s 2^lse_s, over the same packed rows as the main kernel."""
     req, m_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, q_len, _, tok, head, valid, _ = _query_rows(
+    q_len, _, token, head, valid, _ = _query_rows(
         cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLOCK_H
     )
     if m_block * BLOCK_M >= q_len:
@@ -165,9 +166,11 @@ def _merge_splits_kernel(
     m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
     for split in range(NUM_SPLITS):
-        part = (tok * num_heads + head) * NUM_SPLITS + split
+        part = (token * num_heads + head) * NUM_SPLITS + split
         lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
-        o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None])
+        o = tl.load(
+            part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0
+        )
         m_new = tl.maximum(m_i, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha, weight = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
@@ -175,7 +178,7 @@ def _merge_splits_kernel(
         den = den * alpha + weight
         m_i = m_new
     o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    out_idx = tok[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
+    out_idx = token[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
     tl.store(out_ptr + out_idx, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
@@ -203,8 +206,7 @@ def launch_config(
     """Tile sizes from host-side upper bounds only (the longest query run, the request count)."""
     group = q.shape[1] // num_kv_heads
     block_h = triton.next_power_of_2(group)
-    cu = attn.cu_num_tokens_cpu
-    max_q_len = max((cu[r + 1] - cu[r] for r in range(attn.num_reqs)), default=0)
+    max_q_len = _max_q_len(attn.cu_num_tokens_cpu)
     # decode / short windows: the fewest tokens that give tl.dot its 16 rows; prefill: MAX_ROWS
     min_block_m = max(1, MIN_DOT_ROWS // block_h)
     max_block_m = max(min_block_m, MAX_ROWS // block_h)
@@ -212,7 +214,9 @@ def launch_config(
     num_m_blocks = triton.cdiv(max_q_len, block_m)
     if num_kv_splits is None:
         num_kv_splits = _default_splits(q.device, attn.num_reqs * num_m_blocks * num_kv_heads)
-    assert 1 <= num_kv_splits <= MAX_KV_SPLITS, f"num_kv_splits {num_kv_splits} not in [1, 16]"
+    assert 1 <= num_kv_splits <= MAX_KV_SPLITS, (
+        f"num_kv_splits {num_kv_splits} not in [1, {MAX_KV_SPLITS}]"
+    )
     rows = block_m * block_h
     return LaunchConfig(
         block_m=block_m,
@@ -224,8 +228,14 @@ def launch_config(
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _max_q_len(cu_num_tokens: tuple[int, ...]) -> int:
+    # called once per layer with the same step metadata: the cache turns that into one scan
+    return max((b - a for a, b in zip(cu_num_tokens, cu_num_tokens[1:], strict=False)), default=0)
+
+
 def _default_splits(device: torch.device, num_programs: int) -> int:
-    # Split the KV walk only when the grid is smaller than the GPU; the interpreter never splits.
+    # Split the KV walk only when the grid is smaller than the GPU; the CPU never splits.
     if device.type != "cuda" or num_programs == 0:
         return 1
     return max(1, min(MAX_KV_SPLITS, _num_sms(device) // num_programs))
@@ -248,6 +258,7 @@ def paged_attention_triton(
     assert attn.block_table.stride(1) == 1, "block_table rows must be contiguous"
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(2) == 1, (out.shape, q.shape)
     cfg = launch_config(q, num_kv_heads, attn, num_kv_splits)
     if cfg.num_m_blocks == 0:
         return out

@@ -33,8 +33,8 @@ def _store_kv_kernel(
     dst = page * s_cp + offset * s_cs + head * s_ch + dim
     k = tl.load(k_ptr + tok * s_kt + head * s_kh + dim, mask=mask)
     v = tl.load(v_ptr + tok * s_vt + head * s_vh + dim, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv_triton(
@@ -45,6 +45,7 @@ def store_kv_triton(
 ) -> None:
     T, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and kv_cache.shape[3:] == k.shape[1:], (k.shape, kv_cache.shape)
+    assert k.dtype == v.dtype == kv_cache.dtype, (k.dtype, v.dtype, kv_cache.dtype)
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1
     if T == 0:
         return

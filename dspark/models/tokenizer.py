@@ -26,6 +26,11 @@ class Tokenizer:
         return self._tok.eos_token_id
 
     @property
+    def backend(self):
+        """The Rust `tokenizers.Tokenizer` (for streaming decode)."""
+        return self._tok.backend_tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 

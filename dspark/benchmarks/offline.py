@@ -1,0 +1,386 @@
+"""`dspark bench`: offline throughput and latency over a concurrency sweep, with the HF peer.
+
+For each concurrency C, C requests are submitted at once (the first C prompts of the mixed list,
+cycling if C is larger) and run greedily to exactly `output_len` tokens (ignore_eos), so every
+level does a known amount of decoding. The wall time of the whole generate call gives output
+tokens/s; each request's metrics give TTFT (first token - submit) and TPOT (the mean gap between
+its later tokens). The transformers peer runs the same prompts in the same invocation, on the
+same device, so the dspark/HF ratio carries no cross-run noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.benchmarks.hf_peer import (
+    CACHE_IMPLEMENTATIONS,
+    HFPeerConfig,
+    load_hf_model,
+    release_memory,
+    run_hf_sweep,
+    synchronize,
+)
+from dspark.benchmarks.prompts import SOURCES, default_prompts_dir, load_prompts, parse_sources
+from dspark.benchmarks.report import environment, format_table, ratios, write_results
+from dspark.config import DTYPE_CHOICES, EngineConfig
+from dspark.models.loader import resolve_model
+from dspark.models.tokenizer import Tokenizer, load_tokenizer
+
+DEFAULT_CONCURRENCY = "1,4,16,64,256,512"
+WARMUP_REQUESTS = 4
+WARMUP_TOKENS = 16
+# Truncation keeps a prompt's last tokens: the end of the user turn and the assistant header
+# the chat template writes there must survive, or the model would continue the user's text.
+TRUNCATION_TAIL = 16
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "default"
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_memory_gb: float | None = None  # None: pages for the largest level, no preemption
+    max_num_batched_tokens: int | None = None  # None: the engine default, at least max C
+    max_model_len: int | None = None
+    concurrency: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
+    output_len: int = 256
+    max_prompt_len: int = 512
+    repeats: int = 1
+    prompts_dir: Path | None = None
+    sources: tuple[str, ...] = SOURCES
+    seed: int = 0
+    use_dspark: bool = True
+    use_hf: bool = False
+    hf_max_concurrency: int = 64
+    hf_cache: str = "static"
+    out: Path = Path("bench_results.json")
+    plot: Path | None = None  # None: no plot
+
+    def __post_init__(self) -> None:
+        for name in ("output_len", "max_prompt_len", "repeats", "hf_max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if not (self.use_dspark or self.use_hf):
+            raise ValueError("nothing to run: both dspark and the HF peer are off")
+        if self.hf_cache not in CACHE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"hf_cache must be one of {CACHE_IMPLEMENTATIONS}, got {self.hf_cache}"
+            )
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    """'16,1,4' -> (1, 4, 16): levels run smallest first."""
+    try:
+        levels = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from None
+    if not levels or levels[0] < 1:
+        raise ValueError(f"--concurrency levels must be >= 1, got {text!r}")
+    return tuple(levels)
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+
+def truncate(ids: list[int], max_len: int) -> list[int]:
+    """Keep the head and the last TRUNCATION_TAIL tokens (see TRUNCATION_TAIL)."""
+    if len(ids) <= max_len:
+        return ids
+    tail = min(TRUNCATION_TAIL, max_len // 2)
+    return ids[: max_len - tail] + ids[len(ids) - tail :]
+
+
+def render(tokenizer: Tokenizer, conversations: list[list[dict]], max_len: int) -> list[list[int]]:
+    return [truncate(tokenizer.apply_chat_template(c), max_len) for c in conversations]
+
+
+def cycle(items: list, count: int) -> list:
+    """items[0:count], wrapping around when count exceeds len(items)."""
+    return [items[i % len(items)] for i in range(count)]
+
+
+def resolve_prompts_dir(config: BenchConfig) -> Path | None:
+    prompts_dir = config.prompts_dir or default_prompts_dir()
+    if prompts_dir is None and set(config.sources) - {"humaneval"}:
+        raise ValueError(
+            "no prompts directory: ../shared/data is missing beside the repo; pass --prompts-dir"
+        )
+    return prompts_dir
+
+
+# ---- dspark -----------------------------------------------------------------------------------
+
+
+def engine_kwargs(config: BenchConfig) -> dict:
+    """One engine for the whole sweep: room for the largest level's requests at once.
+
+    Without --kv-cache-memory-gb the KV cache holds every request of the largest level at full
+    length, so no level measures preemption instead of batching.
+    """
+    max_c = max(config.concurrency)
+    kwargs = dict(
+        model=config.model,
+        dtype=config.dtype,
+        device=config.device,
+        max_num_seqs=max_c,
+        max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens
+        or max(EngineConfig.max_num_batched_tokens, max_c),
+    )
+    if config.kv_cache_memory_gb is not None:
+        kwargs["kv_cache_memory_gb"] = config.kv_cache_memory_gb
+    else:
+        page_size = EngineConfig.page_size
+        pages = math.ceil((config.max_prompt_len + config.output_len) / page_size)
+        kwargs["num_kv_pages"] = 1 + max_c * pages  # + the scratch page
+    return kwargs
+
+
+def check_lengths(config: BenchConfig, max_model_len: int) -> None:
+    if config.max_prompt_len + config.output_len > max_model_len:
+        raise ValueError(
+            f"--max-prompt-len {config.max_prompt_len} plus --output-len {config.output_len} "
+            f"exceeds max_model_len {max_model_len}; lower --max-prompt-len to at most "
+            f"{max_model_len - config.output_len}"
+        )
+
+
+def run_dspark_once(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """One generate call over all prompts at once: wall time and per-request latencies."""
+    from dspark.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    batch = [{"prompt_token_ids": ids} for ids in prompts]
+    synchronize(llm.engine.device)
+    submit = time.monotonic()  # the clock RequestOutput.metrics uses
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    synchronize(llm.engine.device)
+    wall = time.perf_counter() - start
+    num_tokens = [len(o.outputs[0].token_ids) for o in outputs]
+    ttft = [o.metrics["first_token_time"] - submit for o in outputs]
+    tpot = [
+        (o.metrics["finished_time"] - o.metrics["first_token_time"]) / (n - 1)
+        for o, n in zip(outputs, num_tokens, strict=True)
+        if n > 1
+    ]
+    preemptions = sum(int(o.metrics.get("num_preemptions", 0)) for o in outputs)
+    return dict(wall=wall, tokens=sum(num_tokens), ttft=ttft, tpot=tpot, preemptions=preemptions)
+
+
+def percentiles_ms(samples: list[float]) -> dict[str, float | None]:
+    if not samples:  # output_len 1 has no TPOT
+        return {"p50": None, "p99": None}
+    p50, p99 = np.percentile(np.asarray(samples) * 1e3, [50, 99])
+    return {"p50": float(p50), "p99": float(p99)}
+
+
+def summarize_level(prompts: list[list[int]], runs: list[dict]) -> dict:
+    """Median throughput over repeats; latency percentiles over every request of every repeat."""
+    tok_per_s = [r["tokens"] / r["wall"] for r in runs]
+    return {
+        "concurrency": len(prompts),
+        "mean_prompt_len": statistics.fmean(len(p) for p in prompts),
+        "output_tokens": runs[0]["tokens"],
+        "wall_s": [r["wall"] for r in runs],
+        "output_tokens_per_s_runs": tok_per_s,
+        "output_tokens_per_s": statistics.median(tok_per_s),
+        "requests_per_s": statistics.median(len(prompts) / r["wall"] for r in runs),
+        "ttft_ms": percentiles_ms([t for r in runs for t in r["ttft"]]),
+        "tpot_ms": percentiles_ms([t for r in runs for t in r["tpot"]]),
+        "num_preemptions": sum(r["preemptions"] for r in runs),
+    }
+
+
+def run_dspark_sweep(llm, config: BenchConfig, batches: dict, warmup: list[list[int]]) -> dict:
+    warm = run_dspark_once(llm, warmup, min(config.output_len, WARMUP_TOKENS))
+    levels = []
+    for c in config.concurrency:
+        runs = [run_dspark_once(llm, batches[c], config.output_len) for _ in range(config.repeats)]
+        levels.append(summarize_level(batches[c], runs))
+        tok_s = levels[-1]["output_tokens_per_s"]
+        print(f"dspark C={c}: {tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
+    return {
+        "warmup": {"num_requests": len(warmup), "output_len": warm["tokens"] // len(warmup)},
+        "warmup_s": warm["wall"],
+        "levels": levels,
+    }
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def run_offline_bench(
+    config: BenchConfig, command: str = "", arguments: dict | None = None
+) -> dict:
+    """Run the sweep on dspark and/or the HF peer; write the JSON (and plot) and print a table."""
+    prompts_dir = resolve_prompts_dir(config)
+    conversations = load_prompts(prompts_dir, config.sources, config.seed)
+    engine_config = EngineConfig(model=config.model, dtype=config.dtype, device=config.device)
+    device = engine_config.torch_device()
+    dtype = engine_config.torch_dtype(device)
+    results = metadata(config, device, dtype, command, arguments)
+    results["prompts"] = {"dir": str(prompts_dir), "num_loaded": len(conversations)}
+    llm = build_llm(config, results) if config.use_dspark else None
+    tokenizer = llm.get_tokenizer() if llm else load_tokenizer(resolve_model(config.model))
+    full = [tokenizer.apply_chat_template(c) for c in cycle(conversations, max(config.concurrency))]
+    prompt_ids = [truncate(ids, config.max_prompt_len) for ids in full]
+    results["prompts"]["num_truncated"] = sum(len(ids) > config.max_prompt_len for ids in full)
+    batches = {c: prompt_ids[:c] for c in config.concurrency}
+    if llm is not None:
+        # the warm-up takes the list's last prompts, so it never pre-runs a measured one
+        warmup = render(tokenizer, conversations[-WARMUP_REQUESTS:], config.max_prompt_len)
+        results["dspark"] = run_dspark_sweep(llm, config, batches, warmup)
+        del llm  # the peer gets the whole device
+        release_memory()
+    if config.use_hf:
+        results["hf"] = run_hf(config, tokenizer, batches, dtype, device)
+    results["ratios"] = ratios(config.concurrency, results["dspark"], results["hf"])
+    write_results(results, config.out, config.plot)
+    print(format_table(results))
+    return results
+
+
+def metadata(
+    config: BenchConfig, device: torch.device, dtype: torch.dtype, command: str, arguments
+) -> dict:
+    return {
+        "command": command,
+        "arguments": arguments or {},
+        **environment(device),
+        "model": config.model,
+        "model_path": str(resolve_model(config.model).path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "output_len": config.output_len,
+        "max_prompt_len": config.max_prompt_len,
+        "repeats": config.repeats,
+        "concurrency": list(config.concurrency),
+        "sources": list(config.sources),
+        "seed": config.seed,
+        "engine": None,
+        "dspark": None,
+        "hf": None,
+    }
+
+
+def build_llm(config: BenchConfig, results: dict):
+    from dspark.llm import LLM
+
+    kwargs = engine_kwargs(config)
+    llm = LLM(**kwargs)
+    check_lengths(config, llm.engine.max_model_len)
+    engine = {k: v for k, v in kwargs.items() if k not in ("model", "dtype", "device")}
+    results["engine"] = engine | {"max_model_len": llm.engine.max_model_len}
+    return llm
+
+
+def run_hf(config: BenchConfig, tokenizer: Tokenizer, batches: dict, dtype, device) -> dict:
+    hf_model = load_hf_model(config.model, dtype, device)
+    eos = tokenizer.eos_token_id
+    peer = HFPeerConfig(
+        output_len=config.output_len,
+        repeats=config.repeats,
+        max_concurrency=config.hf_max_concurrency,
+        cache_implementation=config.hf_cache,
+        pad_token_id=eos if eos is not None else hf_model.config.pad_token_id or 0,
+    )
+    levels = run_hf_sweep(hf_model, batches, peer)
+    del hf_model
+    release_memory()
+    return {**asdict(peer), "levels": levels}
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `dspark bench` on the CLI's subparsers."""
+    p = subparsers.add_parser("bench", help="offline throughput/latency sweep, optionally vs HF")
+    p.add_argument("--model", default="default", help="'default', a .gguf file or a HF directory")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="default: enough pages for the largest level at full length",
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="comma-separated levels")
+    p.add_argument("--output-len", type=int, default=256, help="tokens per request (ignore_eos)")
+    p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are cut")
+    p.add_argument("--repeats", type=int, default=1, help="runs per level; median reported")
+    p.add_argument(
+        "--prompts-dir", type=Path, default=None, help="default: ../shared/data beside the repo"
+    )
+    p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated prompt sources")
+    p.add_argument("--seed", type=int, default=0, help="prompt shuffle seed")
+    p.add_argument("--hf-peer", action="store_true", help="also run transformers generate")
+    p.add_argument("--hf-only", action="store_true", help="run only the transformers peer")
+    p.add_argument("--hf-max-concurrency", type=int, default=64)
+    p.add_argument("--hf-cache", default="static", choices=CACHE_IMPLEMENTATIONS)
+    p.add_argument("--out", type=Path, default=Path("bench_results.json"))
+    p.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--plot-from",
+        type=Path,
+        default=None,
+        help="only redraw the plot from an earlier results JSON",
+    )
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    plot = None if args.no_plot else (args.plot or args.out.with_suffix(".png"))
+    return BenchConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        concurrency=parse_concurrency(args.concurrency),
+        output_len=args.output_len,
+        max_prompt_len=args.max_prompt_len,
+        repeats=args.repeats,
+        prompts_dir=args.prompts_dir,
+        sources=parse_sources(args.sources),
+        seed=args.seed,
+        use_dspark=not args.hf_only,
+        use_hf=args.hf_peer or args.hf_only,
+        hf_max_concurrency=args.hf_max_concurrency,
+        hf_cache=args.hf_cache,
+        out=args.out,
+        plot=plot,
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.plot_from is not None:
+        from dspark.benchmarks.plot import plot_results
+
+        png = args.plot or args.plot_from.with_suffix(".png")
+        plot_results(args.plot_from, png)
+        print(f"wrote {png}", file=sys.stderr)
+        return 0
+    arguments = {k: v for k, v in vars(args).items() if k != "func"}
+    run_offline_bench(config_from_args(args), shlex.join(sys.argv), arguments)
+    return 0

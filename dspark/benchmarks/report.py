@@ -1,0 +1,106 @@
+"""The bench's record: environment, dspark/HF ratios, the JSON file and the terminal table."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def ratios(concurrency: tuple[int, ...], dspark: dict | None, hf: dict | None) -> list[dict]:
+    """dspark/HF output tokens/s per level; None where either side did not run."""
+    dspark_tok = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in _levels(dspark)}
+    hf_tok = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in _levels(hf)}
+    rows = []
+    for c in concurrency:
+        d, h = dspark_tok.get(c), hf_tok.get(c)
+        ratio = d / h if d is not None and h is not None else None
+        rows.append({"concurrency": c, "dspark_tok_s": d, "hf_tok_s": h, "ratio": ratio})
+    return rows
+
+
+def _levels(engine_results: dict | None) -> list[dict]:
+    levels = (engine_results or {}).get("levels", [])
+    return [lv for lv in levels if not lv.get("skipped", False)]
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        **git_state(),
+    }
+
+
+def git_state() -> dict:
+    """The commit measured, and whether uncommitted edits were part of it."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    status = git("status", "--porcelain") if commit else None
+    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+
+
+def write_results(results: dict, out: Path, plot: Path | None) -> None:
+    """The JSON first (the record), then the plot drawn from it."""
+    has_plot = plot is not None and find_spec("matplotlib") is not None
+    if plot is not None and not has_plot:
+        logger.warning("matplotlib is not installed: no plot (pip install matplotlib)")
+    results["plot"] = str(plot) if has_plot else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if has_plot:
+        from dspark.benchmarks.plot import plot_results
+
+        plot_results(out, plot)
+    print(f"wrote {out}" + (f" and {plot}" if has_plot else ""), file=sys.stderr)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(results: dict) -> str:
+    """C | dspark tok/s | HF tok/s | ratio | TTFT p50/p99 ms | TPOT p50/p99 ms (dspark's)."""
+    dspark = {lv["concurrency"]: lv for lv in _levels(results["dspark"])}
+    hf_all = {lv["concurrency"]: lv for lv in (results["hf"] or {}).get("levels", [])}
+    header = f"{'C':>5} {'dspark tok/s':>13} {'HF tok/s':>10} {'ratio':>6} "
+    header += f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17}"
+    lines = [header]
+    for row in results["ratios"]:
+        c = row["concurrency"]
+        hf = hf_all.get(c)
+        hf_text = "skipped" if hf and hf["skipped"] else _fmt(row["hf_tok_s"], ".1f")
+        lv = dspark.get(c, {})
+        ttft, tpot = lv.get("ttft_ms", {}), lv.get("tpot_ms", {})
+        lat = [f"{_fmt(d.get('p50'), '.1f')}/{_fmt(d.get('p99'), '.1f')}" for d in (ttft, tpot)]
+        lines.append(
+            f"{c:>5} {_fmt(row['dspark_tok_s'], '.1f'):>13} {hf_text:>10} "
+            f"{_fmt(row['ratio'], '.2f'):>6} {lat[0]:>17} {lat[1]:>17}"
+        )
+    return "\n".join(lines)

@@ -13,6 +13,8 @@ DTYPES = {
 }
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
+CPU_KV_CACHE_GB = 1.0
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,11 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step (chunked prefill splits longer prompts)
     page_size: int = 16  # tokens per KV page
-    num_kv_pages: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    num_kv_pages: int | None = None  # None: sized from kv_cache_memory_gb or GPU memory
+    kv_cache_memory_gb: float | None = None  # None: 1 GB on the CPU, the free GPU memory on CUDA
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
+    attention_backend: str = "auto"
+    use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
     seed: int = 0  # draws the seeds of requests that set none
 
     def __post_init__(self) -> None:
@@ -49,9 +54,19 @@ class EngineConfig:
             )
         if self.num_kv_pages is not None:
             _require(self.num_kv_pages >= 2, f"num_kv_pages must be >= 2, got {self.num_kv_pages}")
+        if self.kv_cache_memory_gb is not None:
+            _require(
+                self.kv_cache_memory_gb > 0,
+                f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}",
+            )
         _require(
-            self.kv_cache_memory_gb > 0,
-            f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}",
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+            f"got {self.attention_backend!r}",
         )
 
     def torch_device(self) -> torch.device:
@@ -60,6 +75,11 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for but CUDA is not available")
         return torch.device(self.device)
+
+    def attention_backend_for(self, device: torch.device) -> str:
+        if self.attention_backend == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        return self.attention_backend
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

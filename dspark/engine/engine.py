@@ -10,52 +10,22 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
-
-import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.detokenizer import Detokenizer
-from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches, kv_bytes_per_token
+from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
+from dspark.engine.memory import plan_kv
 from dspark.engine.scheduler import Scheduler
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import load_checkpoint, resolve_model
-from dspark.models.model_config import ModelConfig
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import CompletionOutput, RequestOutput
 from dspark.request import FinishReason, Request
+from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVPlan:
-    """Derived sizes: returned and passed down, never written back into the config."""
-
-    num_pages: int
-    max_model_len: int
-
-
-def plan_kv(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVPlan:
-    page_bytes = kv_bytes_per_token(model_config, dtype) * config.page_size
-    num_pages = config.num_kv_pages or max(2, int(config.kv_cache_memory_gb * 2**30 // page_bytes))
-    capacity = (num_pages - 1) * config.page_size  # the scratch page holds no request
-    ctx = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        return KVPlan(num_pages, min(ctx, capacity))
-    if config.max_model_len > ctx:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's context length {ctx}"
-        )
-    if config.max_model_len > capacity:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} does not fit the KV cache ({capacity} tokens "
-            f"in {num_pages - 1} pages of {config.page_size}); raise kv_cache_memory_gb or "
-            "num_kv_pages, or lower max_model_len"
-        )
-    return KVPlan(num_pages, config.max_model_len)
 
 
 class LLMEngine:
@@ -67,9 +37,12 @@ class LLMEngine:
         model_config, weights = load_checkpoint(source)
         self.model_config = model_config
         self.tokenizer: Tokenizer = load_tokenizer(source)
-        self.model: LlamaForCausalLM = build_model(model_config, weights, self.dtype, self.device)
+        backend = config.attention_backend_for(self.device)
+        self.model: LlamaForCausalLM = build_model(
+            model_config, weights, self.dtype, self.device, backend
+        )
         del weights
-        self.kv_plan = plan_kv(config, model_config, self.dtype)
+        self.kv_plan = plan_kv(config, self.model, self.dtype, self.device)
         self.max_model_len = self.kv_plan.max_model_len
         kv_caches = allocate_kv_caches(
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
@@ -82,7 +55,19 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
         )
-        self.runner = ModelRunner(self.model, kv_caches, config.page_size, self.device)
+        use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and backend == "triton"
+        if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
+            logger.warning("CUDA graphs need the triton attention backend: running eagerly")
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            config.page_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            self.device,
+            graph_ladder(config.max_num_seqs) if use_graphs else None,
+        )
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids

@@ -11,9 +11,24 @@ from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.model_config import ModelConfig
 
 
+def attention_ops(backend: str):
+    """(store_kv, paged_attention) for a backend: "torch" (reference) or "triton"."""
+    if backend == "torch":
+        return store_kv_ref, paged_attention_ref
+    if backend == "triton":  # imported only when asked for: the CPU path needs no triton
+        from dspark.kernels.paged_attention_triton import paged_attention_triton
+        from dspark.kernels.store_kv_triton import store_kv_triton
+
+        return store_kv_triton, paged_attention_triton
+    raise ValueError(f"unknown attention backend {backend!r}; expected 'torch' or 'triton'")
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, backend: str = "torch"
+    ) -> None:
         super().__init__()
+        self._store_kv, self._attend = attention_ops(backend)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -38,6 +53,6 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        store_kv_ref(k, v, kv_cache, attn.slot_mapping)
-        o = paged_attention_ref(q, kv_cache, attn, self.scale)  # [T, nh, hd]
+        self._store_kv(k, v, kv_cache, attn.slot_mapping)
+        o = self._attend(q, kv_cache, attn, self.scale)  # [T, nh, hd]
         return self.o_proj(o.reshape(T, self.q_size))

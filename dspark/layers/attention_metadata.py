@@ -39,3 +39,23 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.cu_num_tokens_cpu[-1]
+
+
+def single_prefill_metadata(
+    num_tokens: int, page_size: int, device: torch.device | str = "cpu"
+) -> AttentionMetadata:
+    """One request prefilling `num_tokens` tokens into pages 1, 2, ... (page 0 is scratch).
+
+    Used to measure a step's memory at start-up and by tests that run the model directly.
+    """
+    num_pages = -(-num_tokens // page_size)
+    pages = list(range(1, num_pages + 1))
+    slots = [pages[p // page_size] * page_size + p % page_size for p in range(num_tokens)]
+    return AttentionMetadata(
+        cu_num_tokens=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_table=torch.tensor([pages], dtype=torch.int32, device=device),
+        cu_num_tokens_cpu=(0, num_tokens),
+        seq_lens_cpu=(num_tokens,),
+    )

@@ -39,10 +39,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -58,12 +58,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, attention_backend) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -131,11 +133,15 @@ def _fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, to
 
 
 def build_model(
-    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str = "torch",
 ) -> LlamaForCausalLM:
     """Instantiate without random init (meta device), then fill from the checkpoint."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, attention_backend)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives every module its own fresh parameter
         model.lm_head.weight = model.embed_tokens.weight

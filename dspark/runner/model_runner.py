@@ -1,30 +1,27 @@
 """Plan -> device tensors -> forward -> sampled tokens. The CPU/GPU boundary of the engine.
 
 The runner reads a StepPlan and never mutates requests: it returns one SampledToken (or None for
-a prefill chunk that does not reach the end of its prompt) per plan row.
+a prefill chunk that does not reach the end of its prompt) per plan row. A step whose rows all
+decode one token replays a captured CUDA graph when one fits; any other step runs eagerly on
+the same persistent buffers. Which path ran is counted in `stats`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections import Counter
 
 import torch
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
-from dspark.engine.scheduler import SampledToken, StepPlan
-from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.engine.kv_cache import SCRATCH_PAGE, pages_for
+from dspark.engine.scheduler import SampledToken, ScheduledRow, StepPlan
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import TokenLogprobs
+from dspark.runner.cuda_graph import DecodeGraphs
+from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
 
-
-@dataclass(frozen=True)
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] last token of each sampling row
-    sample_rows: tuple[int, ...]  # plan row of each logits index
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -33,104 +30,153 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         page_size: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
         device: torch.device,
+        graph_sizes: list[int] | None = None,  # None: no CUDA graphs
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = device
         self.vocab_size = model.config.vocab_size
+        max_rows = max([max_num_seqs, *(graph_sizes or [])])
+        self.buffers = InputBuffers(
+            max(max_num_tokens, max_rows), max_rows, pages_for(max_model_len, page_size), device
+        )
+        self.stats: Counter[str] = Counter()
+        self.graphs = (
+            DecodeGraphs(self._forward, self.buffers, graph_sizes) if graph_sizes else None
+        )
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
-        """Lay the plan out as one ragged batch (see AttentionMetadata for the layout)."""
-        input_ids, positions, slots, cu, seq_lens, logits_idx, sample_rows = (
-            [],
-            [],
-            [],
-            [0],
-            [],
-            [],
-            [],
+    # ---- staging --------------------------------------------------------------------------
+
+    def _stage(self, plan: StepPlan) -> tuple[StepLayout, int | None]:
+        """Write the plan into the host staging buffers; returns the layout and graph size."""
+        b = self.buffers
+        ids, pos, slots, bt = (
+            b.np("input_ids"),
+            b.np("positions"),
+            b.np("slot_mapping"),
+            b.np("block_table"),
         )
+        cu, seq_lens, logits_idx = b.np("cu_num_tokens"), b.np("seq_lens"), b.np("logits_indices")
         ps = self.page_size
+        t, n = 0, 0
+        cu[0] = 0
         for i, row in enumerate(plan.rows):
-            req = row.request
-            input_ids.extend(req.token_ids[row.start : row.end])
-            positions.extend(range(row.start, row.end))
-            slots.extend(req.page_ids[p // ps] * ps + p % ps for p in range(row.start, row.end))
-            cu.append(cu[-1] + row.num_tokens)
-            seq_lens.append(row.end)
+            req, k = row.request, row.num_tokens
+            pages = req.page_ids
+            ids[t : t + k] = req.token_ids[row.start : row.end]
+            pos[t : t + k] = range(row.start, row.end)
+            slots[t : t + k] = [pages[p // ps] * ps + p % ps for p in range(row.start, row.end)]
+            bt[i, : len(pages)] = pages
+            bt[i, len(pages) :] = SCRATCH_PAGE
+            t += k
+            cu[i + 1] = t
+            seq_lens[i] = row.end
             if row.do_sample:
-                logits_idx.append(cu[-1] - 1)
-                sample_rows.append(i)
-        max_pages = max(len(r.request.page_ids) for r in plan.rows)
-        block_table = [
-            r.request.page_ids + [SCRATCH_PAGE] * (max_pages - len(r.request.page_ids))
-            for r in plan.rows
-        ]
-        dev = self.device
-        attn = AttentionMetadata(
-            cu_num_tokens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=torch.tensor(block_table, dtype=torch.int32, device=dev),
-            cu_num_tokens_cpu=tuple(cu),
-            seq_lens_cpu=tuple(seq_lens),
+                logits_idx[n] = t - 1
+                n += 1
+        num_rows = len(plan.rows)
+        graph_size = self._graph_size(plan)
+        if graph_size is not None:  # pad to the captured size; every row is scored
+            b.write_pad_rows(num_rows, t, graph_size - num_rows)
+            logits_idx[:graph_size] = range(graph_size)
+            t, n, num_rows = graph_size, graph_size, graph_size
+        layout = StepLayout(
+            t, num_rows, n, tuple(cu[: num_rows + 1].tolist()), tuple(seq_lens[:num_rows].tolist())
         )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            attn=attn,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
-            sample_rows=tuple(sample_rows),
+        return layout, graph_size
+
+    def _graph_size(self, plan: StepPlan) -> int | None:
+        if self.graphs is None:
+            return None
+        if not all(r.num_tokens == 1 and r.do_sample for r in plan.rows):
+            self.stats["eager_steps_not_decode"] += 1
+            return None
+        size = self.graphs.size_for(len(plan.rows))
+        if size is None:
+            self.stats["eager_steps_batch_too_large"] += 1
+        return size
+
+    def _forward(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
+        b = self.buffers
+        out = self.model(
+            b.input_ids[: layout.num_tokens],
+            b.positions[: layout.num_tokens],
+            b.metadata(layout),
+            self.kv_caches,
+            b.logits_indices[: layout.num_logits],
         )
+        return out.logits
+
+    # ---- the step -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledToken | None]:
-        inputs = self.prepare(plan)
-        out = self.model(
-            inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.logits_indices
-        )
+        layout, graph_size = self._stage(plan)
+        self.buffers.upload(layout)
+        if graph_size is not None:
+            logits = self.graphs.replay(graph_size)
+            self.stats["graph_steps"] += 1
+        else:
+            logits = self._forward(layout)
+            self.stats["eager_steps"] += 1
+        sample_rows = [i for i, r in enumerate(plan.rows) if r.do_sample]
         results: list[SampledToken | None] = [None] * len(plan.rows)
-        if not inputs.sample_rows:
-            return results
-        rows = [plan.rows[i] for i in inputs.sample_rows]
-        logits = out.logits  # [N, vocab] float32
-        tokens = sample(self._ban_stop_tokens(logits, rows), self._sampling_tensors(rows))
-        num_logprobs = max((r.request.sampling_params.logprobs or 0) for r in rows)
-        wants_logprobs = any(r.request.sampling_params.logprobs is not None for r in rows)
-        lp = top_logprobs(logits, tokens, num_logprobs) if wants_logprobs else None
-        # sync: the one host synchronisation of the step; copies after it read finished work
-        token_list = tokens.tolist()
-        lp_lists = [t.tolist() for t in lp] if lp is not None else None
-        for j, (i, tok) in enumerate(zip(inputs.sample_rows, token_list, strict=True)):
-            n = plan.rows[i].request.sampling_params.logprobs
-            logprobs = None
-            if n is not None and lp_lists is not None:
-                chosen, top_ids, top_vals = lp_lists
-                top = dict(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
-                logprobs = TokenLogprobs(tok, chosen[j], top)
-            results[i] = SampledToken(tok, logprobs)
+        if sample_rows:
+            rows = [plan.rows[i] for i in sample_rows]
+            tokens = self._sample(logits[: len(rows)], rows)
+            for i, token in zip(sample_rows, tokens, strict=True):
+                results[i] = token
         return results
 
-    def _sampling_tensors(self, rows) -> SamplingTensors:
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> list[SampledToken]:
+        tokens = sample(self._ban_stop_tokens(logits, rows), self._sampling_tensors(rows))
+        wants = [r.request.sampling_params.logprobs for r in rows]
+        lp = None
+        if any(n is not None for n in wants):
+            lp = top_logprobs(logits, tokens, max(n or 0 for n in wants))
+        # sync: the one host synchronisation of the step; copies after it read finished work
+        token_list = tokens.tolist()
+        if lp is None:
+            return [SampledToken(t) for t in token_list]
+        chosen, top_ids, top_vals = (x.tolist() for x in lp)
+        out = []
+        for j, (tok, n) in enumerate(zip(token_list, wants, strict=True)):
+            logprobs = None
+            if n is not None:
+                top = dict(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+                logprobs = TokenLogprobs(tok, chosen[j], top)
+            out.append(SampledToken(tok, logprobs))
+        return out
+
+    def _sampling_tensors(self, rows: list[ScheduledRow]) -> SamplingTensors:
         params = [r.request.sampling_params for r in rows]
         top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
         dev = self.device
         return SamplingTensors(
-            temperature=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=dev
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(
+                dev, non_blocking=True
             ),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.int64, device=dev),
-            positions=torch.tensor([r.end for r in rows], dtype=torch.int64, device=dev),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(
+                dev, non_blocking=True
+            ),
+            seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.int64).to(
+                dev, non_blocking=True
+            ),
+            positions=torch.tensor([r.end for r in rows], dtype=torch.int64).to(
+                dev, non_blocking=True
+            ),
             all_greedy=all(p.is_greedy for p in params),
             any_top_k=any(k < self.vocab_size for k in top_k),
             any_top_p=any(p.top_p < 1.0 for p in params),
         )
 
-    def _ban_stop_tokens(self, logits: torch.Tensor, rows) -> torch.Tensor:
+    def _ban_stop_tokens(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> torch.Tensor:
         """min_tokens: a request may not stop (EOS, stop token ids) before its minimum."""
         banned_rows, banned_ids = [], []
         for j, row in enumerate(rows):

@@ -1,0 +1,129 @@
+"""KV cache sizing: how many pages fit, and the longest request that fits them.
+
+On CUDA the KV cache gets what is left of `gpu_memory_utilization` x total memory after the
+weights, the activations of the largest step (measured by running one) and the sampler's
+temporaries. On the CPU it gets `kv_cache_memory_gb` (1 GB by default). An explicit
+`num_kv_pages` or `kv_cache_memory_gb` always wins.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dspark.config import CPU_KV_CACHE_GB, EngineConfig
+from dspark.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token, pages_for
+from dspark.layers.attention_metadata import single_prefill_metadata
+from dspark.models.llama import LlamaForCausalLM
+from dspark.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# sampler temporaries per sampled row: logits, probs, sorted logits, uniforms (float32 x vocab)
+SAMPLER_BUFFERS = 6
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Derived sizes: returned and passed down, never written back into the config."""
+
+    num_pages: int
+    max_model_len: int
+    page_size: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_pages - 1) * self.page_size  # the scratch page holds no request
+
+
+def plan_kv(
+    config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> KVPlan:
+    mc = model.config
+    page_bytes = kv_bytes_per_token(mc, dtype) * config.page_size
+    if config.num_kv_pages is not None:
+        num_pages = config.num_kv_pages
+    else:
+        budget = _kv_budget_bytes(config, model, dtype, device)
+        num_pages = max(2, int(budget // page_bytes))
+    plan = KVPlan(num_pages, _max_model_len(config, mc, num_pages), config.page_size)
+    logger.info(
+        "KV cache: %d pages x %d tokens = %d tokens (%.2f GB); max_model_len %d allows %d "
+        "requests of full length at once",
+        num_pages - 1,
+        config.page_size,
+        plan.capacity_tokens,
+        num_pages * page_bytes / 2**30,
+        plan.max_model_len,
+        plan.capacity_tokens // plan.max_model_len,
+    )
+    return plan
+
+
+def _max_model_len(config: EngineConfig, mc: ModelConfig, num_pages: int) -> int:
+    capacity = (num_pages - 1) * config.page_size
+    ctx = mc.max_position_embeddings
+    if config.max_model_len is None:
+        return min(ctx, capacity)
+    if config.max_model_len > ctx:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's context length {ctx}"
+        )
+    if config.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} does not fit the KV cache ({capacity} tokens "
+            f"in {num_pages - 1} pages of {config.page_size}); raise kv_cache_memory_gb or "
+            "num_kv_pages, or lower max_model_len"
+        )
+    return config.max_model_len
+
+
+def _kv_budget_bytes(
+    config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> float:
+    if config.kv_cache_memory_gb is not None:
+        return config.kv_cache_memory_gb * 2**30
+    if device.type != "cuda":
+        return CPU_KV_CACHE_GB * 2**30
+    _, total = torch.cuda.mem_get_info(device)
+    weights = torch.cuda.memory_allocated(device)
+    activations = _profile_step_bytes(config, model, dtype, device)
+    sampler = SAMPLER_BUFFERS * config.max_num_seqs * model.config.vocab_size * 4
+    budget = total * config.gpu_memory_utilization - weights - activations - sampler
+    logger.info(
+        "GPU memory: %.1f GB total, weights %.2f GB, step activations %.2f GB, sampler %.2f GB",
+        total / 2**30,
+        weights / 2**30,
+        activations / 2**30,
+        sampler / 2**30,
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization "
+            f"{config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+        )
+    return budget
+
+
+@torch.inference_mode()
+def _profile_step_bytes(
+    config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Peak extra memory of one forward over max_num_batched_tokens tokens (one prefill)."""
+    n = config.max_num_batched_tokens
+    kv = allocate_kv_caches(model.config, pages_for(n, config.page_size) + 1, config.page_size,
+                            dtype, device)  # fmt: skip
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    attn = single_prefill_metadata(n, config.page_size, device)
+    rows = torch.arange(min(n, config.max_num_seqs), device=device)
+    model(ids, torch.arange(n, device=device), attn, kv, rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del kv
+    torch.cuda.empty_cache()
+    return peak

@@ -1,0 +1,124 @@
+"""Persistent step inputs: device buffers written in place every step, and their host twins.
+
+A captured CUDA graph bakes the addresses of its inputs, so these tensors are allocated once
+and never rebound; `data_ptrs()` lets a debug check prove it. Each step the host fills the
+pinned staging arrays (numpy views) and copies the used prefix to the device, asynchronously.
+
+Layout of a step with rows r = 0..R-1 (real rows first, pad rows last, each >= 1 token):
+
+  windows:         [3, 1, 2]  + 1 pad row (graph size G = 4)
+  cu_num_tokens:   [0, 3, 4, 6, 7]
+  seq_lens:        [10, 5, 2, 1]         pad rows see only their own scratch token
+  slot_mapping:    [.. 6 live slots .., 0]   pad tokens write slot 0: the scratch page
+  block_table:     row 3 = [SCRATCH_PAGE, SCRATCH_PAGE, ...]
+  logits_indices:  [2, 3, 5, 6]          last token of every row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.layers.attention_metadata import AttentionMetadata
+
+PAD_TOKEN_ID = 0
+PAD_SLOT = SCRATCH_PAGE  # slot 0 of the scratch page
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The used sizes of one step: T tokens in R rows, N sampled rows, page-table width W."""
+
+    num_tokens: int
+    num_rows: int
+    num_logits: int
+    cu_num_tokens_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+
+
+class InputBuffers:
+    def __init__(
+        self, max_num_tokens: int, max_num_rows: int, max_pages_per_row: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self.max_pages_per_row = max_pages_per_row
+        pin = device.type == "cuda"
+
+        def pair(shape, dtype):
+            # on the CPU the staging buffer is the device buffer: nothing to copy
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return host, host if device.type == "cpu" else host.to(device)
+
+        self.input_ids_cpu, self.input_ids = pair(max_num_tokens, torch.int64)
+        self.positions_cpu, self.positions = pair(max_num_tokens, torch.int64)
+        self.slot_mapping_cpu, self.slot_mapping = pair(max_num_tokens, torch.int64)
+        self.cu_num_tokens_cpu, self.cu_num_tokens = pair(max_num_rows + 1, torch.int32)
+        self.seq_lens_cpu, self.seq_lens = pair(max_num_rows, torch.int32)
+        self.block_table_cpu, self.block_table = pair(
+            (max_num_rows, max_pages_per_row), torch.int32
+        )
+        self.logits_indices_cpu, self.logits_indices = pair(max_num_rows, torch.int64)
+        self._pointers = self.data_ptrs()
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        return tuple(
+            t.data_ptr()
+            for t in (
+                self.input_ids,
+                self.positions,
+                self.slot_mapping,
+                self.cu_num_tokens,
+                self.seq_lens,
+                self.block_table,
+                self.logits_indices,
+            )
+        )
+
+    def check_pointers(self) -> None:
+        assert self.data_ptrs() == self._pointers, "a persistent input buffer was rebound"
+
+    def np(self, name: str) -> np.ndarray:
+        """The numpy view of a host staging buffer (writes go straight to pinned memory)."""
+        return getattr(self, f"{name}_cpu").numpy()
+
+    def upload(self, layout: StepLayout) -> None:
+        """Copy the used prefix of every staging buffer to the device (async when pinned)."""
+        if self.device.type == "cpu":
+            return
+        t, r, n = layout.num_tokens, layout.num_rows, layout.num_logits
+        for name, used in (
+            ("input_ids", t),
+            ("positions", t),
+            ("slot_mapping", t),
+            ("cu_num_tokens", r + 1),
+            ("seq_lens", r),
+            ("block_table", r),
+            ("logits_indices", n),
+        ):
+            getattr(self, name)[:used].copy_(getattr(self, f"{name}_cpu")[:used], True)
+
+    def metadata(self, layout: StepLayout) -> AttentionMetadata:
+        """Views of the persistent buffers for this step's used sizes (never copies)."""
+        r = layout.num_rows
+        return AttentionMetadata(
+            cu_num_tokens=self.cu_num_tokens[: r + 1],
+            seq_lens=self.seq_lens[:r],
+            slot_mapping=self.slot_mapping[: layout.num_tokens],
+            block_table=self.block_table[:r],
+            cu_num_tokens_cpu=layout.cu_num_tokens_cpu,
+            seq_lens_cpu=layout.seq_lens_cpu,
+        )
+
+    def write_pad_rows(self, start_row: int, start_token: int, num_pad_rows: int) -> None:
+        """Rows start_row.. get one pad token each, on the scratch page (never a live page)."""
+        t0, t1 = start_token, start_token + num_pad_rows
+        self.np("input_ids")[t0:t1] = PAD_TOKEN_ID
+        self.np("positions")[t0:t1] = 0
+        self.np("slot_mapping")[t0:t1] = PAD_SLOT
+        r1 = start_row + num_pad_rows
+        self.np("cu_num_tokens")[start_row + 1 : r1 + 1] = np.arange(t0 + 1, t1 + 1)
+        self.np("seq_lens")[start_row:r1] = 1
+        self.np("block_table")[start_row:r1] = SCRATCH_PAGE

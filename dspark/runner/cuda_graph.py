@@ -8,7 +8,6 @@ graph's own logits tensor [G, vocab], valid until the next replay.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable
 
@@ -66,10 +65,6 @@ class DecodeGraphs:
             self._graphs[g] = graph
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs: %s", len(self.sizes), self.sizes)
-
-    def size_for(self, num_rows: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, num_rows)
-        return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, size: int) -> torch.Tensor:  # [G, vocab]
         self.buffers.check_pointers()

@@ -8,6 +8,7 @@ the same persistent buffers. Which path ran is counted in `stats`.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import Counter
 
@@ -34,7 +35,8 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         device: torch.device,
-        graph_sizes: list[int] | None = None,  # None: no CUDA graphs
+        graph_sizes: list[int] | None = None,  # decode batches pad to these sizes
+        capture_graphs: bool = True,  # False: run the padded batches eagerly (tests, debugging)
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -46,9 +48,10 @@ class ModelRunner:
             max(max_num_tokens, max_rows), max_rows, pages_for(max_model_len, page_size), device
         )
         self.stats: Counter[str] = Counter()
-        self.graphs = (
-            DecodeGraphs(self._forward, self.buffers, graph_sizes) if graph_sizes else None
-        )
+        self.graph_sizes = sorted(graph_sizes or [])
+        self.graphs = None
+        if self.graph_sizes and capture_graphs:
+            self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
 
     # ---- staging --------------------------------------------------------------------------
 
@@ -91,15 +94,17 @@ class ModelRunner:
         return layout, graph_size
 
     def _graph_size(self, plan: StepPlan) -> int | None:
-        if self.graphs is None:
+        """The captured size a pure-decode step pads to, or None (eager, reason counted)."""
+        if not self.graph_sizes:
             return None
         if not all(r.num_tokens == 1 and r.do_sample for r in plan.rows):
             self.stats["eager_steps_not_decode"] += 1
             return None
-        size = self.graphs.size_for(len(plan.rows))
-        if size is None:
+        i = bisect.bisect_left(self.graph_sizes, len(plan.rows))
+        if i == len(self.graph_sizes):
             self.stats["eager_steps_batch_too_large"] += 1
-        return size
+            return None
+        return self.graph_sizes[i]
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
         b = self.buffers
@@ -118,7 +123,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> list[SampledToken | None]:
         layout, graph_size = self._stage(plan)
         self.buffers.upload(layout)
-        if graph_size is not None:
+        if graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(graph_size)
             self.stats["graph_steps"] += 1
         else:

@@ -45,6 +45,7 @@ class Row:
     sdpa_dense_ms: float
     triton_kv_gbps: float  # K/V bytes the step must read / triton time
     max_abs_err: float  # triton vs reference on the same inputs
+    launch: dict  # the Triton kernel's LaunchConfig (tile sizes, KV splits)
 
 
 def cases(smoke: bool) -> list[Case]:
@@ -54,13 +55,13 @@ def cases(smoke: bool) -> list[Case]:
     return decode + [Case("prefill", 1, 2048, 2048)]
 
 
-def load_kernels() -> tuple[Callable, Callable, type]:
+def load_kernels() -> tuple[object, Callable, type]:
     # Imported late on purpose: --smoke sets TRITON_INTERPRET, which Triton reads when the
     # kernels are decorated, that is when their module is first imported.
     ref = importlib.import_module("dspark.kernels.paged_attention_ref").paged_attention_ref
     mod = importlib.import_module("dspark.kernels.paged_attention_triton")
     meta = importlib.import_module("dspark.layers.attention_metadata").AttentionMetadata
-    return mod.paged_attention_triton, ref, meta
+    return mod, ref, meta
 
 
 def paged_inputs(case: Case, dtype: torch.dtype, device: torch.device, metadata_cls: type):
@@ -108,8 +109,10 @@ def time_ms(fn: Callable[[], object], smoke: bool) -> float:
 
 
 def bench_case(case: Case, dtype: torch.dtype, device: torch.device, smoke: bool) -> Row:
-    triton_attn, ref_attn, metadata_cls = load_kernels()
+    triton_mod, ref_attn, metadata_cls = load_kernels()
+    triton_attn = triton_mod.paged_attention_triton
     q, kv_cache, attn = paged_inputs(case, dtype, device, metadata_cls)
+    launch = triton_mod.launch_config(q, NUM_KV_HEADS, attn, num_kv_splits=None)
     scale = HEAD_DIM**-0.5
     out = torch.empty_like(q)
     err = triton_attn(q, kv_cache, attn, scale).float() - ref_attn(q, kv_cache, attn, scale)
@@ -125,17 +128,18 @@ def bench_case(case: Case, dtype: torch.dtype, device: torch.device, smoke: bool
         sdpa_dense_ms=time_ms(dense_sdpa(case, dtype, device), smoke),
         triton_kv_gbps=kv_bytes / (triton_ms * 1e-3) / 1e9,
         max_abs_err=err.abs().max().item(),
+        launch=asdict(launch),
     )
 
 
 def print_table(rows: list[Row]) -> None:
     head = f"{'case':8} {'batch':>5} {'q_len':>5} {'ctx':>5} {'triton':>9} {'ref':>9}"
-    print(head + f" {'sdpa':>9} {'vs ref':>7} {'GB/s':>7} {'err':>8}   (ms)")
+    print(head + f" {'sdpa':>9} {'vs ref':>7} {'GB/s':>7} {'err':>8} {'splits':>6}   (ms)")
     for r in rows:
         print(
             f"{r.case:8} {r.batch:5d} {r.q_len:5d} {r.context:5d} {r.triton_ms:9.4f}"
             f" {r.ref_ms:9.4f} {r.sdpa_dense_ms:9.4f} {r.ref_ms / r.triton_ms:6.1f}x"
-            f" {r.triton_kv_gbps:7.1f} {r.max_abs_err:8.1e}"
+            f" {r.triton_kv_gbps:7.1f} {r.max_abs_err:8.1e} {r.launch['num_splits']:6d}"
         )
 
 

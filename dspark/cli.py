@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    from dspark.benchmarks.offline import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("dspark").setLevel(logging.INFO)  # start-up facts (KV capacity) always
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -11,7 +11,6 @@ on its own batch before the timed runs.
 from __future__ import annotations
 
 import gc
-import logging
 import statistics
 import sys
 import time
@@ -20,8 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from dspark.models.loader import resolve_model
-
-logger = logging.getLogger(__name__)
 
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
@@ -132,9 +129,9 @@ def run_hf_sweep(hf_model, batches: dict[int, list[list[int]]], config: HFPeerCo
             try:
                 levels.append(run_hf_level(hf_model, batches[c], config))
             except torch.OutOfMemoryError as e:
-                logger.warning("HF peer ran out of memory at concurrency %d: %s", c, e)
                 levels.append(_skipped(c, f"out of memory: {str(e).splitlines()[0]}"))
                 oom_at = c
+            if oom_at == c:  # outside the except: its traceback no longer pins the tensors
                 release_memory()
         _log_level(levels[-1])
     return levels

@@ -11,7 +11,6 @@ same device, so the dspark/HF ratio carries no cross-run noise.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import shlex
 import statistics
@@ -43,8 +42,6 @@ WARMUP_TOKENS = 16
 # Truncation keeps a prompt's last tokens: the end of the user turn and the assistant header
 # the chat template writes there must survive, or the model would continue the user's text.
 TRUNCATION_TAIL = 16
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -146,8 +143,10 @@ def engine_kwargs(config: BenchConfig) -> dict:
         kwargs["kv_cache_memory_gb"] = config.kv_cache_memory_gb
     else:
         page_size = EngineConfig.page_size
-        pages = math.ceil((config.max_prompt_len + config.output_len) / page_size)
-        kwargs["num_kv_pages"] = 1 + max_c * pages  # + the scratch page
+        pages = max_c * math.ceil((config.max_prompt_len + config.output_len) / page_size)
+        # a --max-model-len above the bench's lengths must still fit one request
+        pages = max(pages, math.ceil((config.max_model_len or 0) / page_size))
+        kwargs["num_kv_pages"] = 1 + pages  # + the scratch page
     return kwargs
 
 
@@ -216,8 +215,11 @@ def run_dspark_sweep(llm, config: BenchConfig, batches: dict, warmup: list[list[
         tok_s = levels[-1]["output_tokens_per_s"]
         print(f"dspark C={c}: {tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
     return {
-        "warmup": {"num_requests": len(warmup), "output_len": warm["tokens"] // len(warmup)},
-        "warmup_s": warm["wall"],
+        "warmup": {
+            "num_requests": len(warmup),
+            "output_tokens": warm["tokens"],
+            "wall_s": warm["wall"],
+        },
         "levels": levels,
     }
 
@@ -235,9 +237,14 @@ def run_offline_bench(
     device = engine_config.torch_device()
     dtype = engine_config.torch_dtype(device)
     results = metadata(config, device, dtype, command, arguments)
-    results["prompts"] = {"dir": str(prompts_dir), "num_loaded": len(conversations)}
+    results["prompts"] = {
+        "dir": str(prompts_dir) if prompts_dir else None,
+        "num_loaded": len(conversations),
+    }
     llm = build_llm(config, results) if config.use_dspark else None
-    tokenizer = llm.get_tokenizer() if llm else load_tokenizer(resolve_model(config.model))
+    tokenizer = (
+        llm.get_tokenizer() if llm is not None else load_tokenizer(resolve_model(config.model))
+    )
     full = [tokenizer.apply_chat_template(c) for c in cycle(conversations, max(config.concurrency))]
     prompt_ids = [truncate(ids, config.max_prompt_len) for ids in full]
     results["prompts"]["num_truncated"] = sum(len(ids) > config.max_prompt_len for ids in full)
@@ -264,7 +271,7 @@ def metadata(
         "arguments": arguments or {},
         **environment(device),
         "model": config.model,
-        "model_path": str(resolve_model(config.model).path),
+        "model_path": str(resolve_model(config.model).path.resolve()),
         "dtype": str(dtype).removeprefix("torch."),
         "output_len": config.output_len,
         "max_prompt_len": config.max_prompt_len,
@@ -291,13 +298,13 @@ def build_llm(config: BenchConfig, results: dict):
 
 def run_hf(config: BenchConfig, tokenizer: Tokenizer, batches: dict, dtype, device) -> dict:
     hf_model = load_hf_model(config.model, dtype, device)
-    eos = tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id  # the pad id: any in-vocabulary id works, pads are masked
     peer = HFPeerConfig(
         output_len=config.output_len,
         repeats=config.repeats,
         max_concurrency=config.hf_max_concurrency,
         cache_implementation=config.hf_cache,
-        pad_token_id=eos if eos is not None else hf_model.config.pad_token_id or 0,
+        pad_token_id=eos if eos is not None else 0,
     )
     levels = run_hf_sweep(hf_model, batches, peer)
     del hf_model

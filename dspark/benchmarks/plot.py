@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def _measured(engine_results: dict | None) -> list[dict]:
-    levels = (engine_results or {}).get("levels", [])
-    return [lv for lv in levels if not lv.get("skipped", False)]
+from dspark.benchmarks.report import measured_levels
 
 
 def _title(results: dict) -> str:
@@ -31,14 +28,16 @@ def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     throughput, tpot = fig.subplots(1, 2)
     for label, key, marker in (("dspark", "dspark", "o"), ("HF transformers", "hf", "s")):
-        levels = _measured(results.get(key))
+        levels = measured_levels(results.get(key))
         if levels:
             xs = [lv["concurrency"] for lv in levels]
-            throughput.plot(xs, [lv["output_tokens_per_s"] for lv in levels], marker=marker,
-                            label=label)  # fmt: skip
+            tok_s = [lv["output_tokens_per_s"] for lv in levels]
+            throughput.plot(xs, tok_s, marker=marker, label=label)
     throughput.set(xscale="log", xlabel="concurrency (requests at once)", ylabel="output tok/s")
     throughput.set_title("throughput")
-    levels = [lv for lv in _measured(results.get("dspark")) if lv["tpot_ms"]["p50"] is not None]
+    levels = [
+        lv for lv in measured_levels(results.get("dspark")) if lv["tpot_ms"]["p50"] is not None
+    ]
     if levels:
         xs = [lv["concurrency"] for lv in levels]
         tpot.plot(xs, [lv["tpot_ms"]["p50"] for lv in levels], marker="o", label="dspark p50")
@@ -46,7 +45,10 @@ def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
     tpot.set(xscale="log", xlabel="concurrency (requests at once)", ylabel="TPOT ms")
     tpot.set_title("time per output token")
     for ax in (throughput, tpot):
-        ax.grid(True, which="both", alpha=0.3)
+        # the levels themselves as ticks: 1, 4, 16 read better than 10^0, 10^1
+        ax.set_xticks(results["concurrency"], labels=[str(c) for c in results["concurrency"]])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.suptitle(_title(results), fontsize=9)

@@ -20,8 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def ratios(concurrency: tuple[int, ...], dspark: dict | None, hf: dict | None) -> list[dict]:
     """dspark/HF output tokens/s per level; None where either side did not run."""
-    dspark_tok = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in _levels(dspark)}
-    hf_tok = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in _levels(hf)}
+    dspark_tok = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in measured_levels(dspark)}
+    hf_tok = {lv["concurrency"]: lv["output_tokens_per_s"] for lv in measured_levels(hf)}
     rows = []
     for c in concurrency:
         d, h = dspark_tok.get(c), hf_tok.get(c)
@@ -30,7 +30,8 @@ def ratios(concurrency: tuple[int, ...], dspark: dict | None, hf: dict | None) -
     return rows
 
 
-def _levels(engine_results: dict | None) -> list[dict]:
+def measured_levels(engine_results: dict | None) -> list[dict]:
+    """The levels that ran (the HF peer records skipped ones with their reason)."""
     levels = (engine_results or {}).get("levels", [])
     return [lv for lv in levels if not lv.get("skipped", False)]
 
@@ -87,7 +88,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def format_table(results: dict) -> str:
     """C | dspark tok/s | HF tok/s | ratio | TTFT p50/p99 ms | TPOT p50/p99 ms (dspark's)."""
-    dspark = {lv["concurrency"]: lv for lv in _levels(results["dspark"])}
+    dspark = {lv["concurrency"]: lv for lv in measured_levels(results["dspark"])}
     hf_all = {lv["concurrency"]: lv for lv in (results["hf"] or {}).get("levels", [])}
     header = f"{'C':>5} {'dspark tok/s':>13} {'HF tok/s':>10} {'ratio':>6} "
     header += f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17}"

@@ -29,6 +29,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self._store_kv, self._attend = attention_ops(backend)
+        self.use_triton = backend == "triton"
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -48,11 +49,18 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, d]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if self.use_triton:  # rotates the q and k columns of qkv in place, one launch
+            from dspark.kernels.rotary_triton import rotary_qkv
+
+            rotary_qkv(qkv, positions, self.rotary.inv_freq, self.num_heads, self.num_kv_heads,
+                       self.head_dim)  # fmt: skip
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if not self.use_triton:
+            q, k = self.rotary(positions, q, k)
         self._store_kv(k, v, kv_cache, attn.slot_mapping)
         o = self._attend(q, kv_cache, attn, self.scale)  # [T, nh, hd]
         return self.o_proj(o.reshape(T, self.q_size))

@@ -27,34 +27,52 @@ class ModelOutput:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, d]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.use_triton:
+            from dspark.kernels.silu_mul_triton import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual add is deferred into the next norm (one fused kernel):
+    takes (x, residual) with the stream = x + residual, returns the same pair after the block.
+    """
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        use_triton = backend == "triton"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, use_triton)
         self.self_attn = Attention(config, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, use_triton)
+        self.mlp = MLP(config, use_triton)
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [T, d]
+        residual: torch.Tensor | None,  # [T, d]; None in the first layer (stream = x)
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, d]
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(h, positions, kv_cache, attn)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -66,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, attention_backend) for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend == "triton")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -81,14 +99,16 @@ class LlamaForCausalLM(nn.Module):
         hidden_layers: tuple[int, ...] = (),
     ) -> ModelOutput:
         x = self.embed_tokens(input_ids)  # [T, d]
+        residual = None
         hidden_states = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_caches[i], attn)
+            x, residual = layer(x, residual, positions, kv_caches[i], attn)
             if i in hidden_layers:
-                hidden_states[i] = x
+                hidden_states[i] = x + residual  # the stream after layer i
         if logits_indices is not None:
-            x = x[logits_indices]  # [N, d]
-        logits = self.lm_head(self.norm(x)).float()  # [N, vocab]
+            x, residual = x[logits_indices], residual[logits_indices]  # [N, d]
+        h, _ = self.norm(x, residual)
+        logits = self.lm_head(h).float()  # [N, vocab]
         return ModelOutput(logits, hidden_states)
 
     @torch.no_grad()

@@ -13,7 +13,9 @@ DTYPES = {
 }
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
+# the kernels the model runs: "torch" (the PyTorch reference ops) or "triton" (Triton kernels for
+# attention, KV store, norms, rotary and SiLU). auto: triton on CUDA, torch on the CPU.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 CPU_KV_CACHE_GB = 1.0
 
 

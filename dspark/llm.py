@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -45,7 +46,10 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        # offline: one output per request at its end, no per-step outputs or detokenization
+        params = [
+            replace(p, output_kind="final_only") for p in _per_prompt(sampling_params, len(prompts))
+        ]
         encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
         for i, (ids, _) in enumerate(encoded):
             try:

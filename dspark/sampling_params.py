@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 # A seed is folded to 64 bits before hashing; larger values are a user error, not silently wrapped.
 MAX_SEED = 2**63 - 1
+# What step() reports for a request, as vLLM's RequestOutputKind: "cumulative" (every step, the
+# text so far) or "final_only" (once, when it finishes: no per-step outputs or detokenization).
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Per-request opt-out of speculation (verify length 0 every step).
     use_speculation: bool = True
+    output_kind: str = "cumulative"
     _stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +95,10 @@ class SamplingParams:
                 isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
                 f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
             )
+        _check(
+            self.output_kind in OUTPUT_KINDS,
+            f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}",
+        )
         for s in self._stop_strings:
             _check(isinstance(s, str) and s != "", f"stop strings must be non-empty, got {s!r}")
         for t in self.stop_token_ids:

@@ -33,7 +33,10 @@ class Detokenizer:
         skip_special_tokens: bool = True,
         stop_strings: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
+        incremental: bool = True,  # False: decode once at flush (no stop strings to watch)
     ) -> None:
+        assert incremental or not stop_strings, "stop strings need incremental decoding"
+        self._incremental = incremental
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -45,6 +48,10 @@ class Detokenizer:
 
     def add_tokens(self, new_tokens: list[int]) -> StopHit | None:
         """Append output tokens; on a stop string the text is final and the hit says where."""
+        if not self._incremental:
+            self._tokens.extend(new_tokens)
+            self._is_pending = True
+            return None
         for i, token in enumerate(new_tokens):
             self._tokens.append(token)
             chunk = self._stream.step(self._tokenizer.backend, token)

@@ -76,6 +76,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
+        self._aborted: list[Request] = []
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -119,6 +120,7 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens,
             stop_strings=params.stop_strings,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            incremental=params.output_kind == "cumulative" or bool(params.stop_strings),
         )
         self.scheduler.add(req)
 
@@ -160,6 +162,7 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, FinishReason.ABORT, None)
+            self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -182,13 +185,17 @@ class LLMEngine:
             hit = self._detokenizers[req.request_id].add_tokens(req.token_ids[-1:])
             if hit is not None and not req.is_finished:
                 self.scheduler.finish(req, FinishReason.STOP, hit.stop)
-        outputs = [self._output(req) for req in emitted]
+        outputs = [
+            self._output(req)
+            for req in emitted
+            if req.is_finished or req.sampling_params.output_kind == "cumulative"
+        ]
         return outputs + self._collect_aborted()
 
     def _collect_aborted(self) -> list[RequestOutput]:
-        # requests that finished without emitting (aborts): reported once, then forgotten
-        done = [r for r in self._requests.values() if r.is_finished]
-        return [self._output(r) for r in done if r.request_id in self._requests]
+        # aborted requests emit nothing more: reported once here, then forgotten
+        done, self._aborted = self._aborted, []
+        return [self._output(r) for r in done]
 
     def _output(self, req: Request) -> RequestOutput:
         detok = self._detokenizers[req.request_id]

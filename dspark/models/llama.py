@@ -169,4 +169,4 @@ def build_model(
     model.to(dtype)
     # to_empty left the (shared) rotary buffer unset and .to(dtype) would round it: refill in fp32.
     model.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(config).to(device)
-    return model.eval()
+    return model.eval().requires_grad_(False)

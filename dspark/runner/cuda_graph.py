@@ -50,6 +50,7 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self._capture(forward)
 
+    @torch.inference_mode()
     def _capture(self, forward: Callable[[StepLayout], torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
         for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks

@@ -62,6 +62,18 @@ class InputBuffers:
         )
         self.logits_indices_cpu, self.logits_indices = pair(max_num_rows, torch.int64)
         self._pointers = self.data_ptrs()
+        # what each block-table row holds: (request id, its preemption count, pages), so a row
+        # is rewritten only when its request or page count changed (pages only ever grow while
+        # a request runs; a preemption rebuilds them and bumps the count)
+        self._block_row_keys: list[tuple | None] = [None] * max_num_rows
+
+    def write_block_row(self, row: int, key: tuple, pages: list[int]) -> None:
+        if self._block_row_keys[row] == key:
+            return
+        bt = self.np("block_table")
+        bt[row, : len(pages)] = pages
+        bt[row, len(pages) :] = SCRATCH_PAGE
+        self._block_row_keys[row] = key
 
     def data_ptrs(self) -> tuple[int, ...]:
         return tuple(
@@ -122,3 +134,4 @@ class InputBuffers:
         self.np("cu_num_tokens")[start_row + 1 : r1 + 1] = np.arange(t0 + 1, t1 + 1)
         self.np("seq_lens")[start_row:r1] = 1
         self.np("block_table")[start_row:r1] = SCRATCH_PAGE
+        self._block_row_keys[start_row:r1] = [None] * num_pad_rows

@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 
-from dspark.engine.kv_cache import SCRATCH_PAGE, pages_for
+from dspark.engine.kv_cache import pages_for
 from dspark.engine.scheduler import SampledToken, ScheduledRow, StepPlan
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import TokenLogprobs
@@ -49,6 +49,8 @@ class ModelRunner:
         )
         self.stats: Counter[str] = Counter()
         self.graph_sizes = sorted(graph_sizes or [])
+        if device.type == "cuda":
+            self._warm_up_eager(max_num_tokens)
         self.graphs = None
         if self.graph_sizes and capture_graphs:
             self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
@@ -56,42 +58,65 @@ class ModelRunner:
     # ---- staging --------------------------------------------------------------------------
 
     def _stage(self, plan: StepPlan) -> tuple[StepLayout, int | None]:
-        """Write the plan into the host staging buffers; returns the layout and graph size."""
-        b = self.buffers
-        ids, pos, slots, bt = (
-            b.np("input_ids"),
-            b.np("positions"),
-            b.np("slot_mapping"),
-            b.np("block_table"),
-        )
-        cu, seq_lens, logits_idx = b.np("cu_num_tokens"), b.np("seq_lens"), b.np("logits_indices")
-        ps = self.page_size
-        t, n = 0, 0
-        cu[0] = 0
+        """Write the plan into the host staging buffers; returns the layout and graph size.
+
+        Per-token values are gathered in Python lists and written with one numpy assignment
+        each (per-row numpy calls cost more than the data at decode batch sizes).
+        """
+        b, ps = self.buffers, self.page_size
+        ids, positions, slots, cu, seq_lens, logits_idx = [], [], [], [0], [], []
         for i, row in enumerate(plan.rows):
-            req, k = row.request, row.num_tokens
+            req, span = row.request, range(row.start, row.end)
             pages = req.page_ids
-            ids[t : t + k] = req.token_ids[row.start : row.end]
-            pos[t : t + k] = range(row.start, row.end)
-            slots[t : t + k] = [pages[p // ps] * ps + p % ps for p in range(row.start, row.end)]
-            bt[i, : len(pages)] = pages
-            bt[i, len(pages) :] = SCRATCH_PAGE
-            t += k
-            cu[i + 1] = t
-            seq_lens[i] = row.end
+            ids += req.token_ids[row.start : row.end]
+            positions += span
+            slots += [pages[p // ps] * ps + p % ps for p in span]
+            cu.append(cu[-1] + row.num_tokens)
+            seq_lens.append(row.end)
             if row.do_sample:
-                logits_idx[n] = t - 1
-                n += 1
-        num_rows = len(plan.rows)
+                logits_idx.append(cu[-1] - 1)
+            b.write_block_row(i, (req.request_id, req.num_preemptions, len(pages)), pages)
+        t, num_rows, n = cu[-1], len(plan.rows), len(logits_idx)
+        b.np("input_ids")[:t] = ids
+        b.np("positions")[:t] = positions
+        b.np("slot_mapping")[:t] = slots
+        b.np("cu_num_tokens")[: num_rows + 1] = cu
+        b.np("seq_lens")[:num_rows] = seq_lens
+        b.np("logits_indices")[:n] = logits_idx
         graph_size = self._graph_size(plan)
         if graph_size is not None:  # pad to the captured size; every row is scored
             b.write_pad_rows(num_rows, t, graph_size - num_rows)
-            logits_idx[:graph_size] = range(graph_size)
+            b.np("logits_indices")[:graph_size] = range(graph_size)
+            pad = graph_size - num_rows
+            cu += range(t + 1, t + pad + 1)
+            seq_lens += [1] * pad
             t, n, num_rows = graph_size, graph_size, graph_size
-        layout = StepLayout(
-            t, num_rows, n, tuple(cu[: num_rows + 1].tolist()), tuple(seq_lens[:num_rows].tolist())
-        )
-        return layout, graph_size
+        return StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens)), graph_size
+
+    @torch.inference_mode()
+    def _warm_up_eager(self, max_num_tokens: int) -> None:
+        """Compile the JIT kernels' eager variants now, not at a user's first prefill.
+
+        Triton compiles per tile configuration (set by the longest query run) and specialises
+        integer arguments equal to 1 or divisible by 16, so a few prefill lengths cover every
+        variant. The dummy request writes pages 1.. (free at start-up, overwritten before any
+        real request reads them).
+        """
+        ps, b = self.page_size, self.buffers
+        for n in sorted({1, 2, 7, 16, 17, 33, 64, 100, max_num_tokens}):
+            n = min(n, max_num_tokens, b.max_pages_per_row * ps)
+            pages = list(range(1, pages_for(n, ps) + 1))
+            b.np("input_ids")[:n] = 0
+            b.np("positions")[:n] = range(n)
+            b.np("slot_mapping")[:n] = [pages[p // ps] * ps + p % ps for p in range(n)]
+            b.np("cu_num_tokens")[:2] = [0, n]
+            b.np("seq_lens")[:1] = n
+            b.write_block_row(0, ("warm-up", n), pages)
+            b.np("logits_indices")[:1] = n - 1
+            layout = StepLayout(n, 1, 1, (0, n), (n,))
+            b.upload(layout)
+            self._forward(layout)
+        torch.cuda.synchronize(self.device)
 
     def _graph_size(self, plan: StepPlan) -> int | None:
         """The captured size a pure-decode step pads to, or None (eager, reason counted)."""
@@ -139,7 +164,11 @@ class ModelRunner:
         return results
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> list[SampledToken]:
-        tokens = sample(self._ban_stop_tokens(logits, rows), self._sampling_tensors(rows))
+        masked = self._ban_stop_tokens(logits, rows)
+        if all(r.request.sampling_params.is_greedy for r in rows):
+            tokens = masked.argmax(dim=-1)  # no sampling tensors to build or upload
+        else:
+            tokens = sample(masked, self._sampling_tensors(rows))
         wants = [r.request.sampling_params.logprobs for r in rows]
         lp = None
         if any(n is not None for n in wants):

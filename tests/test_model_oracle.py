@@ -88,3 +88,28 @@ def _hf_greedy(hf, ids: list[int], num_tokens: int) -> list[int]:
         tokens.append(int(out.logits[0, -1].argmax()))
         out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_rope_scaling_matches_hf(tmp_path, smollm_hf_tokenizer, rope_scaling):
+    d = make_tiny_llama(
+        tmp_path / rope_scaling["rope_type"], smollm_hf_tokenizer, rope_scaling=rope_scaling
+    )
+    ours, hf = _ours(str(d)), _hf(d)
+    assert ours.config.rope_type == rope_scaling["rope_type"]
+    ids = smollm_hf_tokenizer.encode("A long enough prompt to reach positions past the band. " * 4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(full_logits(ours, ids).logits, ref, atol=1e-4, rtol=1e-4)

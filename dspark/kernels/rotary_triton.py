@@ -52,6 +52,7 @@ def _rotate_heads(
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     # ptr: one token's first head; cos, sin: [1, BLOCK_HALF] float32 of values in ptr's dtype.
+    # Returns both rotated halves (in ptr's dtype) so the caller can also write them elsewhere.
     dtype = ptr.dtype.element_ty
     h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     j = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
@@ -59,17 +60,39 @@ def _rotate_heads(
     first = ptr + h * s_h + j  # [BLOCK_H, BLOCK_HALF], dims 0 .. hd/2 of each head
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
-    out1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
-    out2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    out1 = (_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)).to(dtype)
+    out2 = (_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)).to(dtype)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _store_kv_token(
+    k1, k2, v_ptr, s_vh, k_cache_ptr, v_cache_ptr, slot,
+    NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_KV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    # Cache rows are [slot, kv_head, head_dim] contiguous: element (h, d) of a slot sits at
+    # (slot * NUM_KV_HEADS + h) * 2 * HALF + d. k arrives rotated (k1, k2 halves); v is copied.
+    h = tl.arange(0, BLOCK_KV)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_KV_HEADS) & (j < HALF)
+    row = (slot * NUM_KV_HEADS + h) * (2 * HALF) + j  # [BLOCK_KV, BLOCK_HALF]
+    tl.store(k_cache_ptr + row, k1, mask=mask)
+    tl.store(k_cache_ptr + row + HALF, k2, mask=mask)
+    v = v_ptr + h * s_vh + j
+    tl.store(v_cache_ptr + row, tl.load(v, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + row + HALF, tl.load(v + HALF, mask=mask), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, inv_freq_ptr, s_qt, s_qh, s_kt, s_kh,
+    q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -79,7 +102,13 @@ def _rotary_kernel(
     cos = _rounded(tl.cos(freqs), dtype)[None, :]  # [1, BLOCK_HALF]
     sin = _rounded(tl.sin(freqs), dtype)[None, :]
     _rotate_heads(q_ptr + tok * s_qt, s_qh, cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
-    _rotate_heads(k_ptr + tok * s_kt, s_kh, cos, sin, NUM_KV_HEADS, HALF, BLOCK_KV, BLOCK_HALF)
+    k1, k2 = _rotate_heads(
+        k_ptr + tok * s_kt, s_kh, cos, sin, NUM_KV_HEADS, HALF, BLOCK_KV, BLOCK_HALF
+    )
+    if STORE_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        _store_kv_token(k1, k2, v_ptr + tok * s_vt, s_vh, k_cache_ptr, v_cache_ptr, slot,
+                        NUM_KV_HEADS, HALF, BLOCK_KV, BLOCK_HALF)  # fmt: skip
 
 
 def apply_rotary(
@@ -87,27 +116,42 @@ def apply_rotary(
     k: torch.Tensor,  # [T, nkv, hd], same
     positions: torch.Tensor,  # [T] int32 or int64
     inv_freq: torch.Tensor,  # [hd/2] float32
+    v: torch.Tensor | None = None,  # [T, nkv, hd]: with the next two, also store K/V
+    kv_cache: torch.Tensor | None = None,  # [2, num_pages, page_size, nkv, hd] contiguous
+    slot_mapping: torch.Tensor | None = None,  # [T] int64
 ) -> None:
     """Rotate q and k IN PLACE (views of a fused qkv output are fine: their storage is
-    rewritten). Same values as `apply_rotary_ref(q, k, positions, inv_freq)`."""
+    rewritten). Same values as `apply_rotary_ref(q, k, positions, inv_freq)`. Given v, kv_cache
+    and slot_mapping it also writes the rotated k and v to the cache, as `store_kv_ref` would
+    (one launch instead of two)."""
     T, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == (T, num_kv_heads, head_dim) and positions.shape == (T,), (k.shape, q.shape)
     assert head_dim % 2 == 0 and inv_freq.shape == (head_dim // 2,), (head_dim, inv_freq.shape)
     assert q.dtype == k.dtype and inv_freq.dtype == torch.float32, (q.dtype, k.dtype)
     assert q.stride(2) == 1 and k.stride(2) == 1 and inv_freq.is_contiguous()
+    store = kv_cache is not None
+    if store:
+        assert v is not None and slot_mapping is not None and v.shape == k.shape
+        assert kv_cache.is_contiguous() and kv_cache.dtype == k.dtype and v.stride(2) == 1
+        assert kv_cache.shape[3:] == (num_kv_heads, head_dim), kv_cache.shape
     if T == 0:
         return
     half = head_dim // 2
+    v_arg = v if store else k  # unused without STORE_KV, but the kernel needs a pointer
     # One warp per token was the fastest on an H200 (1.7 us at T=1, 2.9 us at T=2048, graphed).
     # No fp fusion: NVPTX would otherwise contract a rounded product and the add after it into
     # one bf16 fma, skipping a rounding the eager code does (a fifth of bf16 outputs then differ
     # by an ulp from the reference on an H200).
     _rotary_kernel[(T,)](
-        q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, v_arg, positions, inv_freq,
+        slot_mapping if store else positions,
+        kv_cache[0] if store else k, kv_cache[1] if store else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=1, enable_fp_fusion=False,
+        BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store, num_warps=1,
+        enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -118,10 +162,14 @@ def rotary_qkv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_cache: torch.Tensor | None = None,  # given: also store the rotated k and v
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
-    """Rotate the q and k parts of a fused qkv tensor IN PLACE; v is left untouched."""
+    """Rotate the q and k parts of a fused qkv tensor IN PLACE; v is left untouched (and, with
+    kv_cache and slot_mapping, k and v are written to the cache in the same launch)."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     assert qkv.dim() == 2 and qkv.shape[1] == q_size + 2 * kv_size, (qkv.shape, q_size, kv_size)
     q = qkv[:, :q_size].unflatten(1, (num_heads, head_dim))  # [T, nh, hd] view
     k = qkv[:, q_size : q_size + kv_size].unflatten(1, (num_kv_heads, head_dim))  # [T, nkv, hd]
-    apply_rotary(q, k, positions, inv_freq)
+    v = qkv[:, q_size + kv_size :].unflatten(1, (num_kv_heads, head_dim))  # [T, nkv, hd]
+    apply_rotary(q, k, positions, inv_freq, v, kv_cache, slot_mapping)

@@ -50,17 +50,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, d]
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        if self.use_triton:  # rotates the q and k columns of qkv in place, one launch
+        if self.use_triton:  # rotates q and k in place and stores k, v: one launch
             from dspark.kernels.rotary_triton import rotary_qkv
 
             rotary_qkv(qkv, positions, self.rotary.inv_freq, self.num_heads, self.num_kv_heads,
-                       self.head_dim)  # fmt: skip
+                       self.head_dim, kv_cache, attn.slot_mapping)  # fmt: skip
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if not self.use_triton:
             q, k = self.rotary(positions, q, k)
-        self._store_kv(k, v, kv_cache, attn.slot_mapping)
+            self._store_kv(k, v, kv_cache, attn.slot_mapping)
         o = self._attend(q, kv_cache, attn, self.scale)  # [T, nh, hd]
         return self.o_proj(o.reshape(T, self.q_size))

@@ -46,3 +46,18 @@ def test_triton_model_matches_torch_model(tmp_path, device):
         outputs[backend] = (prefill.logits, prefill.hidden_states[0], decode.logits)
     for got, want in zip(outputs["triton"], outputs["torch"], strict=True):
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_engine_greedy_triton_backend_equals_torch(tiny_llama_dir, device):
+    from dspark import LLM, SamplingParams
+
+    prompts = ["Hello there", "The quick brown fox jumps", "1 2 3"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device=device.type, num_kv_pages=64,
+                  attention_backend=backend, use_cuda_graphs=False)  # fmt: skip
+        got[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    assert got["triton"] == got["torch"]

@@ -111,6 +111,7 @@ def _floors(llm: LLM, batch: int, context: int, ceilings: dict[str, float]) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="default")
     parser.add_argument("--batch", default="1,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
@@ -118,9 +119,10 @@ def main() -> None:
     args = parser.parse_args()
     ceilings = measure_ceilings()
     results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+               "model": args.model,
                "ceilings": ceilings, "batches": []}  # fmt: skip
     for batch in [int(b) for b in args.batch.split(",")]:
-        llm = LLM("default", dtype="bfloat16", device="cuda", max_num_seqs=max(batch, 1),
+        llm = LLM(args.model, dtype="bfloat16", device="cuda", max_num_seqs=max(batch, 1),
                   max_model_len=4096, kv_cache_memory_gb=8.0)  # fmt: skip
         _decode_until_steady(llm, batch, args.prompt_len)
         step_s = statistics.median(_timed_steps(llm, args.steps))
@@ -142,9 +144,11 @@ def main() -> None:
           f"{'floor us':>9} {'of floor':>8}")  # fmt: skip
     for r in results["batches"]:
         floor = max(r["memory_floor_us"], r["compute_floor_us"])
-        print(f"{r['batch']:>5} {r['step_us']:>9.1f} {r['tokens_per_s']:>9.0f} "
-              f"{r['kernels_per_step']:>8.0f} {r['gpu_busy_us_per_step']:>9.1f} "
-              f"{r['gap_us_per_step']:>8.1f} {floor:>9.1f} {r['fraction_of_floor']:>8.1%}")
+        print(
+            f"{r['batch']:>5} {r['step_us']:>9.1f} {r['tokens_per_s']:>9.0f} "
+            f"{r['kernels_per_step']:>8.0f} {r['gpu_busy_us_per_step']:>9.1f} "
+            f"{r['gap_us_per_step']:>8.1f} {floor:>9.1f} {r['fraction_of_floor']:>8.1%}"
+        )
     for r in results["batches"]:
         print(f"batch {r['batch']} top kernels (us/step):")
         for k in r["top_kernels"][:6]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -88,3 +89,16 @@ def test_store_kv_writes_only_its_slots():
     flat_k, flat_v = kv_cache[0].view(-1, 1, 2), kv_cache[1].view(-1, 1, 2)
     assert flat_k[[5, 11]].eq(1).all() and flat_v[[5, 11]].eq(2).all()
     assert flat_k.abs().sum() == 4  # nothing else written
+
+
+def test_non_causal_sees_every_key_of_its_request():
+    hd = 16
+    q, kv_cache, attn, ks, vs = _ragged_batch([4, 2], [9, 6], 4, 4, 2, hd)
+    attn = dataclasses.replace(attn, causal=False)
+    out = paged_attention_ref(q, kv_cache, attn, 1 / math.sqrt(hd))
+    for r, (start, end) in enumerate([(0, 4), (4, 6)]):
+        k = ks[r].repeat_interleave(2, dim=1)
+        v = vs[r].repeat_interleave(2, dim=1)
+        scores = torch.einsum("lhd,shd->hls", q[start:end], k) / math.sqrt(hd)
+        expected = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)

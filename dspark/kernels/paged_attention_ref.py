@@ -45,7 +45,7 @@ def paged_attention_ref(
         # query j sits at position kv_len - q_len + j and sees keys 0 .. that position
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]  # [L, 1]
         k_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, S]
-        mask = k_pos <= q_pos  # [L, S]
+        mask = (k_pos <= q_pos) if attn.causal else torch.ones_like(k_pos <= q_pos)  # [L, S]
         group = num_heads // num_kv_heads
         qh = q[start:end].transpose(0, 1)  # [nh, L, hd]
         kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [nh, S, hd]

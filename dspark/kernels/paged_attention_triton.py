@@ -56,11 +56,15 @@ def _query_rows(cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLO
 
 
 @triton.jit
-def _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS):
+def _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL):
     # The block's last query sees keys 0 .. kv_end - 1; split s takes one BLOCK_N-aligned chunk.
     # seq_len 100, q_len 1, BLOCK_N 16, NUM_SPLITS 3: kv_end 100, chunk 48,
     #   splits [0, 48) [48, 96) [96, 100)
-    kv_end = seq_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+    # Non-causal (a drafter block attending to itself both ways): every query sees all keys.
+    if CAUSAL:
+        kv_end = seq_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+    else:
+        kv_end = seq_len
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     return lo, tl.minimum(lo + chunk, kv_end)
@@ -117,7 +121,7 @@ def _paged_attention_kernel(
     s_qt, s_qh, s_ot, s_oh, s_kp, s_ks, s_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     # causal blocks late in a chunk see the most keys: schedule them first (shorter tail)
     req, m_block = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
@@ -127,10 +131,12 @@ def _paged_attention_kernel(
     )
     if m_block * BLOCK_M >= q_len:  # the grid is sized for the longest request
         return
+    if not CAUSAL:  # every query may see every key of its request
+        q_pos = tl.zeros_like(q_pos) + seq_len - 1
     dims = tl.arange(0, HEAD_DIM)
     q_idx = token[:, None] * s_qt + head[:, None] * s_qh + dims[None, :]  # [rows, HEAD_DIM]
     q = tl.load(q_ptr + q_idx, mask=valid[:, None], other=0.0)
-    lo, hi = _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS)
+    lo, hi = _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL)
     acc, m_i, l_i = _attend(
         q, q_pos, k_ptr, v_ptr, block_table_ptr, req, stride_bt, kv_head, lo, hi, qk_scale,
         s_kp, s_ks, s_kh, PAGE_SIZE, HEAD_DIM, BLOCK_N, DOT_PRECISION,
@@ -284,6 +290,7 @@ def paged_attention_triton(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         NUM_SPLITS=cfg.num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CAUSAL=attn.causal,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     if cfg.num_splits > 1:

@@ -31,6 +31,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [R, max_pages] int32, page ids per request
     cu_num_tokens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
+    # False: every query sees all seq_lens[r] keys of its request (the drafter's block attends
+    # to itself both ways); True: causal within the request, as above
+    causal: bool = True
 
     @property
     def num_reqs(self) -> int:

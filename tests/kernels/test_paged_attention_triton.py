@@ -9,6 +9,7 @@ tests run at SmolLM2-like shapes (9 heads, 3 kv heads, head_dim 64).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -211,3 +212,11 @@ def test_launch_config_packs_heads(q_lens: list[int], group: int, rows: int):
 
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_non_causal_matches_reference(device: torch.device, num_kv_splits: int):
+    """A drafter block: K query slots at the end of the request see every key, later slots too."""
+    q, kv_cache, attn = make_batch([7, 7, 3], [7, 40, 19], (9, 3, 16), 4, device)
+    attn = dataclasses.replace(attn, causal=False)
+    run_and_check(q, kv_cache, attn, num_kv_splits=num_kv_splits)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels.paged_attention_ref import paged_attention_ref, store_kv_ref
@@ -40,6 +41,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+
+    def store_kv_only(
+        self,
+        x: torch.Tensor,  # [T, d]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T]
+    ) -> None:
+        """Keys/values of x (rotated at `positions`) into the cache, no attention: the DSpark
+        drafter's context tokens, which are never queries."""
+        T = x.shape[0]
+        w = self.qkv_proj.weight[self.q_size :]
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
+        k, v = F.linear(x, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        _, k = self.rotary(positions, k, k)
+        self._store_kv(k.contiguous(), v.contiguous(), kv_cache, slot_mapping)
 
     def forward(
         self,

@@ -9,6 +9,7 @@ A model argument is one of:
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -70,6 +71,21 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
     raise FileNotFoundError(
         f"model {str(model)!r} not found: expected 'default', a .gguf file or a HF directory"
     )
+
+
+def checkpoint_hash(source: ModelSource) -> str:
+    """A cheap fingerprint of the weight files: sha256 over each file's name, size, first and
+    last MiB. Identifies a checkpoint across dtypes and devices (it never reads the weights)."""
+    files = [source.path] if source.gguf_file else sorted(source.directory.glob("*.safetensors"))
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}:".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(2**20))
+            fh.seek(max(0, size - 2**20))
+            h.update(fh.read(2**20))
+    return h.hexdigest()[:16]
 
 
 def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

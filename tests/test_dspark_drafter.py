@@ -143,3 +143,45 @@ def test_taps_outside_the_target_are_refused(target):
     config = DrafterConfig(target_identity(target, HASH), target_layers=(0, 7))
     with pytest.raises(ValueError, match="tap layer 7 is outside the target's 0..1"):
         DSparkDrafter(config, target, HASH)
+
+
+def _st(n, temperature, seeds):
+    from dspark.sample.sampler import SamplingTensors
+
+    return SamplingTensors(
+        temperature=torch.full((n,), temperature), top_k=torch.full((n,), 96, dtype=torch.int64),
+        top_p=torch.ones(n), seeds=seeds, positions=torch.zeros(n, dtype=torch.int64),
+        all_greedy=temperature == 0, any_top_k=False, any_top_p=False,
+    )  # fmt: skip
+
+
+def test_draft_block_follows_the_markov_chain(target):
+    from dspark.spec.drafting import draft_block
+
+    drafter = _drafter(target)
+    n = 4000
+    hidden = torch.randn(1, K, 32).expand(n, -1, -1)
+    anchors = torch.full((n,), 7)
+    with torch.no_grad():
+        block = draft_block(drafter, hidden, anchors, torch.full((n,), 20),
+                            _st(n, 1.0, torch.arange(n)))  # fmt: skip
+        # slot 0's distribution is softmax(U[0] + bias(anchor)); slot 1's depends on slot 0
+        expected0 = drafter.base_logits(hidden[0, 0]) + drafter.markov_bias(torch.tensor(7))
+        torch.testing.assert_close(block.probs[0, 0], expected0.softmax(-1))
+        x0 = block.tokens[0, 0]
+        expected1 = drafter.base_logits(hidden[0, 1]) + drafter.markov_bias(x0)
+        torch.testing.assert_close(block.probs[0, 1], expected1.softmax(-1))
+        # confidence of slot 1 is a function of the slot-0 token, not of the slot-1 token
+        torch.testing.assert_close(block.confidence_logits[0, 1],
+                                   drafter.confidence_logit(hidden[0, 1], x0))  # fmt: skip
+    counts = torch.bincount(block.tokens[:, 0], minlength=96).float()
+    p = block.probs[0, 0]
+    big = p * n >= 5
+    stat = (((counts[big] - n * p[big]) ** 2) / (n * p[big])).sum().item()
+    dof = int(big.sum()) - 1
+    # chi-square critical value at significance 0.001 (Wilson-Hilferty, z = 3.09)
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert stat < crit, (stat, dof, crit)
+    greedy = draft_block(drafter, hidden[:2], anchors[:2], torch.full((2,), 20),
+                         _st(2, 0.0, torch.arange(2)))  # fmt: skip
+    assert greedy.tokens[0, 0] == expected0.argmax()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
     seed: int = 0  # draws the seeds of requests that set none
+    # {"method": "dspark", "model": PATH, "num_speculative_tokens": K}; None: no speculation
+    speculative_config: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         _require(
@@ -65,11 +67,17 @@ class EngineConfig:
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+        self.spec()  # validates the speculative_config
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, "
             f"got {self.attention_backend!r}",
         )
+
+    def spec(self):
+        from dspark.spec.config import SpecConfig
+
+        return SpecConfig.from_dict(self.speculative_config)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dspark.engine.kv_cache import SCRATCH_PAGE, PageAllocator
-from dspark.engine.scheduler import SampledToken, Scheduler
+from dspark.engine.scheduler import SampledTokens, Scheduler
 from dspark.request import FinishReason, Request, RequestStatus
 from dspark.sampling_params import SamplingParams
 
@@ -21,7 +21,7 @@ def _scheduler(num_pages=64, page_size=4, max_num_seqs=8, budget=16, max_model_l
 
 def _step(s: Scheduler, token: int = 7):
     plan = s.schedule()
-    s.update(plan, [SampledToken(token) if r.do_sample else None for r in plan.rows])
+    s.update(plan, [SampledTokens((token,)) if r.do_sample else None for r in plan.rows])
     return plan
 
 

@@ -16,14 +16,16 @@ from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
 from dspark.engine.scheduler import Scheduler
+from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM, build_model
-from dspark.models.loader import load_checkpoint, resolve_model
+from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import CompletionOutput, RequestOutput
 from dspark.request import FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
+from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +50,15 @@ class LLMEngine:
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
         )
         self.allocator = PageAllocator(self.kv_plan.num_pages)
+        self.spec = self._build_spec(source, backend)
         self.scheduler = Scheduler(
             self.allocator,
             config.page_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
+            draft_len=self.spec.draft_len if self.spec else 0,
+            max_verify=self.spec.num_verify if self.spec else 0,
         )
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and backend == "triton"
         if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
@@ -67,6 +72,7 @@ class LLMEngine:
             self.max_model_len,
             self.device,
             graph_ladder(config.max_num_seqs) if use_graphs else None,
+            spec=self.spec,
         )
         self.eos_token_id = (
             model_config.eos_token_ids[0]
@@ -86,6 +92,40 @@ class LLMEngine:
             config.page_size,
             self.max_model_len,
         )
+
+    def _build_spec(self, source, backend: str) -> SpecDecoder | None:
+        spec_config = self.config.spec()
+        if spec_config is None:
+            return None
+        drafter = DSparkDrafter.load(
+            spec_config.model, self.model, checkpoint_hash(source), backend
+        )
+        draft_len = drafter.config.draft_len
+        k = spec_config.num_speculative_tokens or draft_len
+        if k > draft_len:
+            raise ValueError(
+                f"num_speculative_tokens {k} exceeds the drafter's draft_len {draft_len} "
+                f"({spec_config.model}); allowed 1..{draft_len}"
+            )
+        kv = allocate_kv_caches(
+            self.model_config, self.kv_plan.num_pages, self.config.page_size, self.dtype,
+            self.device, num_layers=drafter.config.num_layers,
+        )  # fmt: skip
+        spec = SpecDecoder(drafter, kv, self.config.page_size, self.device)
+        spec.num_verify = k
+        logger.info("speculation: DSpark drafter %s, K = %d verified of %d drafted",
+                    spec_config.model, k, draft_len)  # fmt: skip
+        return spec
+
+    def get_metrics(self) -> dict:
+        """Speculative counters with vLLM's definitions (empty without speculation)."""
+        if self.spec is None:
+            return {}
+        m = dict(self.spec.metrics)
+        drafts = m.get("num_drafts", 0)
+        m["mean_acceptance_length"] = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else 0
+        m["num_accepted_tokens_per_pos"] = list(self.spec.accepted_per_position)
+        return m
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -179,15 +219,17 @@ class LLMEngine:
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)
         now = time.monotonic()
-        for req in emitted:
+        for req, num_new in emitted:
             if req.first_token_time is None:
                 req.first_token_time = now
-            hit = self._detokenizers[req.request_id].add_tokens(req.token_ids[-1:])
-            if hit is not None and not req.is_finished:
-                self.scheduler.finish(req, FinishReason.STOP, hit.stop)
+            hit = self._detokenizers[req.request_id].add_tokens(req.token_ids[-num_new:])
+            if hit is not None:
+                del req.token_ids[req.num_tokens - num_new + hit.num_tokens :]  # after the stop
+                if not req.is_finished:
+                    self.scheduler.finish(req, FinishReason.STOP, hit.stop)
         outputs = [
             self._output(req)
-            for req in emitted
+            for req, _ in emitted
             if req.is_finished or req.sampling_params.output_kind == "cumulative"
         ]
         return outputs + self._collect_aborted()

@@ -48,8 +48,14 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def allocate_kv_caches(
-    config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_layers: int | None = None,  # default: the model's; the drafter has fewer
 ) -> list[torch.Tensor]:
     """One [2, num_pages, page_size, nkv, hd] tensor (K then V) per layer."""
     shape = (2, num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    n = config.num_layers if num_layers is None else num_layers
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]

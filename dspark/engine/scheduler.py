@@ -28,13 +28,19 @@ class ScheduledRow:
 
     request: Request
     start: int
-    num_tokens: int
+    num_tokens: int  # tokens fed to the target: a prefill chunk, or 1 + num_draft
     do_sample: bool  # the chunk reaches the last known token: its logits give the next one
+    num_draft: int = 0  # drafted positions verified this step (verify_len; 0: no window)
 
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> ScheduledRow:
         start = request.num_computed_tokens
         return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+
+    @classmethod
+    def window(cls, request: Request, num_draft: int) -> ScheduledRow:
+        """[anchor, num_draft drafts]: the drafts are made on the device during the step."""
+        return cls(request, request.num_computed_tokens, 1 + num_draft, True, num_draft)
 
     @property
     def end(self) -> int:
@@ -56,9 +62,11 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None = None
+class SampledTokens:
+    """What one row emitted this step: one token, or accepted drafts + a recovered/bonus one."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class Scheduler:
@@ -69,8 +77,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        draft_len: int = 0,  # drafted slots per block (0: no speculation)
+        max_verify: int | None = None,  # K: drafts verified per window (default draft_len)
     ) -> None:
         self.allocator = allocator
+        self.draft_len = draft_len
+        self.max_verify = draft_len if max_verify is None else max_verify
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,6 +107,12 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted by an earlier row this step
                 continue
+            num_draft = self._num_draft(req, budget)
+            if num_draft > 0:  # the drafter block writes K slots from the anchor on
+                if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
+                    rows.append(ScheduledRow.window(req, num_draft))
+                    budget -= 1 + num_draft
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0 or not self._reserve(req, req.num_computed_tokens + n, preempt=True):
                 continue
@@ -111,6 +129,28 @@ class Scheduler:
             rows.append(ScheduledRow.of(req, n))
             budget -= n
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before)
+
+    def _num_draft(self, req: Request, budget: int) -> int:
+        """Fixed-K speculation: how many drafts a decoding request verifies (0: no window).
+
+        Shortened so the step can never emit past max_tokens or max_model_len (a window of l
+        drafts emits up to l + 1 tokens); requests that opted out or want logprobs get 0.
+        """
+        sp = req.sampling_params
+        is_decoding = req.num_tokens - req.num_computed_tokens == 1
+        if (
+            self.draft_len == 0
+            or not is_decoding
+            or not sp.use_speculation
+            or sp.logprobs is not None
+        ):
+            return 0
+        if req.num_computed_tokens + 1 + self.draft_len > self.max_model_len:
+            return 0  # the drafter block would run past the page table
+        room = self.max_model_len - req.num_tokens - 1
+        if sp.max_tokens is not None:
+            room = min(room, sp.max_tokens - req.num_output_tokens - 1)
+        return max(0, min(self.max_verify, room, budget - 1))
 
     def _reserve(self, req: Request, num_tokens: int, preempt: bool) -> bool:
         """Make req own enough pages for num_tokens, preempting newer requests if allowed."""
@@ -139,23 +179,34 @@ class Scheduler:
 
     # ---- update ---------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, sampled: list[SampledToken | None]) -> list[Request]:
-        """Advance every scheduled request; returns the ones that emitted a token."""
+    def update(
+        self, plan: StepPlan, sampled: list[SampledTokens | None]
+    ) -> list[tuple[Request, int]]:
+        """Advance every scheduled request; returns (request, tokens appended) for each emitter.
+
+        A window row [anchor, drafts] that emitted n tokens has the anchor and n - 1 accepted
+        drafts in the KV cache now (start + n); slots past that are overwritten later.
+        """
         emitted = []
-        for row, token in zip(plan.rows, sampled, strict=True):
+        for row, out in zip(plan.rows, sampled, strict=True):
             req = row.request
             if req.status != RequestStatus.RUNNING:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = row.end
-            if token is None:
+            if out is None:
+                req.num_computed_tokens = row.end
                 continue
-            req.token_ids.append(token.token_id)
-            if token.logprobs is not None:
-                req.logprobs.append(token.logprobs)
-            emitted.append(req)
-            reason = self._token_stop(req, token.token_id)
-            if reason is not None:
-                self.finish(req, *reason)
+            is_window = row.num_draft > 0
+            req.num_computed_tokens = row.start + len(out.token_ids) if is_window else row.end
+            before = req.num_tokens
+            for i, token_id in enumerate(out.token_ids):
+                req.token_ids.append(token_id)
+                if out.logprobs is not None:
+                    req.logprobs.append(out.logprobs[i])
+                reason = self._token_stop(req, token_id)
+                if reason is not None:  # tokens after a stop inside accepted drafts are dropped
+                    self.finish(req, *reason)
+                    break
+            emitted.append((req, req.num_tokens - before))
         return emitted
 
     def _token_stop(self, req: Request, token_id: int) -> tuple[FinishReason, int | None] | None:

@@ -60,7 +60,7 @@ class InputBuffers:
         self.block_table_cpu, self.block_table = pair(
             (max_num_rows, max_pages_per_row), torch.int32
         )
-        self.logits_indices_cpu, self.logits_indices = pair(max_num_rows, torch.int64)
+        self.logits_indices_cpu, self.logits_indices = pair(max_num_tokens, torch.int64)
         self._pointers = self.data_ptrs()
         # what each block-table row holds: (request id, its preemption count, pages), so a row
         # is rewritten only when its request or page count changed (pages only ever grow while

@@ -1,6 +1,6 @@
 """Plan -> device tensors -> forward -> sampled tokens. The CPU/GPU boundary of the engine.
 
-The runner reads a StepPlan and never mutates requests: it returns one SampledToken (or None for
+The runner reads a StepPlan and never mutates requests: it returns one SampledTokens (or None for
 a prefill chunk that does not reach the end of its prompt) per plan row. A step whose rows all
 decode one token replays a captured CUDA graph when one fits; any other step runs eagerly on
 the same persistent buffers. Which path ran is counted in `stats`.
@@ -15,12 +15,13 @@ from collections import Counter
 import torch
 
 from dspark.engine.kv_cache import pages_for
-from dspark.engine.scheduler import SampledToken, ScheduledRow, StepPlan
+from dspark.engine.scheduler import SampledTokens, ScheduledRow, StepPlan
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
+from dspark.spec.spec_decoder import SpecDecoder, WindowRows
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ class ModelRunner:
         device: torch.device,
         graph_sizes: list[int] | None = None,  # decode batches pad to these sizes
         capture_graphs: bool = True,  # False: run the padded batches eagerly (tests, debugging)
+        spec: SpecDecoder | None = None,  # speculation: drafting, context, verification
     ) -> None:
         self.model = model
+        self.spec = spec
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = device
@@ -52,8 +55,12 @@ class ModelRunner:
         if device.type == "cuda":
             self._warm_up_eager(max_num_tokens)
         self.graphs = None
-        if self.graph_sizes and capture_graphs:
+        if self.graph_sizes and capture_graphs and spec is None:
             self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
+        elif self.graph_sizes and spec is not None:
+            # the decode graphs do not produce the drafter's tap features yet
+            logger.warning("speculation runs eagerly for now: decode CUDA graphs are off")
+            self.graph_sizes = []
 
     # ---- staging --------------------------------------------------------------------------
 
@@ -68,12 +75,17 @@ class ModelRunner:
         for i, row in enumerate(plan.rows):
             req, span = row.request, range(row.start, row.end)
             pages = req.page_ids
-            ids += req.token_ids[row.start : row.end]
+            if row.num_draft:  # [anchor, drafts]: the drafts are scattered in on the device
+                ids += [req.token_ids[row.start]] + [0] * row.num_draft
+            else:
+                ids += req.token_ids[row.start : row.end]
             positions += span
             slots += [pages[p // ps] * ps + p % ps for p in span]
             cu.append(cu[-1] + row.num_tokens)
             seq_lens.append(row.end)
-            if row.do_sample:
+            if row.num_draft:  # every window token is scored
+                logits_idx += range(cu[-2], cu[-1])
+            elif row.do_sample:
                 logits_idx.append(cu[-1] - 1)
             b.write_block_row(i, (req.request_id, req.num_preemptions, len(pages)), pages)
         t, num_rows, n = cu[-1], len(plan.rows), len(logits_idx)
@@ -122,7 +134,7 @@ class ModelRunner:
         """The captured size a pure-decode step pads to, or None (eager, reason counted)."""
         if not self.graph_sizes:
             return None
-        if not all(r.num_tokens == 1 and r.do_sample for r in plan.rows):
+        if not all(r.num_tokens == 1 and r.do_sample and not r.num_draft for r in plan.rows):
             self.stats["eager_steps_not_decode"] += 1
             return None
         i = bisect.bisect_left(self.graph_sizes, len(plan.rows))
@@ -132,38 +144,72 @@ class ModelRunner:
         return self.graph_sizes[i]
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
+        return self._run_model(layout).logits
+
+    def _run_model(self, layout: StepLayout, hidden_layers: tuple[int, ...] = ()):
         b = self.buffers
-        out = self.model(
+        return self.model(
             b.input_ids[: layout.num_tokens],
             b.positions[: layout.num_tokens],
             b.metadata(layout),
             self.kv_caches,
             b.logits_indices[: layout.num_logits],
+            hidden_layers,
         )
-        return out.logits
 
     # ---- the step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[SampledToken | None]:
+    def execute(self, plan: StepPlan) -> list[SampledTokens | None]:
         layout, graph_size = self._stage(plan)
         self.buffers.upload(layout)
+        windows, window_st, block = self._draft(plan)
         if graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(graph_size)
             self.stats["graph_steps"] += 1
         else:
-            logits = self._forward(layout)
+            out = self._run_model(layout, self.spec.taps if self.spec else ())
+            logits = out.logits
             self.stats["eager_steps"] += 1
-        sample_rows = [i for i, r in enumerate(plan.rows) if r.do_sample]
-        results: list[SampledToken | None] = [None] * len(plan.rows)
-        if sample_rows:
-            rows = [plan.rows[i] for i in sample_rows]
-            tokens = self._sample(logits[: len(rows)], rows)
-            for i, token in zip(sample_rows, tokens, strict=True):
-                results[i] = token
-        return results
+            if self.spec is not None:
+                b, t = self.buffers, layout.num_tokens
+                self.spec.append_context(out.hidden_states, b.positions[:t], b.slot_mapping[:t])
+        plain, window_logit_rows, logit_row = [], [], 0
+        for i, row in enumerate(plan.rows):
+            if row.num_draft:
+                window_logit_rows += range(logit_row, logit_row + row.num_tokens)
+                logit_row += row.num_tokens
+            elif row.do_sample:
+                plain.append((i, logit_row))
+                logit_row += 1
+        plain_rows = [plan.rows[i] for i, _ in plain]
+        tokens, lp = None, None
+        if plain:
+            tokens, lp = self._sample(logits[[r for _, r in plain]], plain_rows)
+        verified = None
+        if windows is not None:
+            verified = self.spec.verify(logits[window_logit_rows], windows, window_st, block)
+        return self._collect(plan, plain, plain_rows, tokens, lp, windows, verified)
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> list[SampledToken]:
+    def _draft(self, plan: StepPlan):
+        """Draft every window row (before the target forward, which verifies the drafts)."""
+        idx = [i for i, r in enumerate(plan.rows) if r.num_draft]
+        if not idx:
+            return None, None, None
+        rows = [plan.rows[i] for i in idx]
+        cu = self.buffers.np("cu_num_tokens")
+        windows = WindowRows(
+            anchors=[r.request.token_ids[r.start] for r in rows],
+            anchor_positions=[r.start for r in rows],
+            verify_len=[r.num_draft for r in rows],
+            token_offsets=[int(cu[i]) for i in idx],
+            page_ids=[r.request.page_ids for r in rows],
+        )
+        st = self._sampling_tensors(rows)
+        return windows, st, self.spec.draft(windows, st, self.buffers.input_ids)
+
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]):
+        """Tokens [N] (and logprobs) of the rows that sample one token, still on the device."""
         masked = self._ban_stop_tokens(logits, rows)
         if all(r.request.sampling_params.is_greedy for r in rows):
             tokens = masked.argmax(dim=-1)  # no sampling tensors to build or upload
@@ -173,19 +219,29 @@ class ModelRunner:
         lp = None
         if any(n is not None for n in wants):
             lp = top_logprobs(logits, tokens, max(n or 0 for n in wants))
+        return tokens, lp
+
+    def _collect(self, plan, plain, plain_rows, tokens, lp, windows, verified):
+        """Bring the step's results to the host and assign them to plan rows."""
+        results: list[SampledTokens | None] = [None] * len(plan.rows)
         # sync: the one host synchronisation of the step; copies after it read finished work
-        token_list = tokens.tolist()
-        if lp is None:
-            return [SampledToken(t) for t in token_list]
-        chosen, top_ids, top_vals = (x.tolist() for x in lp)
-        out = []
-        for j, (tok, n) in enumerate(zip(token_list, wants, strict=True)):
+        token_list = tokens.tolist() if tokens is not None else []
+        if verified is not None:
+            emitted, accepted = verified.tokens.tolist(), verified.num_accepted.tolist()
+            self.spec.record(windows.verify_len, accepted)
+            idx = [i for i, r in enumerate(plan.rows) if r.num_draft]
+            for j, i in enumerate(idx):
+                results[i] = SampledTokens(tuple(emitted[j][: accepted[j] + 1]))
+        lp_lists = [x.tolist() for x in lp] if lp is not None else None
+        for j, ((i, _), tok) in enumerate(zip(plain, token_list, strict=True)):
+            n = plain_rows[j].request.sampling_params.logprobs
             logprobs = None
-            if n is not None:
+            if n is not None and lp_lists is not None:
+                chosen, top_ids, top_vals = lp_lists
                 top = dict(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
-                logprobs = TokenLogprobs(tok, chosen[j], top)
-            out.append(SampledToken(tok, logprobs))
-        return out
+                logprobs = (TokenLogprobs(tok, chosen[j], top),)
+            results[i] = SampledTokens((tok,), logprobs)
+        return results
 
     def _sampling_tensors(self, rows: list[ScheduledRow]) -> SamplingTensors:
         params = [r.request.sampling_params for r in rows]

@@ -85,3 +85,53 @@ def test_speculative_config_errors(tiny_vocab_dir, vocab_drafter, tiny_llama_dir
             "num_speculative_tokens": 9}, **kw)  # fmt: skip
     with pytest.raises(ValueError, match="trained for another target"):
         LLM(str(tiny_llama_dir), speculative_config={"model": str(vocab_drafter)}, **kw)
+
+
+def _exact_pair_distribution(model, prompt, temperature, top_p):
+    """P(x2, x3) under the target with the same sampling transform, by enumerating x1, x2."""
+    from dspark.sample.sampler import SamplingTensors, sampling_probs
+    from tests.helpers import full_logits
+
+    def probs(ids):
+        st = SamplingTensors(torch.tensor([temperature]), torch.tensor([12]), torch.tensor([top_p]),
+                             torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                             False, False, top_p < 1.0)  # fmt: skip
+        return sampling_probs(full_logits(model, ids).logits[-1:], st)[0]
+
+    p1 = probs(prompt)
+    joint = torch.zeros(12, 12)
+    for x1 in range(12):
+        if p1[x1] == 0:
+            continue
+        p2 = probs(prompt + [x1])
+        for x2 in range(12):
+            if p2[x2] > 0:
+                joint[x2] += p1[x1] * p2[x2] * probs(prompt + [x1, x2])
+    return joint.reshape(-1)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_sampled_speculation_keeps_the_target_distribution(
+    tiny_vocab_dir, vocab_drafter, temperature, top_p
+):
+    """Tokens 2 and 3 of 6,000 seeded requests: token 1 comes from the prefill, then one
+    window of 1 draft (max_tokens 3) verifies token 2 and may emit token 3 as its bonus."""
+    n, prompt = 6000, [2, 3, 4]
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=2048,
+              speculative_config={"model": str(vocab_drafter)})  # fmt: skip
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_tokens=3,
+                             ignore_eos=True) for s in range(n)]  # fmt: skip
+    outs = _outputs(llm, [prompt] * n, params)
+    assert llm.engine.get_metrics()["num_accepted_tokens"] > 0
+    pairs = torch.tensor([o[1] * 12 + o[2] for o in outs])
+    counts = torch.bincount(pairs, minlength=144).float()
+    expected = _exact_pair_distribution(llm.engine.model, prompt, temperature, top_p) * n
+    assert counts[expected == 0].sum() == 0
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    dof = int(keep.sum()) - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # significance 0.001
+    assert stat < crit, (stat, dof, crit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -15,7 +16,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='JSON, e.g. \'{"method": "dspark", "model": "path/to/drafter"}\'',
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            speculative_config=args.speculative_config,
         )
     )
     tok = engine.tokenizer

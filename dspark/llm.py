@@ -31,6 +31,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_metrics(self) -> dict:
+        """Speculative decoding counters (vLLM's names): num_drafts, num_draft_tokens,
+        num_accepted_tokens, num_accepted_tokens_per_pos, mean_acceptance_length."""
+        return self.engine.get_metrics()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -134,17 +134,15 @@ class Scheduler:
         """Fixed-K speculation: how many drafts a decoding request verifies (0: no window).
 
         Shortened so the step can never emit past max_tokens or max_model_len (a window of l
-        drafts emits up to l + 1 tokens); requests that opted out or want logprobs get 0.
+        drafts emits up to l + 1 tokens); requests that opted out, or that are still under
+        their min_tokens (whose EOS ban runs on plain steps), get 0.
         """
         sp = req.sampling_params
         is_decoding = req.num_tokens - req.num_computed_tokens == 1
-        if (
-            self.draft_len == 0
-            or not is_decoding
-            or not sp.use_speculation
-            or sp.logprobs is not None
-        ):
+        if self.draft_len == 0 or not is_decoding or not sp.use_speculation:
             return 0
+        if req.num_output_tokens < sp.min_tokens:
+            return 0  # the min_tokens ban runs on plain steps
         if req.num_computed_tokens + 1 + self.draft_len > self.max_model_len:
             return 0  # the drafter block would run past the page table
         room = self.max_model_len - req.num_tokens - 1

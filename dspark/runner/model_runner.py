@@ -186,10 +186,25 @@ class ModelRunner:
         tokens, lp = None, None
         if plain:
             tokens, lp = self._sample(logits[[r for _, r in plain]], plain_rows)
-        verified = None
+        verified, window_lp = None, None
         if windows is not None:
-            verified = self.spec.verify(logits[window_logit_rows], windows, window_st, block)
-        return self._collect(plan, plain, plain_rows, tokens, lp, windows, verified)
+            window_logits = logits[window_logit_rows]
+            verified = self.spec.verify(window_logits, windows, window_st, block)
+            window_lp = self._window_logprobs(plan, window_logits, windows, verified)
+        return self._collect(plan, plain, plain_rows, tokens, lp, windows, verified, window_lp)
+
+    def _window_logprobs(self, plan: StepPlan, window_logits, windows, verified):
+        """The target's logprobs of each emitted window token: emitted token i of a window is
+        scored by window row i (the anchor's row scores the first). None if nobody asked."""
+        wants = [r.request.sampling_params.logprobs for r in plan.rows if r.num_draft]
+        if all(n is None for n in wants):
+            return None
+        lens = torch.tensor([1 + n for n in windows.verify_len], device=self.device)
+        owner = torch.repeat_interleave(torch.arange(len(lens), device=self.device), lens)
+        start = torch.cumsum(lens, 0) - lens
+        offset = torch.arange(int(lens.sum()), device=self.device) - start[owner]
+        tokens = verified.tokens[owner, offset]  # [Tw] the token each window row would emit
+        return top_logprobs(window_logits, tokens, max(n or 0 for n in wants))
 
     def _draft(self, plan: StepPlan):
         """Draft every window row (before the target forward, which verifies the drafts)."""
@@ -221,7 +236,7 @@ class ModelRunner:
             lp = top_logprobs(logits, tokens, max(n or 0 for n in wants))
         return tokens, lp
 
-    def _collect(self, plan, plain, plain_rows, tokens, lp, windows, verified):
+    def _collect(self, plan, plain, plain_rows, tokens, lp, windows, verified, window_lp):
         """Bring the step's results to the host and assign them to plan rows."""
         results: list[SampledTokens | None] = [None] * len(plan.rows)
         # sync: the one host synchronisation of the step; copies after it read finished work
@@ -229,9 +244,22 @@ class ModelRunner:
         if verified is not None:
             emitted, accepted = verified.tokens.tolist(), verified.num_accepted.tolist()
             self.spec.record(windows.verify_len, accepted)
+            wlp = [x.tolist() for x in window_lp] if window_lp is not None else None
             idx = [i for i, r in enumerate(plan.rows) if r.num_draft]
+            row0 = 0
             for j, i in enumerate(idx):
-                results[i] = SampledTokens(tuple(emitted[j][: accepted[j] + 1]))
+                toks = tuple(emitted[j][: accepted[j] + 1])
+                n = plan.rows[i].request.sampling_params.logprobs
+                logprobs = None
+                if n is not None and wlp is not None:
+                    chosen, top_ids, top_vals = wlp
+                    logprobs = tuple(
+                        TokenLogprobs(t, chosen[row0 + k], dict(zip(top_ids[row0 + k][:n],
+                                      top_vals[row0 + k][:n], strict=True)))
+                        for k, t in enumerate(toks)
+                    )  # fmt: skip
+                results[i] = SampledTokens(toks, logprobs)
+                row0 += 1 + windows.verify_len[j]
         lp_lists = [x.tolist() for x in lp] if lp is not None else None
         for j, ((i, _), tok) in enumerate(zip(plain, token_list, strict=True)):
             n = plain_rows[j].request.sampling_params.logprobs

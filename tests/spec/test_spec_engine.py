@@ -135,3 +135,36 @@ def test_sampled_speculation_keeps_the_target_distribution(
     dof = int(keep.sum()) - 1
     crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # significance 0.001
     assert stat < crit, (stat, dof, crit)
+
+
+def test_logprobs_with_speculation_equal_plain_logprobs(tiny_vocab_dir, vocab_drafter):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    kw = dict(dtype="float32", device="cpu", num_kv_pages=64)
+    plain = LLM(str(tiny_vocab_dir), **kw).generate(PROMPTS12, params, use_tqdm=False)
+    spec_llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(vocab_drafter)}, **kw)
+    spec = spec_llm.generate(PROMPTS12, params, use_tqdm=False)
+    assert spec_llm.engine.get_metrics()["num_accepted_tokens"] > 0
+    for a, b in zip(plain, spec, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t] == pytest.approx(lb[t], abs=1e-4)
+
+
+def test_stops_inside_accepted_drafts_and_min_tokens(tiny_vocab_dir, vocab_drafter):
+    """EOS can land inside a window: the request ends there, nothing after it is emitted."""
+    kw = dict(dtype="float32", device="cpu", num_kv_pages=256)
+    plain_llm = LLM(str(tiny_vocab_dir), **kw)
+    spec_llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(vocab_drafter)}, **kw)
+    eos = spec_llm.engine.eos_token_id
+    for extra in ({}, {"min_tokens": 6}, {"stop_token_ids": [5]}):
+        params = [SamplingParams(temperature=0, max_tokens=24, **extra)] * 4
+        prompts = [[2, 3, 4], [7, 8], [11, 10, 9], [6]]
+        plain = plain_llm.generate(prompts, params, use_tqdm=False)
+        spec = spec_llm.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(plain, spec, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+            if "min_tokens" in extra:
+                assert eos not in b.outputs[0].token_ids[:6]

@@ -11,12 +11,13 @@ same device, so the dspark/HF ratio carries no cross-run noise.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,7 @@ class BenchConfig:
     kv_cache_memory_gb: float | None = None  # None: pages for the largest level, no preemption
     max_num_batched_tokens: int | None = None  # None: the engine default, at least max C
     max_model_len: int | None = None
+    speculative_config: dict | None = field(default=None, hash=False)
     concurrency: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
     output_len: int = 256
     max_prompt_len: int = 512
@@ -138,6 +140,7 @@ def engine_kwargs(config: BenchConfig) -> dict:
         max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens
         or max(EngineConfig.max_num_batched_tokens, max_c),
+        speculative_config=config.speculative_config,
     )
     if config.kv_cache_memory_gb is not None:
         kwargs["kv_cache_memory_gb"] = config.kv_cache_memory_gb
@@ -206,12 +209,24 @@ def summarize_level(prompts: list[list[int]], runs: list[dict]) -> dict:
     }
 
 
+def _spec_delta(before: dict, after: dict) -> dict:
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+    d["mean_acceptance_length"] = (
+        1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
+    )
+    return d
+
+
 def run_dspark_sweep(llm, config: BenchConfig, batches: dict, warmup: list[list[int]]) -> dict:
     warm = run_dspark_once(llm, warmup, min(config.output_len, WARMUP_TOKENS))
     levels = []
     for c in config.concurrency:
+        before = llm.get_metrics()
         runs = [run_dspark_once(llm, batches[c], config.output_len) for _ in range(config.repeats)]
         levels.append(summarize_level(batches[c], runs))
+        if before:  # speculation: this level's drafts and acceptance
+            levels[-1]["speculation"] = _spec_delta(before, llm.get_metrics())
         tok_s = levels[-1]["output_tokens_per_s"]
         print(f"dspark C={c}: {tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
     return {
@@ -322,6 +337,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='JSON, e.g. \'{"method": "dspark", "model": "path/to/drafter"}\'',
+    )
+    p.add_argument(
         "--kv-cache-memory-gb",
         type=float,
         default=None,
@@ -362,6 +383,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         dtype=args.dtype,
         device=args.device,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        speculative_config=args.speculative_config,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         concurrency=parse_concurrency(args.concurrency),

@@ -168,3 +168,28 @@ def test_stops_inside_accepted_drafts_and_min_tokens(tiny_vocab_dir, vocab_draft
             assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
             if "min_tokens" in extra:
                 assert eos not in b.outputs[0].token_ids[:6]
+
+
+def test_bench_reports_speculation_per_level(tiny_llama_dir, llama_drafter, tmp_path):
+    import argparse
+    import json
+
+    from dspark.benchmarks.offline import add_bench_parser
+    from dspark.benchmarks.prompts import default_prompts_dir
+
+    if default_prompts_dir() is None:
+        pytest.skip("needs ../shared/data beside the repo")
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "spec.json"
+    args = parser.parse_args(
+        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32",
+         "--concurrency", "1,2", "--output-len", "6", "--max-prompt-len", "48",
+         "--sources", "gsm8k,vicuna", "--no-plot", "--out", str(out),
+         "--speculative-config", json.dumps({"model": str(llama_drafter)})]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    levels = json.loads(out.read_text())["dspark"]["levels"]
+    for lv in levels:
+        assert lv["output_tokens"] == 6 * lv["concurrency"]
+        assert lv["speculation"]["num_drafts"] > 0

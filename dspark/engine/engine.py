@@ -111,8 +111,7 @@ class LLMEngine:
             self.model_config, self.kv_plan.num_pages, self.config.page_size, self.dtype,
             self.device, num_layers=drafter.config.num_layers,
         )  # fmt: skip
-        spec = SpecDecoder(drafter, kv, self.config.page_size, self.device)
-        spec.num_verify = k
+        spec = SpecDecoder(drafter, kv, self.config.page_size, self.device, num_verify=k)
         logger.info("speculation: DSpark drafter %s, K = %d verified of %d drafted",
                     spec_config.model, k, draft_len)  # fmt: skip
         return spec

@@ -113,8 +113,10 @@ class Scheduler:
                     rows.append(ScheduledRow.window(req, num_draft))
                     budget -= 1 + num_draft
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0 or not self._reserve(req, req.num_computed_tokens + n, preempt=True):
+            remaining = req.num_tokens - req.num_computed_tokens
+            assert remaining >= 1, f"request {req.request_id} has no token left to compute"
+            n = min(remaining, budget)
+            if n == 0 or not self._reserve(req, req.num_computed_tokens + n, preempt=True):
                 continue
             rows.append(ScheduledRow.of(req, n))
             budget -= n

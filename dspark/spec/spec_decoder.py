@@ -45,14 +45,19 @@ class WindowRows:
 
 class SpecDecoder:
     def __init__(
-        self, drafter: DSparkDrafter, kv_caches: list[torch.Tensor], page_size: int, device
+        self,
+        drafter: DSparkDrafter,
+        kv_caches: list[torch.Tensor],
+        page_size: int,
+        device,
+        num_verify: int | None = None,  # K verified per window (<= draft_len; default all)
     ) -> None:
         self.drafter = drafter
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = device
         self.draft_len = drafter.config.draft_len
-        self.num_verify = self.draft_len  # K verified per window (<= draft_len)
+        self.num_verify = num_verify or self.draft_len
         self.taps = drafter.config.target_layers
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len

@@ -7,9 +7,11 @@ step():  plan = scheduler.schedule()      # who runs, how many tokens, which pag
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
+from pathlib import Path
 
 from dspark.config import EngineConfig
 from dspark.engine.detokenizer import Detokenizer
@@ -30,6 +32,17 @@ from dspark.spec.spec_decoder import SpecDecoder
 logger = logging.getLogger(__name__)
 
 
+def _drafter_layers(config: EngineConfig) -> int:
+    """Layers of the configured drafter (its KV shares the target's pages), 0 without one."""
+    spec = config.spec()
+    if spec is None:
+        return 0
+    path = Path(spec.model) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec.model} is not a DSpark drafter (no config.json)")
+    return int(json.loads(path.read_text()).get("num_layers", 0))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -44,7 +57,7 @@ class LLMEngine:
             model_config, weights, self.dtype, self.device, backend
         )
         del weights
-        self.kv_plan = plan_kv(config, self.model, self.dtype, self.device)
+        self.kv_plan = plan_kv(config, self.model, self.dtype, self.device, _drafter_layers(config))
         self.max_model_len = self.kv_plan.max_model_len
         kv_caches = allocate_kv_caches(
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device

@@ -39,10 +39,15 @@ class KVPlan:
 
 
 def plan_kv(
-    config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    extra_layers: int = 0,  # the DSpark drafter's layers: its context cache shares the pages
 ) -> KVPlan:
     mc = model.config
-    page_bytes = kv_bytes_per_token(mc, dtype) * config.page_size
+    per_layer = kv_bytes_per_token(mc, dtype) // mc.num_layers
+    page_bytes = per_layer * (mc.num_layers + extra_layers) * config.page_size
     if config.num_kv_pages is not None:
         num_pages = config.num_kv_pages
     else:

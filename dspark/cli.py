@@ -78,6 +78,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(
                     f"[{n} tokens, finish_reason={out.outputs[0].finish_reason}]", file=sys.stderr
                 )
+    metrics = engine.get_metrics()
+    if metrics.get("num_drafts"):
+        print(
+            f"[speculation: mean acceptance length {metrics['mean_acceptance_length']:.2f}]",
+            file=sys.stderr,
+        )
     return 0
 
 

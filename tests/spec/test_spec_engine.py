@@ -193,3 +193,15 @@ def test_bench_reports_speculation_per_level(tiny_llama_dir, llama_drafter, tmp_
     for lv in levels:
         assert lv["output_tokens"] == 6 * lv["concurrency"]
         assert lv["speculation"]["num_drafts"] > 0
+
+
+def test_cli_generate_with_speculation(tiny_llama_dir, llama_drafter, capsys):
+    import json
+
+    from dspark.cli import main
+
+    rc = main(["generate", "Hello", "--model", str(tiny_llama_dir), "--device", "cpu",
+               "--dtype", "float32", "--max-tokens", "6", "--kv-cache-memory-gb", "0.01",
+               "--speculative-config", json.dumps({"model": str(llama_drafter)})])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 0 and "speculation: mean acceptance length" in err

@@ -4,6 +4,11 @@ The runner reads a StepPlan and never mutates requests: it returns one SampledTo
 a prefill chunk that does not reach the end of its prompt) per plan row. A step whose rows all
 decode one token replays a captured CUDA graph when one fits; any other step runs eagerly on
 the same persistent buffers. Which path ran is counted in `stats`.
+
+With speculation, window rows [anchor, drafts] are drafted first (SpecDecoder.draft writes the
+drafts into the input buffer on the device), every window token is scored, the tap features of
+all tokens go to the drafter cache, and the windows are verified; plain rows sample as usual.
+Both results come to the host in the step's one synchronisation (`_collect`).
 """
 
 from __future__ import annotations

@@ -20,3 +20,8 @@ def full_logits(model, token_ids: list[int], page_size: int = 16, hidden_layers=
     ids = torch.tensor(token_ids, device=device)
     positions = torch.arange(len(token_ids), device=device)
     return model(ids, positions, attn, kv, None, hidden_layers)
+
+
+def chi2_critical_001(dof: int) -> float:
+    """Chi-square critical value at significance 0.001 (Wilson-Hilferty, z = 3.09)."""
+    return dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3

@@ -17,6 +17,7 @@ from dspark.models.dspark_drafter import (
 )
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
+from tests.helpers import chi2_critical_001
 from tests.tiny_models import _llama_config, save_random_model
 
 K, PAGE = 4, 4
@@ -179,8 +180,7 @@ def test_draft_block_follows_the_markov_chain(target):
     big = p * n >= 5
     stat = (((counts[big] - n * p[big]) ** 2) / (n * p[big])).sum().item()
     dof = int(big.sum()) - 1
-    # chi-square critical value at significance 0.001 (Wilson-Hilferty, z = 3.09)
-    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    crit = chi2_critical_001(dof)
     assert stat < crit, (stat, dof, crit)
     greedy = draft_block(drafter, hidden[:2], anchors[:2], torch.full((2,), 20),
                          _st(2, 0.0, torch.arange(2)))  # fmt: skip

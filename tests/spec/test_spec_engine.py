@@ -9,6 +9,7 @@ from dspark import LLM, SamplingParams
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
 from dspark.models.llama import build_model
 from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
+from tests.helpers import chi2_critical_001
 
 K = 4
 
@@ -133,7 +134,7 @@ def test_sampled_speculation_keeps_the_target_distribution(
     keep = exp > 0
     stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
     dof = int(keep.sum()) - 1
-    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # significance 0.001
+    crit = chi2_critical_001(dof)
     assert stat < crit, (stat, dof, crit)
 
 

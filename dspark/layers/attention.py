@@ -67,8 +67,17 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, nkv, hd]
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, d]
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, kv_cache, attn))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size], qkv_proj's output (triton rotates it)
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, nkv, hd]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, q_size], before o_proj
+        """Rotary, the K/V store and attention, between the two projections."""
+        T = qkv.shape[0]
         if self.use_triton:  # rotates q and k in place and stores k, v: one launch
             from dspark.kernels.rotary_triton import rotary_qkv
 
@@ -82,4 +91,4 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
             self._store_kv(k, v, kv_cache, attn.slot_mapping)
         o = self._attend(q, kv_cache, attn, self.scale)  # [T, nh, hd]
-        return self.o_proj(o.reshape(T, self.q_size))
+        return o.reshape(T, self.q_size)

@@ -3,6 +3,12 @@
 One forward runs any ragged mix of prefill chunks, decode tokens and verify windows. It returns
 logits only for the rows asked for (`logits_indices`) and, on request, the residual stream after
 chosen decoder layers (the DSpark drafter's context features).
+
+With the triton backend, a step of at most SKINNY_MAX_ROWS (16) tokens runs the skinny decoder
+layers: each norm and the SiLU-and-mul are folded into the projection after them
+(dspark/kernels/skinny_linear_triton.py): 5 launches per layer besides attention, not 8. The
+token count is known on the host from the input's shape (and fixed inside a CUDA graph), so the
+whole step takes one path.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add is deferred into the next norm (one fused kernel):
     takes (x, residual) with the stream = x + residual, returns the same pair after the block.
+    `skinny` (triton backend, T <= 16) runs the same block with the norms fused into the
+    projections after them.
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
@@ -65,7 +73,10 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
+        skinny: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if skinny:
+            return self._skinny_forward(x, residual, positions, kv_cache, attn)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -73,6 +84,44 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(h, positions, kv_cache, attn)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
+
+    def _skinny_forward(
+        self,
+        x: torch.Tensor,  # [T, d], T <= 16
+        residual: torch.Tensor | None,  # [T, d]
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # launches: [add_rmsnorm + qkv], rotary + KV store, attention, [o_proj],
+        # [add_rmsnorm + gate_up], [silu_mul + down]
+        from dspark.kernels import skinny_linear_triton as skinny
+
+        attn_layer, mlp = self.self_attn, self.mlp
+        qkv, residual = _norm_linear(self.input_layernorm, x, residual, attn_layer.qkv_proj)
+        o = attn_layer.attend(qkv, positions, kv_cache, attn)  # [T, q_size]
+        x = skinny.skinny_linear(o, attn_layer.o_proj.weight)  # [T, d]
+        gate_up, residual = _norm_linear(
+            self.post_attention_layernorm, x, residual, mlp.gate_up_proj
+        )
+        return skinny.skinny_silu_mul_linear(gate_up, mlp.down_proj.weight), residual
+
+
+def _norm_linear(
+    norm: RMSNorm,
+    x: torch.Tensor,  # [T, d]
+    residual: torch.Tensor | None,  # [T, d]; None in the first layer (stream = x)
+    linear: nn.Linear,
+) -> tuple[torch.Tensor, torch.Tensor]:  # linear(norm(stream)) [T, N], the stream [T, d]
+    """`linear(norm(x, residual))` in one skinny launch."""
+    from dspark.kernels import skinny_linear_triton as skinny
+
+    if residual is None:
+        y = skinny.skinny_rmsnorm_linear(x, norm.weight, norm.eps, linear.weight, linear.bias)
+        return y, x
+    return skinny.skinny_add_rmsnorm_linear(
+        x, residual, norm.weight, norm.eps, linear.weight, linear.bias
+    )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -88,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.use_skinny = attention_backend == "triton"  # bench/kernels_skinny.py compares
 
     def forward(
         self,
@@ -101,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, d]
         residual = None
         hidden_states = {}
+        skinny = self._is_skinny(input_ids.shape[0])
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, kv_caches[i], attn)
+            x, residual = layer(x, residual, positions, kv_caches[i], attn, skinny)
             if i in hidden_layers:
                 hidden_states[i] = x + residual  # the stream after layer i
         if logits_indices is not None:
@@ -110,6 +161,13 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(x, residual)
         logits = self.lm_head(h).float()  # [N, vocab]
         return ModelOutput(logits, hidden_states)
+
+    def _is_skinny(self, num_tokens: int) -> bool:
+        if not self.use_skinny:
+            return False
+        from dspark.kernels.skinny_linear_triton import SKINNY_MAX_ROWS
+
+        return num_tokens <= SKINNY_MAX_ROWS
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

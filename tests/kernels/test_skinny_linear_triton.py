@@ -13,11 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+from dspark.engine.kv_cache import allocate_kv_caches
 from dspark.kernels import skinny_linear_triton as skinny
 from dspark.kernels.rmsnorm_triton import fused_add_rmsnorm_ref, rmsnorm_ref
 from dspark.kernels.silu_mul_triton import silu_and_mul_ref
 from dspark.kernels.skinny_linear_triton import SkinnyConfig
+from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.models.llama import build_model
+from dspark.models.model_config import ModelConfig
+from tests.tiny_models import _llama_config, save_random_model
 
 EPS = 1e-5
 DTYPES = [torch.float32, torch.bfloat16]
@@ -182,3 +188,82 @@ def test_default_config_fills_an_h200():
     assert skinny.default_config(960, 576).block_n == 16
     assert skinny.default_config(576, 1536).block_n == 16
     assert skinny.default_config(40, 24).block_k == 32
+
+
+# -- the model's skinny path -----------------------------------------------------------------
+
+PAGE_SIZE = 4
+BLOCK_TABLE = [[1, 2, 3], [4, 5, 0], [6, 7, 8]]  # pages of requests 0, 1, 2 (0: scratch, unused)
+
+
+def step_metadata(
+    num_cached: list[int], q_lens: list[int], device: torch.device
+) -> tuple[AttentionMetadata, torch.Tensor]:  # the step's metadata, positions [T]
+    """Request r appends q_lens[r] tokens after its num_cached[r] cached ones.
+
+    num_cached [7, 5, 9], q_lens [1, 1, 1] (a decode batch), PAGE_SIZE 4:
+      positions:     [7, 5, 9]
+      slot_mapping:  [2*4 + 3, 5*4 + 1, 8*4 + 1] = [11, 21, 33]   (page BLOCK_TABLE[r][pos // 4])
+    """
+    positions = [c + j for c, q in zip(num_cached, q_lens, strict=True) for j in range(q)]
+    owners = [r for r, q in enumerate(q_lens) for _ in range(q)]
+    slots = [BLOCK_TABLE[r][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
+             for r, p in zip(owners, positions, strict=True)]  # fmt: skip
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    seq_lens = [c + q for c, q in zip(num_cached, q_lens, strict=True)]
+    attn = AttentionMetadata(
+        cu_num_tokens=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, device=device),
+        block_table=torch.tensor(BLOCK_TABLE, dtype=torch.int32, device=device),
+        cu_num_tokens_cpu=tuple(cu),
+        seq_lens_cpu=tuple(seq_lens),
+    )
+    return attn, torch.tensor(positions, device=device)
+
+
+PREFILL_LENS = [7, 5, 9]  # 21 tokens: more than 16, the unfused path
+# a decoder layer's skinny GEMMs: qkv, o_proj, gate_up, down (the first layer has no residual)
+FIRST_LAYER_PROLOGUES = ["rmsnorm", "none", "add_rmsnorm", "silu_mul"]
+LAYER_PROLOGUES = ["add_rmsnorm", "none", "add_rmsnorm", "silu_mul"]
+
+
+def prefill_then_decode(model, kv: list[torch.Tensor], device: torch.device) -> tuple:
+    """A ragged prefill of 3 requests, then one decode token each (T 3: the skinny path).
+    Returns the tensors to compare: both steps' logits, the decode's taps and the KV caches."""
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.inference_mode():
+        attn, positions = step_metadata([0, 0, 0], PREFILL_LENS, device)
+        last_rows = torch.tensor([6, 11, 20], device=device)
+        prefill = model(ids[:21], positions, attn, kv, last_rows)
+        attn, positions = step_metadata(PREFILL_LENS, [1, 1, 1], device)
+        decode = model(ids[21:], positions, attn, kv, None, (0, 1))
+    return (prefill.logits, decode.logits, decode.hidden_states[0], decode.hidden_states[1], *kv)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+def test_skinny_model_matches_torch_backend(tmp_path, device, monkeypatch, arch: str):
+    # fp32, so only the order of float32 additions differs: tight tolerance
+    hf_config = _llama_config(128, arch, num_attention_heads=6, num_key_value_heads=2,
+                              hidden_size=96, intermediate_size=80)  # fmt: skip
+    save_random_model(tmp_path, hf_config)
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    assert config.attention_bias == (arch == "qwen2")
+    weights = load_file(tmp_path / "model.safetensors")
+    outputs = {}
+    for backend in ("torch", "triton"):
+        model = build_model(config, weights, torch.float32, device, backend)
+        kv = allocate_kv_caches(config, 9, PAGE_SIZE, torch.float32, device)
+        outputs[backend] = prefill_then_decode(model, kv, device)
+    for got, want in zip(outputs["triton"], outputs["torch"], strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+    # the skinny kernels ran in the decode step only, four per layer
+    launches = []
+    launch = skinny._launch
+    monkeypatch.setattr(skinny, "_launch", lambda *a: launches.append(a[0]) or launch(*a))
+    kv = allocate_kv_caches(config, 9, PAGE_SIZE, torch.float32, device)
+    prefill_then_decode(model, kv, device)
+    assert launches == FIRST_LAYER_PROLOGUES + LAYER_PROLOGUES

@@ -33,6 +33,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
     attention_backend: str = "auto"
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
+    # schedule and launch step N+1 before reading step N's tokens back (host work overlaps the
+    # GPU's); off, or with speculation for now, every step waits for its own results
+    async_scheduling: bool = True
     seed: int = 0  # draws the seeds of requests that set none
     # {"method": "dspark", "model": PATH, "num_speculative_tokens": K}; None: no speculation
     speculative_config: dict | None = field(default=None, hash=False)

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from dspark.sampling_params import SamplingParams
 
+# A sampled token whose value is still on the device (async scheduling): the scheduler counts it,
+# the runner feeds it to the next step from the device, the step's results replace it.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -38,7 +42,8 @@ class Request:
     eos_token_id: int | None
     arrival_time: float
     prompt: str | None = None
-    # prompt + output tokens; the last one is not in the KV cache yet once sampled
+    # prompt + output tokens; the last one is not in the KV cache yet once sampled. Under async
+    # scheduling the last one or two may be PENDING_TOKEN until their step's results arrive.
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     page_ids: list[int] = field(default_factory=list)
@@ -68,7 +73,11 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Output tokens known on the host (pending ones, always at the end, left out)."""
+        out = self.token_ids[self.num_prompt_tokens :]
+        while out and out[-1] == PENDING_TOKEN:
+            out = out[:-1]
+        return out
 
     @property
     def is_finished(self) -> bool:

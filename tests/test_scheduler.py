@@ -21,6 +21,7 @@ def _scheduler(num_pages=64, page_size=4, max_num_seqs=8, budget=16, max_model_l
 
 def _step(s: Scheduler, token: int = 7):
     plan = s.schedule()
+    s.advance(plan)
     s.update(plan, [SampledTokens((token,)) if r.do_sample else None for r in plan.rows])
     return plan
 

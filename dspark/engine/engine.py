@@ -1,8 +1,20 @@
 """The engine: requests in, one step at a time, outputs out.
 
 step():  plan = scheduler.schedule()      # who runs, how many tokens, which pages
+         scheduler.advance(plan)          # count the rows' work; placeholders for new tokens
          sampled = runner.execute(plan)   # one forward + sampling, one host sync
-         return self._update(plan, sampled)  # append tokens, detokenize, stop, free
+         return self._update(plan, sampled)  # write tokens, detokenize, stop, free
+
+Async scheduling (the default without speculation) overlaps the host's work with the GPU's:
+step N+1 is scheduled and launched before step N's tokens are read back, its decode rows taking
+their input tokens from step N's output on the device; then step N is collected and its tokens
+written, detokenized and checked for stops while the GPU runs N+1:
+
+    host:  schedule N+1 | launch N+1 | wait N, update N | schedule N+2 | launch N+2 | wait N+1 ..
+    GPU:   .... step N ....| ........ step N+1 ........ | ........ step N+2 ........
+
+A request that stops at step N (EOS, stop string) already has a row in N+1; that row's token
+is dropped. Outputs therefore reach the caller one step after their token was computed.
 """
 
 from __future__ import annotations
@@ -23,9 +35,9 @@ from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import CompletionOutput, RequestOutput
-from dspark.request import FinishReason, Request
+from dspark.request import PENDING_TOKEN, FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
-from dspark.runner.model_runner import ModelRunner
+from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.spec_decoder import SpecDecoder
 
@@ -96,6 +108,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
         self._aborted: list[Request] = []
+        # speculation needs each window's anchor on the host: it runs synchronously for now
+        self.async_scheduling = config.async_scheduling and self.spec is None
+        self._in_flight: InFlightStep | None = None
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -124,7 +139,8 @@ class LLMEngine:
             self.model_config, self.kv_plan.num_pages, self.config.page_size, self.dtype,
             self.device, num_layers=drafter.config.num_layers,
         )  # fmt: skip
-        spec = SpecDecoder(drafter, kv, self.config.page_size, self.device, num_verify=k)
+        spec = SpecDecoder(drafter, kv, self.config.page_size, self.device, num_verify=k,
+                           max_rows=self.config.max_num_seqs)  # fmt: skip
         logger.info("speculation: DSpark drafter %s, K = %d verified of %d drafted",
                     spec_config.model, k, draft_len)  # fmt: skip
         return spec
@@ -217,34 +233,68 @@ class LLMEngine:
             self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._collect_aborted()
+        self.scheduler.advance(plan)
         sampled = self.runner.execute(plan)
-        return self._update(plan, sampled)
+        return self._update(plan, sampled) + self._collect_aborted()
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch step N+1, then finish step N (see the module docstring)."""
+        previous, self._in_flight = self._in_flight, None
+        outputs = []
+        plan = self.scheduler.schedule()
+        if not plan.is_empty:
+            if previous is not None and not self._can_launch_ahead(plan, previous):
+                outputs, previous = self._finish(previous), None
+            self.scheduler.advance(plan)
+            self._in_flight = self.runner.launch(plan)
+        if previous is not None:
+            outputs += self._finish(previous)
+        return outputs + self._collect_aborted()
+
+    def _finish(self, step: InFlightStep) -> list[RequestOutput]:
+        return self._update(step.plan, self.runner.collect(step))
+
+    @staticmethod
+    def _can_launch_ahead(plan, previous: InFlightStep) -> bool:
+        """A pending token may only be the one input of a decode row, fed from `previous`
+        (a preempted request re-admitted at once would need its pending token on the host)."""
+        sampled_by_previous = {previous.plan.rows[i].request.request_id for i in previous.plain}
+        for row in plan.rows:
+            tokens = row.request.token_ids[row.start : row.end]
+            if PENDING_TOKEN in tokens and (
+                row.num_tokens != 1 or row.request.request_id not in sampled_by_previous
+            ):
+                return False
+        return True
 
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)
         now = time.monotonic()
-        for req, num_new in emitted:
+        outputs = []
+        for req, first, count in emitted:
             if req.first_token_time is None:
                 req.first_token_time = now
-            hit = self._detokenizers[req.request_id].add_tokens(req.token_ids[-num_new:])
+            hit = self._detokenizers[req.request_id].add_tokens(
+                req.token_ids[first : first + count]
+            )
             if hit is not None:
-                del req.token_ids[req.num_tokens - num_new + hit.num_tokens :]  # after the stop
+                del req.token_ids[first + hit.num_tokens :]  # after the stop (placeholders too)
+                del req.logprobs[req.num_output_tokens :]
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.STOP, hit.stop)
-        outputs = [
-            self._output(req)
-            for req, _ in emitted
-            if req.is_finished or req.sampling_params.output_kind == "cumulative"
-        ]
-        return outputs + self._collect_aborted()
+            if req.is_finished or req.sampling_params.output_kind == "cumulative":
+                outputs.append(self._output(req))
+        return outputs
 
     def _collect_aborted(self) -> list[RequestOutput]:
         # aborted requests emit nothing more: reported once here, then forgotten

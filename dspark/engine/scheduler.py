@@ -1,7 +1,12 @@
 """Continuous batching: which requests run this step, with how many tokens, in which pages.
 
-`schedule()` returns a frozen StepPlan; `update()` applies the step's sampled tokens. These two
-are the only places that mutate requests and KV pages.
+`schedule()` returns a frozen StepPlan; `advance()` moves the plan's rows forward before the
+step runs (each row that samples gets a PENDING_TOKEN placeholder); `update()` writes the
+sampled values over the placeholders and applies stops. These are the only places that mutate
+requests and KV pages. Between advance and update nothing depends on a token's value, which is
+what lets the engine schedule step N+1 before step N's tokens reach the host (async
+scheduling): a request whose pending token turns out to be a stop has one wasted row in N+1,
+whose output is dropped.
 
 Policy (vLLM-style, one token budget per step):
 1. running requests first, in admission order: a decoding request takes 1 token, one still
@@ -19,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dspark.engine.kv_cache import PageAllocator, pages_for
-from dspark.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted by an earlier row this step
                 continue
+            if req.token_ids[-1] == PENDING_TOKEN and self._reaches_length(req):
+                continue  # its pending token is its last: it ends once the value arrives
             num_draft = self._num_draft(req, budget)
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
@@ -152,6 +159,12 @@ class Scheduler:
             room = min(room, sp.max_tokens - req.num_output_tokens - 1)
         return max(0, min(self.max_verify, room, budget - 1))
 
+    def _reaches_length(self, req: Request) -> bool:
+        sp = req.sampling_params
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return True
+        return req.num_tokens >= self.max_model_len
+
     def _reserve(self, req: Request, num_tokens: int, preempt: bool) -> bool:
         """Make req own enough pages for num_tokens, preempting newer requests if allowed."""
         need = pages_for(num_tokens, self.page_size) - len(req.page_ids)
@@ -177,48 +190,77 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    # ---- update ---------------------------------------------------------------------------
+    # ---- advance and update ---------------------------------------------------------------
+
+    def advance(self, plan: StepPlan) -> None:
+        """Count the plan's work as done before it runs: KV lengths move to the rows' ends and
+        each plain row that samples appends a placeholder for its token (at index row.end).
+
+        Window rows [anchor, drafts] emit a number of tokens only verification knows; they
+        advance in update().
+        """
+        for row in plan.rows:
+            if row.num_draft:
+                continue
+            req = row.request
+            req.num_computed_tokens = row.end
+            if row.do_sample:
+                req.token_ids.append(PENDING_TOKEN)
 
     def update(
         self, plan: StepPlan, sampled: list[SampledTokens | None]
-    ) -> list[tuple[Request, int]]:
-        """Advance every scheduled request; returns (request, tokens appended) for each emitter.
+    ) -> list[tuple[Request, int, int]]:
+        """Apply a finished step; returns (request, index of its first new token, count) for
+        every row that emitted.
 
-        A window row [anchor, drafts] that emitted n tokens has the anchor and n - 1 accepted
-        drafts in the KV cache now (start + n); slots past that are overwritten later.
+        A plain row's token replaces the placeholder at index row.end; a window row [anchor,
+        drafts] that emitted n tokens has the anchor and n - 1 accepted drafts in the KV cache
+        now (start + n) and appends its tokens. Stops are judged by each token's index, not by
+        the list's length, which may already hold the next step's placeholder; tokens after a
+        stop (accepted drafts, a placeholder) are dropped. Requests that finished meanwhile
+        (aborted, stopped at an earlier step) are skipped; preempted ones still get their token.
         """
         emitted = []
         for row, out in zip(plan.rows, sampled, strict=True):
             req = row.request
-            if req.status != RequestStatus.RUNNING:  # aborted while the step ran
+            if out is None or req.is_finished:
                 continue
-            if out is None:
-                req.num_computed_tokens = row.end
-                continue
-            is_window = row.num_draft > 0
-            req.num_computed_tokens = row.start + len(out.token_ids) if is_window else row.end
-            before = req.num_tokens
+            if row.num_draft:
+                first = req.num_tokens
+                req.num_computed_tokens = row.start + len(out.token_ids)
+                req.token_ids.extend(out.token_ids)
+            else:
+                first = row.end
+                assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
+                (req.token_ids[first],) = out.token_ids
+            count = len(out.token_ids)
+            if out.logprobs is not None:
+                req.logprobs.extend(out.logprobs)
             for i, token_id in enumerate(out.token_ids):
-                req.token_ids.append(token_id)
-                if out.logprobs is not None:
-                    req.logprobs.append(out.logprobs[i])
-                reason = self._token_stop(req, token_id)
-                if reason is not None:  # tokens after a stop inside accepted drafts are dropped
+                reason = self._token_stop(req, token_id, first + i)
+                if reason is not None:
+                    count = i + 1
+                    del req.token_ids[first + count :]
+                    del req.logprobs[req.num_output_tokens :]
                     self.finish(req, *reason)
                     break
-            emitted.append((req, req.num_tokens - before))
+            emitted.append((req, first, count))
         return emitted
 
-    def _token_stop(self, req: Request, token_id: int) -> tuple[FinishReason, int | None] | None:
+    def _token_stop(
+        self, req: Request, token_id: int, index: int
+    ) -> tuple[FinishReason, int | None] | None:
+        """Does the token at `index` of req.token_ids end the request?"""
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        num_output = index + 1 - req.num_prompt_tokens  # outputs up to and including it
+        if num_output >= sp.min_tokens:
             if not sp.ignore_eos and token_id == req.eos_token_id:
                 return FinishReason.STOP, None
             if token_id in sp.stop_token_ids:
                 return FinishReason.STOP, token_id
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
             return FinishReason.LENGTH, None
-        if req.num_tokens >= self.max_model_len:
+        if index + 1 >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None
 

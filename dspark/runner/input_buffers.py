@@ -66,6 +66,16 @@ class InputBuffers:
         # is rewritten only when its request or page count changed (pages only ever grow while
         # a request runs; a preemption rebuilds them and bumps the count)
         self._block_row_keys: list[tuple | None] = [None] * max_num_rows
+        self._uploaded: torch.cuda.Event | None = None  # the last upload's copies are done
+
+    def wait_for_upload(self) -> None:
+        """Before the host rewrites the staging buffers: the previous step's async copies out of
+        them must have run. Under async scheduling that step may still be queued; by the time
+        the host stages again it has long started, so this wait is for a few microseconds of
+        copies at most (it is not the step's result synchronisation)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
 
     def write_block_row(self, row: int, key: tuple, pages: list[int]) -> None:
         if self._block_row_keys[row] == key:
@@ -111,6 +121,8 @@ class InputBuffers:
             ("logits_indices", n),
         ):
             getattr(self, name)[:used].copy_(getattr(self, f"{name}_cpu")[:used], True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
 
     def metadata(self, layout: StepLayout) -> AttentionMetadata:
         """Views of the persistent buffers for this step's used sizes (never copies)."""
@@ -124,14 +136,22 @@ class InputBuffers:
             seq_lens_cpu=layout.seq_lens_cpu,
         )
 
-    def write_pad_rows(self, start_row: int, start_token: int, num_pad_rows: int) -> None:
-        """Rows start_row.. get one pad token each, on the scratch page (never a live page)."""
-        t0, t1 = start_token, start_token + num_pad_rows
+    def write_pad_rows(
+        self, start_row: int, start_token: int, num_pad_rows: int, width: int = 1
+    ) -> None:
+        """Rows start_row.. get `width` pad tokens each (a decode token, or a pad window of a
+        speculative graph), all on the scratch page (never a live page).
+
+          start_row 2, start_token 5, 2 pad rows of width 3:
+          tokens 5..10, positions [0 1 2 0 1 2], slots all PAD_SLOT, cu[3:5] = [8, 11],
+          seq_lens [3, 3] (a pad row sees its own window: scratch-page keys only)
+        """
+        t0, t1 = start_token, start_token + num_pad_rows * width
         self.np("input_ids")[t0:t1] = PAD_TOKEN_ID
-        self.np("positions")[t0:t1] = 0
+        self.np("positions")[t0:t1] = np.tile(np.arange(width), num_pad_rows)
         self.np("slot_mapping")[t0:t1] = PAD_SLOT
         r1 = start_row + num_pad_rows
-        self.np("cu_num_tokens")[start_row + 1 : r1 + 1] = np.arange(t0 + 1, t1 + 1)
-        self.np("seq_lens")[start_row:r1] = 1
+        self.np("cu_num_tokens")[start_row + 1 : r1 + 1] = np.arange(t0 + width, t1 + 1, width)
+        self.np("seq_lens")[start_row:r1] = width
         self.np("block_table")[start_row:r1] = SCRATCH_PAGE
         self._block_row_keys[start_row:r1] = [None] * num_pad_rows

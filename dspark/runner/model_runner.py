@@ -5,9 +5,10 @@ a prefill chunk that does not reach the end of its prompt) per plan row. A step 
 decode one token replays a captured CUDA graph when one fits; any other step runs eagerly on
 the same persistent buffers. Which path ran is counted in `stats`.
 
-With speculation, window rows [anchor, drafts] are drafted first (SpecDecoder.draft writes the
-drafts into the input buffer on the device), every window token is scored, the tap features of
-all tokens go to the drafter cache, and the windows are verified; plain rows sample as usual.
+With speculation, window rows [anchor, drafts] go through SpecDecoder.step: drafted first (the
+drafts are written into the input buffer on the device), every window token scored, the tap
+features of all tokens appended to the drafter cache, the windows verified; plain rows sample
+as usual. A step of only full windows replays a captured speculative graph (SpecGraphs).
 Both results come to the host in the step's one synchronisation (`_collect`).
 """
 
@@ -16,19 +17,46 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from dspark.engine.kv_cache import pages_for
 from dspark.engine.scheduler import SampledTokens, ScheduledRow, StepPlan
 from dspark.models.llama import LlamaForCausalLM
-from dspark.request import TokenLogprobs
+from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout
+from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
-from dspark.spec.spec_decoder import SpecDecoder, WindowRows
+from dspark.spec.spec_buffers import SamplingMode, WindowRow
+from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: its plan and the host copies of its results, valid once `done`."""
+
+    plan: StepPlan
+    plain: list[int]  # plan rows that sampled one token, in the order of `tokens`
+    tokens: torch.Tensor | None = None  # [len(plain)]
+    logprobs: tuple[torch.Tensor, ...] | None = None
+    window_rows: list[int] | None = None  # plan rows with a window, in verification order
+    verify_len: list[int] | None = None
+    verified: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens, num accepted
+    window_logprobs: tuple[torch.Tensor, ...] | None = None
+    done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
+
+
+def _to_host(x):
+    """Queue device -> pinned host copies (a tensor or a tuple of them); None stays None."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(t.to("cpu", non_blocking=True) for t in x)
+    return x.to("cpu", non_blocking=True)
 
 
 class ModelRunner:
@@ -60,11 +88,18 @@ class ModelRunner:
         if device.type == "cuda":
             self._warm_up_eager(max_num_tokens)
         self.graphs = None
+        self.spec_graphs = None
         if self.graph_sizes and capture_graphs and spec is None:
             self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
         elif self.graph_sizes and spec is not None:
-            # the decode graphs do not produce the drafter's tap features yet
-            logger.warning("speculation runs eagerly for now: decode CUDA graphs are off")
+            # Fixed-K windows replay captured speculative steps. Plain decode steps (every row
+            # opted out or near its end) run eagerly: the decode graphs do not produce the
+            # drafter's tap features yet.
+            width = 1 + spec.num_verify
+            sizes = [g for g in self.graph_sizes if g * width <= self.buffers.max_num_tokens]
+            if capture_graphs and sizes:
+                self.spec_graphs = SpecGraphs(self._spec_graph_step, self._prepare_spec_graph,
+                                              sizes)  # fmt: skip
             self.graph_sizes = []
 
     # ---- staging --------------------------------------------------------------------------
@@ -76,6 +111,7 @@ class ModelRunner:
         each (per-row numpy calls cost more than the data at decode batch sizes).
         """
         b, ps = self.buffers, self.page_size
+        b.wait_for_upload()
         ids, positions, slots, cu, seq_lens, logits_idx = [], [], [], [0], [], []
         for i, row in enumerate(plan.rows):
             req, span = row.request, range(row.start, row.end)
@@ -101,13 +137,18 @@ class ModelRunner:
         b.np("seq_lens")[:num_rows] = seq_lens
         b.np("logits_indices")[:n] = logits_idx
         graph_size = self._graph_size(plan)
-        if graph_size is not None:  # pad to the captured size; every row is scored
-            b.write_pad_rows(num_rows, t, graph_size - num_rows)
-            b.np("logits_indices")[:graph_size] = range(graph_size)
+        width = 1
+        if graph_size is None and self.spec_graphs is not None:
+            graph_size = self._spec_graph_size(plan)
+            width = 1 + self.spec.num_verify
+        if graph_size is not None:  # pad to the captured size; every token is scored
             pad = graph_size - num_rows
-            cu += range(t + 1, t + pad + 1)
-            seq_lens += [1] * pad
-            t, n, num_rows = graph_size, graph_size, graph_size
+            b.write_pad_rows(num_rows, t, pad, width)
+            b.np("logits_indices")[: t + pad * width] = range(t + pad * width)
+            cu += range(t + width, t + pad * width + 1, width)
+            seq_lens += [width] * pad
+            t, num_rows = t + pad * width, graph_size
+            n = t
         return StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens)), graph_size
 
     @torch.inference_mode()
@@ -148,6 +189,17 @@ class ModelRunner:
             return None
         return self.graph_sizes[i]
 
+    def _spec_graph_size(self, plan: StepPlan) -> int | None:
+        """The captured size a fixed-K speculative step pads to, or None (eager, counted)."""
+        if not all(r.num_draft == self.spec.num_verify for r in plan.rows):
+            self.stats["eager_spec_steps_not_all_full_windows"] += 1
+            return None
+        i = bisect.bisect_left(self.spec_graphs.sizes, len(plan.rows))
+        if i == len(self.spec_graphs.sizes):
+            self.stats["eager_spec_steps_batch_too_large"] += 1
+            return None
+        return self.spec_graphs.sizes[i]
+
     def _forward(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
         return self._run_model(layout).logits
 
@@ -164,69 +216,202 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampledTokens | None]:
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> InFlightStep:
+        """Queue the step's device work and the copies of its results; returns without waiting.
+
+        A row whose input is the previous launch's still-pending token (async scheduling) gets
+        it on the device: input_ids[t] = last_tokens[j], j its row among those that sampled.
+        """
         layout, graph_size = self._stage(plan)
         self.buffers.upload(layout)
-        windows, window_st, block = self._draft(plan)
-        if graph_size is not None and self.graphs is not None:
+        self._feed_pending(plan)
+        window_rows = [i for i, r in enumerate(plan.rows) if r.num_draft]
+        spec_out = None
+        if window_rows:
+            spec_out = self._speculate(plan, layout, window_rows, graph_size)
+            logits = spec_out.logits
+        elif graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(graph_size)
             self.stats["graph_steps"] += 1
         else:
             out = self._run_model(layout, self.spec.taps if self.spec else ())
             logits = out.logits
             self.stats["eager_steps"] += 1
-            if self.spec is not None:
+            if self.spec is not None:  # plain rows feed the drafter's context too
                 b, t = self.buffers, layout.num_tokens
                 self.spec.append_context(out.hidden_states, b.positions[:t], b.slot_mapping[:t])
-        plain, window_logit_rows, logit_row = [], [], 0
+        plain, logit_row = [], 0
         for i, row in enumerate(plan.rows):
             if row.num_draft:
-                window_logit_rows += range(logit_row, logit_row + row.num_tokens)
                 logit_row += row.num_tokens
             elif row.do_sample:
                 plain.append((i, logit_row))
                 logit_row += 1
-        plain_rows = [plan.rows[i] for i, _ in plain]
-        tokens, lp = None, None
+        step = InFlightStep(plan, [i for i, _ in plain])
         if plain:
-            tokens, lp = self._sample(logits[[r for _, r in plain]], plain_rows)
-        verified, window_lp = None, None
-        if windows is not None:
-            window_logits = logits[window_logit_rows]
-            verified = self.spec.verify(window_logits, windows, window_st, block)
-            window_lp = self._window_logprobs(plan, window_logits, windows, verified)
-        return self._collect(plan, plain, plain_rows, tokens, lp, windows, verified, window_lp)
+            logit_rows = [r for _, r in plain]
+            if logit_rows[-1] == len(logit_rows) - 1:  # rows 0..n-1: a view, no gather
+                plain_logits = logits[: len(logit_rows)]
+            else:
+                plain_logits = logits[logit_rows]
+            tokens, lp = self._sample(plain_logits, [plan.rows[i] for i in step.plain])
+            self._last_tokens = tokens
+            self._last_index = {plan.rows[i].request.request_id: j
+                                for j, i in enumerate(step.plain)}  # fmt: skip
+            step.tokens = _to_host(tokens)
+            step.logprobs = _to_host(lp)
+        if spec_out is not None:
+            R = len(window_rows)
+            step.window_rows = window_rows
+            step.verify_len = [plan.rows[i].num_draft for i in window_rows]
+            step.verified = _to_host((spec_out.tokens[:R], spec_out.num_accepted[:R]))
+            step.window_logprobs = _to_host(self._window_logprobs(plan, spec_out, step.verify_len))
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
 
-    def _window_logprobs(self, plan: StepPlan, window_logits, windows, verified):
+    def _feed_pending(self, plan: StepPlan) -> None:
+        """Scatter the previous launch's pending tokens into this step's input ids (device)."""
+        dst, src = [], []
+        t = 0
+        for row in plan.rows:
+            req = row.request
+            if req.token_ids[row.start] == PENDING_TOKEN:
+                assert row.num_tokens == 1 and not row.num_draft, (
+                    f"request {req.request_id}: a pending token can only feed a decode row"
+                )
+                dst.append(t)
+                src.append(self._last_index[req.request_id])
+            t += row.num_tokens
+        if not dst:
+            return
+        dev = self.device
+        idx = torch.tensor([dst, src], dtype=torch.int64).to(dev, non_blocking=True)
+        self.buffers.input_ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]))
+
+    def collect(self, step: InFlightStep) -> list[SampledTokens | None]:
+        """Wait for a launched step and assign its results to plan rows."""
+        plan = step.plan
+        results: list[SampledTokens | None] = [None] * len(plan.rows)
+        # sync: the one host synchronisation of the step; the host copies were queued behind it
+        if step.done is not None:
+            step.done.synchronize()
+        if step.verified is not None:
+            emitted, accepted = (x.tolist() for x in step.verified)
+            self.spec.record(step.verify_len, accepted)
+            wlp = None
+            if step.window_logprobs is not None:
+                wlp = [x.tolist() for x in step.window_logprobs]
+            row0 = 0
+            for j, i in enumerate(step.window_rows):
+                toks = tuple(emitted[j][: accepted[j] + 1])
+                n = plan.rows[i].request.sampling_params.logprobs
+                logprobs = None
+                if n is not None and wlp is not None:
+                    chosen, top_ids, top_vals = wlp
+                    logprobs = tuple(
+                        TokenLogprobs(t, chosen[row0 + k], dict(zip(top_ids[row0 + k][:n],
+                                      top_vals[row0 + k][:n], strict=True)))
+                        for k, t in enumerate(toks)
+                    )  # fmt: skip
+                results[i] = SampledTokens(toks, logprobs)
+                row0 += 1 + step.verify_len[j]
+        if not step.plain:
+            return results
+        token_list = step.tokens.tolist()
+        lp_lists = [x.tolist() for x in step.logprobs] if step.logprobs is not None else None
+        for j, (i, tok) in enumerate(zip(step.plain, token_list, strict=True)):
+            n = plan.rows[i].request.sampling_params.logprobs
+            logprobs = None
+            if n is not None and lp_lists is not None:
+                chosen, top_ids, top_vals = lp_lists
+                top = dict(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+                logprobs = (TokenLogprobs(tok, chosen[j], top),)
+            results[i] = SampledTokens((tok,), logprobs)
+        return results
+
+    def _window_logprobs(self, plan: StepPlan, out: SpecStepOutput, verify_len: list[int]):
         """The target's logprobs of each emitted window token: emitted token i of a window is
         scored by window row i (the anchor's row scores the first). None if nobody asked."""
         wants = [r.request.sampling_params.logprobs for r in plan.rows if r.num_draft]
         if all(n is None for n in wants):
             return None
-        lens = torch.tensor([1 + n for n in windows.verify_len], device=self.device)
-        owner = torch.repeat_interleave(torch.arange(len(lens), device=self.device), lens)
-        start = torch.cumsum(lens, 0) - lens
-        offset = torch.arange(int(lens.sum()), device=self.device) - start[owner]
-        tokens = verified.tokens[owner, offset]  # [Tw] the token each window row would emit
-        return top_logprobs(window_logits, tokens, max(n or 0 for n in wants))
-
-    def _draft(self, plan: StepPlan):
-        """Draft every window row (before the target forward, which verifies the drafts)."""
-        idx = [i for i, r in enumerate(plan.rows) if r.num_draft]
-        if not idx:
-            return None, None, None
-        rows = [plan.rows[i] for i in idx]
-        cu = self.buffers.np("cu_num_tokens")
-        windows = WindowRows(
-            anchors=[r.request.token_ids[r.start] for r in rows],
-            anchor_positions=[r.start for r in rows],
-            verify_len=[r.num_draft for r in rows],
-            token_offsets=[int(cu[i]) for i in idx],
-            page_ids=[r.request.page_ids for r in rows],
+        lens = [1 + n for n in verify_len]
+        total = sum(lens)  # the live window tokens (a padded graph step has more rows after)
+        dev = self.device
+        owner = torch.repeat_interleave(
+            torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev), output_size=total
         )
-        st = self._sampling_tensors(rows)
-        return windows, st, self.spec.draft(windows, st, self.buffers.input_ids)
+        start = torch.tensor([sum(lens[:j]) for j in range(len(lens))], device=dev)
+        offset = torch.arange(total, device=dev) - start[owner]
+        tokens = out.tokens[owner, offset]  # [Tw] the token each window row would emit
+        return top_logprobs(out.window_logits[:total], tokens, max(n or 0 for n in wants))
+
+    # ---- speculation ------------------------------------------------------------------------
+
+    def _speculate(
+        self, plan: StepPlan, layout: StepLayout, window_rows: list[int], graph_size: int | None
+    ) -> SpecStepOutput:
+        """Stage the windows and run the speculative step: a captured graph when the step is
+        all full windows of a captured size, else eagerly (mixed batches, short windows)."""
+        cu = layout.cu_num_tokens_cpu
+        rows = []
+        for i in window_rows:
+            r = plan.rows[i]
+            req, sp = r.request, r.request.sampling_params
+            rows.append(WindowRow(
+                anchor=req.token_ids[r.start], anchor_pos=r.start, verify_len=r.num_draft,
+                token_offset=cu[i], page_ids=req.page_ids, temperature=sp.temperature,
+                top_k=sp.top_k if sp.top_k > 0 else self.vocab_size, top_p=sp.top_p,
+                seed=req.seed,
+            ))  # fmt: skip
+        mode = SamplingMode.of(rows, self.vocab_size)
+        if graph_size is not None:  # every plan row is a full window: pad rows follow them
+            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)])
+            self.stats["spec_graph_steps"] += 1
+            return self.spec_graphs.replay(graph_size, mode)
+        self.spec.stage(rows, len(rows))
+        self.stats["eager_spec_steps"] += 1
+        b, dev = self.buffers, self.device
+        all_windows = window_rows == list(range(layout.num_rows))
+        block_table = b.block_table
+        window_index = None
+        if not all_windows:  # mixed with plain rows: gather the windows' page rows and logits
+            block_table = b.block_table[torch.tensor(window_rows, device=dev)]
+            logit_rows, row0 = [], 0
+            for r in plan.rows:
+                if r.num_draft:
+                    logit_rows += range(row0, row0 + r.num_tokens)
+                row0 += r.num_tokens if r.num_draft else int(r.do_sample)
+            window_index = torch.tensor(logit_rows, device=dev)
+        return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
+
+    def _target_step(self, layout: StepLayout, block_table: torch.Tensor) -> TargetStep:
+        b, t = self.buffers, layout.num_tokens
+        return TargetStep(
+            run=lambda: self._run_model(layout, self.spec.taps),
+            input_ids=b.input_ids[:t],
+            positions=b.positions[:t],
+            slot_mapping=b.slot_mapping[:t],
+            block_table=block_table,
+        )
+
+    def _prepare_spec_graph(self, size: int) -> None:
+        """Fill the buffers with `size` pad windows (capture inputs: the scratch page only)."""
+        b, width = self.buffers, 1 + self.spec.num_verify
+        b.write_pad_rows(0, 0, size, width)
+        b.np("logits_indices")[: size * width] = range(size * width)
+        b.upload(window_layout(size, width))
+        self.spec.stage([], size)
+
+    def _spec_graph_step(self, size: int, mode: SamplingMode) -> SpecStepOutput:
+        layout = window_layout(size, 1 + self.spec.num_verify)
+        return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table), None)
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]):
         """Tokens [N] (and logprobs) of the rows that sample one token, still on the device."""
@@ -240,41 +425,6 @@ class ModelRunner:
         if any(n is not None for n in wants):
             lp = top_logprobs(logits, tokens, max(n or 0 for n in wants))
         return tokens, lp
-
-    def _collect(self, plan, plain, plain_rows, tokens, lp, windows, verified, window_lp):
-        """Bring the step's results to the host and assign them to plan rows."""
-        results: list[SampledTokens | None] = [None] * len(plan.rows)
-        # sync: the one host synchronisation of the step; copies after it read finished work
-        token_list = tokens.tolist() if tokens is not None else []
-        if verified is not None:
-            emitted, accepted = verified.tokens.tolist(), verified.num_accepted.tolist()
-            self.spec.record(windows.verify_len, accepted)
-            wlp = [x.tolist() for x in window_lp] if window_lp is not None else None
-            idx = [i for i, r in enumerate(plan.rows) if r.num_draft]
-            row0 = 0
-            for j, i in enumerate(idx):
-                toks = tuple(emitted[j][: accepted[j] + 1])
-                n = plan.rows[i].request.sampling_params.logprobs
-                logprobs = None
-                if n is not None and wlp is not None:
-                    chosen, top_ids, top_vals = wlp
-                    logprobs = tuple(
-                        TokenLogprobs(t, chosen[row0 + k], dict(zip(top_ids[row0 + k][:n],
-                                      top_vals[row0 + k][:n], strict=True)))
-                        for k, t in enumerate(toks)
-                    )  # fmt: skip
-                results[i] = SampledTokens(toks, logprobs)
-                row0 += 1 + windows.verify_len[j]
-        lp_lists = [x.tolist() for x in lp] if lp is not None else None
-        for j, ((i, _), tok) in enumerate(zip(plain, token_list, strict=True)):
-            n = plain_rows[j].request.sampling_params.logprobs
-            logprobs = None
-            if n is not None and lp_lists is not None:
-                chosen, top_ids, top_vals = lp_lists
-                top = dict(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
-                logprobs = (TokenLogprobs(tok, chosen[j], top),)
-            results[i] = SampledTokens((tok,), logprobs)
-        return results
 
     def _sampling_tensors(self, rows: list[ScheduledRow]) -> SamplingTensors:
         params = [r.request.sampling_params for r in rows]
@@ -304,7 +454,7 @@ class ModelRunner:
         banned_rows, banned_ids = [], []
         for j, row in enumerate(rows):
             req, sp = row.request, row.request.sampling_params
-            if req.num_output_tokens >= sp.min_tokens:
+            if row.end - req.num_prompt_tokens >= sp.min_tokens:  # outputs before this one
                 continue
             ids = list(sp.stop_token_ids)
             if req.eos_token_id is not None and not sp.ignore_eos:

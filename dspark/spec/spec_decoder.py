@@ -1,11 +1,11 @@
 """The speculative half of a step, for the rows that carry a window [anchor, drafts].
 
-Order inside one step (the runner calls these around the target forward):
+Order inside one step (`step()`, the same device-only code eagerly and in a captured graph):
   1. draft():    drafter block forward over [anchor, MASK x (K-1)] for every window row, then the
                  Markov loop; the first verify_len drafts of each row are scattered into the
                  target's input ids on the device (no host sync).
-  2. (the target forward runs on all rows, returning logits at every window token and the
-     tap layers' hidden states)
+  2. the target forward runs on all rows, returning logits at every window token and the tap
+     layers' hidden states
   3. append_context(): the tap features of EVERY token of the step go into the drafter cache at
                  the target's slots. Rows past a window's accepted prefix are stale but harmless:
                  the next block writes exactly those slots before anything reads them.
@@ -21,26 +21,36 @@ Window rows of a step, worked example (verify_len [2, 1], K = 3, anchors at posi
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.spec.drafting import DraftBlock, draft_block
+from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.verifier import VerifyInput, VerifyOutput, verify
 
 
 @dataclass(frozen=True)
-class WindowRows:
-    """The window rows of a step, as the host laid them out (plan order)."""
+class TargetStep:
+    """The target forward of a speculative step and the persistent inputs it reads."""
 
-    anchors: list[int]  # token id at each row's anchor position
-    anchor_positions: list[int]
-    verify_len: list[int]
-    token_offsets: list[int]  # index of each row's anchor in the step's token layout
-    page_ids: list[list[int]]
+    run: Callable[[], object]  # -> ModelOutput with the tap layers' hidden states
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    block_table: torch.Tensor  # [rows, W]; window row j uses row j
+
+
+@dataclass(frozen=True)
+class SpecStepOutput:
+    logits: torch.Tensor  # [N, vocab] the target's logits at every logits index of the step
+    window_logits: torch.Tensor  # [Tw, vocab] the rows of `logits` that are window tokens
+    tokens: torch.Tensor  # [R, K + 1] accepted drafts, then the recovered/bonus token
+    num_accepted: torch.Tensor  # [R]
+    confidence_logits: torch.Tensor | None  # [R, K] raw, for the scheduler
 
 
 class SpecDecoder:
@@ -51,6 +61,7 @@ class SpecDecoder:
         page_size: int,
         device,
         num_verify: int | None = None,  # K verified per window (<= draft_len; default all)
+        max_rows: int = 256,  # windows per step at most (the runner's row capacity)
     ) -> None:
         self.drafter = drafter
         self.kv_caches = kv_caches
@@ -59,47 +70,57 @@ class SpecDecoder:
         self.draft_len = drafter.config.draft_len
         self.num_verify = num_verify or self.draft_len
         self.taps = drafter.config.target_layers
+        self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len
 
+    def stage(self, rows: list[WindowRow], num_rows: int, pad_token_offset: int = 0) -> None:
+        """Write the windows (and pad rows of num_verify drafts up to num_rows) into the
+        persistent buffers."""
+        self.buffers.write(rows, num_rows, pad_token_offset, self.num_verify)
+        self.buffers.upload(num_rows)
+
+    def step(
+        self,
+        num_rows: int,  # R windows (live + pad), staged by stage()
+        mode: SamplingMode,
+        target: TargetStep,
+        window_index: torch.Tensor | None,  # logit rows of the window tokens; None: all rows
+    ) -> SpecStepOutput:
+        """Draft, run the target, feed the drafter's context, verify: device work only, so
+        the same code runs eagerly and inside a captured graph."""
+        st = self.buffers.sampling(num_rows, mode)
+        block = self.draft(num_rows, st, target.input_ids, target.block_table[:num_rows])
+        out = target.run()
+        self.append_context(out.hidden_states, target.positions, target.slot_mapping)
+        window_logits = out.logits if window_index is None else out.logits[window_index]
+        verified = self.verify(window_logits, num_rows, st, block)
+        return SpecStepOutput(
+            out.logits, window_logits, verified.tokens, verified.num_accepted,
+            block.confidence_logits,
+        )  # fmt: skip
+
     # ---- 1. draft ---------------------------------------------------------------------------
 
-    def draft(self, rows: WindowRows, st: SamplingTensors, input_ids: torch.Tensor) -> DraftBlock:
-        K, ps, dev = self.draft_len, self.page_size, self.device
-        R = len(rows.anchors)
-        positions = [p + k for p in rows.anchor_positions for k in range(K)]
-        slots = [
-            pages[pos // ps] * ps + pos % ps
-            for pages, p in zip(rows.page_ids, rows.anchor_positions, strict=True)
-            for pos in range(p, p + K)
-        ]
-        width = max(len(p) for p in rows.page_ids)
-        block_table = [p + [0] * (width - len(p)) for p in rows.page_ids]
-        seq_lens = [p + K for p in rows.anchor_positions]
-        attn = AttentionMetadata(
-            cu_num_tokens=torch.arange(0, (R + 1) * K, K, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=torch.tensor(block_table, dtype=torch.int32, device=dev),
-            cu_num_tokens_cpu=tuple(range(0, (R + 1) * K, K)),
-            seq_lens_cpu=tuple(seq_lens),
-            causal=False,
-        )
-        anchors = torch.tensor(rows.anchors, dtype=torch.int64, device=dev)
-        anchor_pos = torch.tensor(rows.anchor_positions, dtype=torch.int64, device=dev)
+    def draft(
+        self,
+        num_rows: int,
+        st: SamplingTensors,
+        input_ids: torch.Tensor,  # the target's input ids: drafts are scattered in
+        block_table: torch.Tensor,  # [R, W] the window rows' pages
+    ) -> DraftBlock:
+        b, R = self.buffers, num_rows
+        anchors = b.anchors[:R]
         hidden = self.drafter.block_hidden(
-            anchors, torch.tensor(positions, device=dev), attn, self.kv_caches
-        )
-        block = draft_block(self.drafter, hidden, anchors, anchor_pos, st)
-        dst, src_row, src_k = [], [], []
-        for j, (t0, n) in enumerate(zip(rows.token_offsets, rows.verify_len, strict=True)):
-            dst += range(t0 + 1, t0 + 1 + n)
-            src_row += [j] * n
-            src_k += range(n)
-        if dst:
-            input_ids[torch.tensor(dst, device=dev)] = block.tokens[
-                torch.tensor(src_row, device=dev), torch.tensor(src_k, device=dev)
-            ]
+            anchors, b.block_positions[: R * self.draft_len], b.block_metadata(R, block_table),
+            self.kv_caches,
+        )  # fmt: skip
+        block = draft_block(self.drafter, hidden, anchors, b.anchor_pos[:R], st)
+        # slot k < verify_len goes to its window token; the others rewrite the anchor itself
+        slots = torch.arange(self.draft_len, device=self.device)
+        keep = slots[None, :] < b.verify_len[:R, None]  # [R, K]
+        values = torch.where(keep, block.tokens, anchors[:, None])
+        input_ids.index_copy_(0, b.draft_dst[:R].reshape(-1), values.reshape(-1))
         return block
 
     # ---- 3. context -------------------------------------------------------------------------
@@ -118,28 +139,30 @@ class SpecDecoder:
     def verify(
         self,
         window_logits: torch.Tensor,  # [Tw, V] target logits at every window token
-        rows: WindowRows,
+        num_rows: int,
         st: SamplingTensors,  # per window row
         block: DraftBlock,
     ) -> VerifyOutput:
-        dev = self.device
-        windows = torch.tensor([1 + n for n in rows.verify_len], device=dev)
-        owner = torch.repeat_interleave(torch.arange(len(windows), device=dev), windows)
+        b, R, dev = self.buffers, num_rows, self.device
+        verify_len = b.verify_len[:R]
+        cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
+        cu[1:] = (verify_len + 1).cumsum(0)
+        # owner row of each window token (shape-static: no host sync, capturable)
+        token = torch.arange(window_logits.shape[0], device=dev)
+        owner = torch.searchsorted(cu[1:], token, right=True).clamp(max=R - 1)
         per_token = SamplingTensors(
             temperature=st.temperature[owner], top_k=st.top_k[owner], top_p=st.top_p[owner],
             seeds=st.seeds[owner], positions=st.positions[owner], all_greedy=st.all_greedy,
             any_top_k=st.any_top_k, any_top_p=st.any_top_p,
         )  # fmt: skip
-        cu = torch.zeros(len(windows) + 1, dtype=torch.int64, device=dev)
-        cu[1:] = windows.cumsum(0)
         return verify(
             VerifyInput(
                 target_probs=sampling_probs(window_logits, per_token),
                 draft_probs=block.probs,
                 draft_tokens=block.tokens,
-                verify_len=windows - 1,
+                verify_len=verify_len,
                 cu_num_tokens=cu,
-                anchor_positions=torch.tensor(rows.anchor_positions, device=dev),
+                anchor_positions=b.anchor_pos[:R],
                 seeds=st.seeds,
                 is_greedy=st.temperature == 0,
             )

@@ -180,29 +180,31 @@ def _split_range(split, K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.cons
 
 
 @triton.jit
-def _arrive(acc, ws_ptr, counter_ptr, tile, split, BT: tl.constexpr, BN: tl.constexpr,
-            SPLIT_K: tl.constexpr):  # fmt: skip
-    # Store this split's partial [BT, BN] of output tile `tile` and count it in; True for the
-    # last split to arrive. Workspace layout [tiles, SPLIT_K, BT, BN] float32. The barrier
-    # orders every thread's partial stores before the (one-thread, release) counter increment.
+def _store_partial(acc, ws_ptr, tile, split, BT: tl.constexpr, BN: tl.constexpr,
+                   SPLIT_K: tl.constexpr):  # fmt: skip
+    # This split's float32 partial [BT, BN] of output tile `tile`; workspace [tiles, SPLIT_K,
+    # BT, BN]. Tile 2, split 1, SPLIT_K 4: partial index 2 * 4 + 1 = 9.
     idx = tl.arange(0, BT)[:, None] * BN + tl.arange(0, BN)[None, :]
     tl.store(ws_ptr + (tile * SPLIT_K + split) * BT * BN + idx, acc)
+
+
+@triton.jit
+def _is_last_split(counter_ptr, counter, SPLIT_K: tl.constexpr):
+    # Count this split in after its partials; True for the last of the SPLIT_K to arrive. The
+    # barrier orders every thread's partial stores before the (one-thread, release) increment.
     tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+    arrived = tl.atomic_add(counter_ptr + counter, 1, sem="acq_rel")
     return arrived == SPLIT_K - 1
 
 
 @triton.jit
-def _sum_partials(
-    ws_ptr, counter_ptr, tile, BT: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr
-):
-    # The last split: the tile's partials added in split order, and its counter reset to zero.
-    # .cg loads read L2, where the other SMs' stores landed (never a stale L1 line).
+def _sum_partials(ws_ptr, tile, BT: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
+    # The last split: the tile's partials added in split order (deterministic). .cg loads read
+    # L2, where the other SMs' stores landed (never a stale L1 line).
     idx = tl.arange(0, BT)[:, None] * BN + tl.arange(0, BN)[None, :]
     total = tl.zeros([BT, BN], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         total += tl.load(ws_ptr + (tile * SPLIT_K + s) * BT * BN + idx, cache_modifier=".cg")
-    tl.atomic_xchg(counter_ptr + tile, 0)
     return total
 
 
@@ -256,10 +258,11 @@ def _skinny_linear_kernel(
     if SPLIT_K == 1:
         _store_output(acc, bias_ptr, out_ptr, s_out, rows, row_mask, cols, col_mask, HAS_BIAS)
     else:
-        is_last = _arrive(acc, ws_ptr, counter_ptr, pid_n, split, BLOCK_T, BLOCK_N, SPLIT_K)
-        if is_last:
-            acc = _sum_partials(ws_ptr, counter_ptr, pid_n, BLOCK_T, BLOCK_N, SPLIT_K)
+        _store_partial(acc, ws_ptr, pid_n, split, BLOCK_T, BLOCK_N, SPLIT_K)
+        if _is_last_split(counter_ptr, pid_n, SPLIT_K):
+            acc = _sum_partials(ws_ptr, pid_n, BLOCK_T, BLOCK_N, SPLIT_K)
             _store_output(acc, bias_ptr, out_ptr, s_out, rows, row_mask, cols, col_mask, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # zero again for the next launch
 
 
 # -- launch ----------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ T in {1, 2, 4, 8, 16} token rows. Ops, each fused kernel against the sequence it
     o_proj            skinny_linear              vs F.linear                       N 576,  K 576
     gate_up_add_rmsnorm  skinny_add_rmsnorm_linear vs fused_add_rmsnorm + F.linear N 3072, K 576
     down_silu_mul     skinny_silu_mul_linear     vs silu_and_mul + F.linear        N 576,  K 1536
+    qkv_rotary        skinny_qkv_rotary          vs fused_add_rmsnorm + F.linear + rotary_qkv
+                      (rotary + KV store in the epilogue; one program per head, block_n unused)
+    qkv_then_rotary   skinny_add_rmsnorm_linear + rotary_qkv (two launches), same baseline
 
 Timing: the calls are captured in one CUDA graph and replayed; a call's time is the replay's
 CUDA-event time / calls, median over --replays. Each call reads its own copy of the weights, and
@@ -70,10 +73,10 @@ TINY = Shapes(hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, inter=48)
 
 @dataclass(frozen=True)
 class OpCase:
-    n: int
-    k: int
-    fused: Callable  # (weight copy index, SkinnyConfig | None) -> output tensor(s)
+    fused: Callable  # (weight copy index, SkinnyConfig) -> output tensor(s)
     unfused: Callable  # (weight copy index) -> output tensor(s)
+    default: object  # the SkinnyConfig the model uses for this op
+    uses_block_n: bool = True  # False: one program per head, block_n is not swept
 
 
 @dataclass
@@ -89,14 +92,16 @@ class Row:
 def kernels() -> dict:
     # Imported late on purpose: --smoke sets TRITON_INTERPRET, which Triton reads when the
     # kernels are decorated, that is when their module is first imported.
-    names = ("skinny_linear_triton", "rmsnorm_triton", "silu_mul_triton")
+    names = ("skinny_linear_triton", "skinny_qkv_rotary_triton", "rmsnorm_triton",
+             "rotary_triton", "silu_mul_triton")  # fmt: skip
     return {n: importlib.import_module(f"dspark.kernels.{n}") for n in names}
 
 
 def op_shape(op: str, s: Shapes) -> tuple[int, int]:  # (N, K) of the op's weight
     return {"qkv_add_rmsnorm": (s.qkv_size, s.hidden), "qkv_rmsnorm": (s.qkv_size, s.hidden),
             "o_proj": (s.hidden, s.hidden), "gate_up_add_rmsnorm": (2 * s.inter, s.hidden),
-            "down_silu_mul": (s.hidden, s.inter)}[op]  # fmt: skip
+            "down_silu_mul": (s.hidden, s.inter), "qkv_rotary": (s.qkv_size, s.hidden),
+            "qkv_then_rotary": (s.qkv_size, s.hidden)}[op]  # fmt: skip
 
 
 def num_calls(n: int, k: int, args: argparse.Namespace, dtype) -> tuple[int, int]:
@@ -110,27 +115,26 @@ def num_calls(n: int, k: int, args: argparse.Namespace, dtype) -> tuple[int, int
 
 
 def op_case(op: str, s: Shapes, T: int, copies: int, dtype, device) -> OpCase:
+    if op.startswith("qkv_") and "rotary" in op:
+        return qkv_rotary_case(op, s, T, copies, dtype, device)
     k = kernels()
     sk, norm, silu = k["skinny_linear_triton"], k["rmsnorm_triton"], k["silu_mul_triton"]
     n, width = op_shape(op, s)
-
-    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (scale * torch.randn(*shape, device=device)).to(dtype)
-
-    ws = [randn(n, width, scale=width**-0.5) for _ in range(copies)]  # [N, K] per layer
-    norm_ws = [(1 + 0.1 * torch.randn(width, device=device)).to(dtype) for _ in range(copies)]
-    x, residual = randn(T, width), randn(T, width)  # [T, K]
-    gate_up = randn(T, 2 * width)  # [T, 2I]
+    default = sk.default_config(n, width)
+    ws = [randn((n, width), dtype, device, width**-0.5) for _ in range(copies)]  # [N, K] each
+    norm_ws = [norm_weight(width, dtype, device) for _ in range(copies)]  # [K] each
+    x, residual = randn((T, width), dtype, device), randn((T, width), dtype, device)  # [T, K]
+    gate_up = randn((T, 2 * width), dtype, device)  # [T, 2I]
     if op == "qkv_rmsnorm":
-        return OpCase(n, width,
-                      lambda i, c: sk.skinny_rmsnorm_linear(x, norm_ws[i], EPS, ws[i], None, c),
-                      lambda i: F.linear(norm.rmsnorm(x, norm_ws[i], EPS), ws[i]))  # fmt: skip
+        return OpCase(lambda i, c: sk.skinny_rmsnorm_linear(x, norm_ws[i], EPS, ws[i], None, c),
+                      lambda i: F.linear(norm.rmsnorm(x, norm_ws[i], EPS), ws[i]),
+                      default)  # fmt: skip
     if op == "o_proj":
-        return OpCase(n, width, lambda i, c: sk.skinny_linear(x, ws[i], None, c),
-                      lambda i: F.linear(x, ws[i]))  # fmt: skip
+        return OpCase(lambda i, c: sk.skinny_linear(x, ws[i], None, c),
+                      lambda i: F.linear(x, ws[i]), default)  # fmt: skip
     if op == "down_silu_mul":
-        return OpCase(n, width, lambda i, c: sk.skinny_silu_mul_linear(gate_up, ws[i], None, c),
-                      lambda i: F.linear(silu.silu_and_mul(gate_up), ws[i]))  # fmt: skip
+        return OpCase(lambda i, c: sk.skinny_silu_mul_linear(gate_up, ws[i], None, c),
+                      lambda i: F.linear(silu.silu_and_mul(gate_up), ws[i]), default)  # fmt: skip
 
     def fused(i: int, c) -> tuple[torch.Tensor, torch.Tensor]:
         return sk.skinny_add_rmsnorm_linear(x, residual, norm_ws[i], EPS, ws[i], None, c)
@@ -139,10 +143,56 @@ def op_case(op: str, s: Shapes, T: int, copies: int, dtype, device) -> OpCase:
         h, new_residual = norm.fused_add_rmsnorm(x, residual, norm_ws[i], EPS)
         return F.linear(h, ws[i]), new_residual
 
-    return OpCase(n, width, fused, unfused)
+    return OpCase(fused, unfused, default)
 
 
-OPS = ("qkv_add_rmsnorm", "qkv_rmsnorm", "o_proj", "gate_up_add_rmsnorm", "down_silu_mul")
+def qkv_rotary_case(op: str, s: Shapes, T: int, copies: int, dtype, device) -> OpCase:
+    """A later layer's qkv: add + norm, projection, rotary, K/V store of T decode rows (slots
+    0 .. T-1 of a 1-page cache); outputs (rotated q [T, nh * hd], new residual)."""
+    k = kernels()
+    sk, fused_qkv = k["skinny_linear_triton"], k["skinny_qkv_rotary_triton"]
+    norm, rotary = k["rmsnorm_triton"], k["rotary_triton"]
+    n, width, q_size = s.qkv_size, s.hidden, s.num_heads * s.head_dim
+    ws = [randn((n, width), dtype, device, width**-0.5) for _ in range(copies)]  # [N, d] each
+    norm_ws = [norm_weight(width, dtype, device) for _ in range(copies)]
+    x, residual = randn((T, width), dtype, device), randn((T, width), dtype, device)  # [T, d]
+    positions = torch.randint(0, 4096, (T,), device=device)
+    inv_freq = 1.0 / (1e5 ** (torch.arange(0, s.head_dim, 2, device=device) / s.head_dim))
+    kv_cache = torch.zeros(2, 1, PAGE_SIZE, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    slots = torch.arange(T, device=device)
+    heads = (s.num_heads, s.num_kv_heads)
+
+    def rotate(qkv: torch.Tensor, new_residual: torch.Tensor) -> tuple:
+        rotary.rotary_qkv(qkv, positions, inv_freq, *heads, s.head_dim, kv_cache, slots)
+        return qkv[:, :q_size], new_residual
+
+    def fused(i: int, c) -> tuple[torch.Tensor, torch.Tensor]:
+        if op == "qkv_then_rotary":
+            return rotate(
+                *sk.skinny_add_rmsnorm_linear(x, residual, norm_ws[i], EPS, ws[i], None, c)
+            )
+        return fused_qkv.skinny_qkv_rotary(x, residual, norm_ws[i], EPS, ws[i], None, positions,
+                                           inv_freq, *heads, kv_cache, slots, c)  # fmt: skip
+
+    def unfused(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, new_residual = norm.fused_add_rmsnorm(x, residual, norm_ws[i], EPS)
+        return rotate(F.linear(h, ws[i]), new_residual)
+
+    if op == "qkv_then_rotary":
+        return OpCase(fused, unfused, sk.default_config(n, width))
+    return OpCase(fused, unfused, fused_qkv.default_qkv_config(width), uses_block_n=False)
+
+
+def randn(shape: tuple[int, ...], dtype, device, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(shape, device=device)).to(dtype)
+
+
+def norm_weight(width: int, dtype, device) -> torch.Tensor:  # [width]
+    return (1 + 0.1 * torch.randn(width, device=device)).to(dtype)
+
+
+OPS = ("qkv_add_rmsnorm", "qkv_rmsnorm", "o_proj", "gate_up_add_rmsnorm", "down_silu_mul",
+       "qkv_rotary", "qkv_then_rotary")  # fmt: skip
 
 
 # -- timing ----------------------------------------------------------------------------------
@@ -179,9 +229,12 @@ def max_err(got, expected) -> float:
     return max((a.float() - b.float()).abs().max().item() for a, b in pairs)  # sync: bench only
 
 
-def sweep_configs(args: argparse.Namespace, default) -> list:
-    """The grid of the sweep lists; "auto" keeps default_config's value for that field."""
+def sweep_configs(args: argparse.Namespace, case: OpCase) -> list:
+    """The grid of the sweep lists; "auto" keeps the default's value for that field."""
+    default = case.default
     fields = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+    if not case.uses_block_n:  # one program per head: block_n means nothing, keep the default
+        fields = fields[1:]
     lists = [getattr(args, f) or [getattr(default, f)] for f in fields]
     configs = [replace(default, **dict(zip(fields, values, strict=True))) for values in
                itertools.product(*lists)]  # fmt: skip
@@ -189,15 +242,13 @@ def sweep_configs(args: argparse.Namespace, default) -> list:
 
 
 def bench_op(op: str, T: int, args: argparse.Namespace, s: Shapes, dtype, device) -> list[Row]:
-    sk = kernels()["skinny_linear_triton"]
     calls, num_copies = num_calls(*op_shape(op, s), args, dtype)
     case = op_case(op, s, T, num_copies, dtype, device)
-    default = sk.default_config(case.n, case.k)
     copies = [i % num_copies for i in range(calls)]  # call i reads weight copy copies[i]
     unfused_us = graph_us([partial(case.unfused, c) for c in copies], args.replays, args.smoke)
     rows = [Row(op, T, "unfused", None, unfused_us, 0.0)]
-    for variant, config in [("skinny default", default)] + [
-        ("skinny sweep", c) for c in sweep_configs(args, default)
+    for variant, config in [("skinny default", case.default)] + [
+        ("skinny sweep", c) for c in sweep_configs(args, case)
     ]:
         calls = [partial(case.fused, c, config) for c in copies]
         us = graph_us(calls, args.replays, args.smoke)

@@ -5,10 +5,10 @@ logits only for the rows asked for (`logits_indices`) and, on request, the resid
 chosen decoder layers (the DSpark drafter's context features).
 
 With the triton backend, a step of at most SKINNY_MAX_ROWS (16) tokens runs the skinny decoder
-layers: each norm and the SiLU-and-mul are folded into the projection after them
-(dspark/kernels/skinny_linear_triton.py): 5 launches per layer besides attention, not 8. The
-token count is known on the host from the input's shape (and fixed inside a CUDA graph), so the
-whole step takes one path.
+layers: each norm and the SiLU-and-mul are folded into the projection after them, rotary and
+the K/V store into the qkv projection (dspark/kernels/skinny_*_triton.py): 4 launches per layer
+besides attention, not 8. The token count is known on the host from the input's shape (and
+fixed inside a CUDA graph), so the whole step takes one path.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add is deferred into the next norm (one fused kernel):
     takes (x, residual) with the stream = x + residual, returns the same pair after the block.
-    `skinny` (triton backend, T <= 16) runs the same block with the norms fused into the
-    projections after them.
+    `skinny` (triton backend, T <= 16) runs the same block in the fused skinny kernels.
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
@@ -93,35 +92,36 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # launches: [add_rmsnorm + qkv], rotary + KV store, attention, [o_proj],
+        # launches: [add_rmsnorm + qkv + rotary + KV store], attention, [o_proj],
         # [add_rmsnorm + gate_up], [silu_mul + down]
         from dspark.kernels import skinny_linear_triton as skinny
 
         attn_layer, mlp = self.self_attn, self.mlp
-        qkv, residual = _norm_linear(self.input_layernorm, x, residual, attn_layer.qkv_proj)
-        o = attn_layer.attend(qkv, positions, kv_cache, attn)  # [T, q_size]
+        q, residual = self._skinny_qkv(x, residual, positions, kv_cache, attn)  # [T, q_size]
+        o = attn_layer.attend_stored(q, kv_cache, attn)  # [T, q_size]
         x = skinny.skinny_linear(o, attn_layer.o_proj.weight)  # [T, d]
-        gate_up, residual = _norm_linear(
-            self.post_attention_layernorm, x, residual, mlp.gate_up_proj
-        )
+        norm = self.post_attention_layernorm
+        gate_up, residual = skinny.skinny_add_rmsnorm_linear(
+            x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight
+        )  # [T, 2I], [T, d]
         return skinny.skinny_silu_mul_linear(gate_up, mlp.down_proj.weight), residual
 
+    def _skinny_qkv(
+        self,
+        x: torch.Tensor,  # [T, d]
+        residual: torch.Tensor | None,  # [T, d]; None in the first layer (stream = x)
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q [T, q_size], the stream [T, d]
+        from dspark.kernels.skinny_qkv_rotary_triton import skinny_qkv_rotary
 
-def _norm_linear(
-    norm: RMSNorm,
-    x: torch.Tensor,  # [T, d]
-    residual: torch.Tensor | None,  # [T, d]; None in the first layer (stream = x)
-    linear: nn.Linear,
-) -> tuple[torch.Tensor, torch.Tensor]:  # linear(norm(stream)) [T, N], the stream [T, d]
-    """`linear(norm(x, residual))` in one skinny launch."""
-    from dspark.kernels import skinny_linear_triton as skinny
-
-    if residual is None:
-        y = skinny.skinny_rmsnorm_linear(x, norm.weight, norm.eps, linear.weight, linear.bias)
-        return y, x
-    return skinny.skinny_add_rmsnorm_linear(
-        x, residual, norm.weight, norm.eps, linear.weight, linear.bias
-    )
+        norm, a = self.input_layernorm, self.self_attn
+        q, new_residual = skinny_qkv_rotary(
+            x, residual, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias, positions,
+            a.rotary.inv_freq, a.num_heads, a.num_kv_heads, kv_cache, attn.slot_mapping,
+        )  # fmt: skip
+        return q, x if residual is None else new_residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -28,17 +28,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.norm import RMSNorm
-from dspark.layers.rotary import RotaryEmbedding
+from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# sharded checkpoints (HF's layout): {"metadata": {...}, "weight_map": {tensor name: shard file}}
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
 class DrafterMismatchError(ValueError):
@@ -107,6 +110,38 @@ class DrafterLayer(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(
+        self,
+        x: torch.Tensor,  # [B, Q, d] block slots
+        positions: torch.Tensor,  # [B, Q]
+        ctx: torch.Tensor,  # [B, L, d] projected context features
+        ctx_positions: torch.Tensor,  # [B, L]
+        mask: torch.Tensor,  # [B, 1, Q, L + Q] bool, True where a query may attend
+    ) -> torch.Tensor:  # [B, Q, d]
+        """forward() without the paged cache (training): keys/values are [context ; block]."""
+        a = self.self_attn
+        B, Q, _ = x.shape
+        L = ctx.shape[1]
+        nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        q, kb, vb = a.qkv_proj(self.input_layernorm(x)).split([a.q_size, a.kv_size, a.kv_size], -1)
+        w = a.qkv_proj.weight[a.q_size :]
+        bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias[a.q_size :]
+        kc, vc = F.linear(ctx, w, bias).split([a.kv_size, a.kv_size], dim=-1)  # [B, L, kv]
+        q, kb = a.rotary(
+            positions.reshape(-1), q.reshape(B * Q, nh, hd), kb.reshape(B * Q, nkv, hd)
+        )
+        kc = kc.reshape(B * L, nkv, hd)
+        kc, _ = a.rotary(ctx_positions.reshape(-1), kc, kc)  # context tokens are keys only
+        keys = torch.cat([kc.view(B, L, nkv, hd), kb.view(B, Q, nkv, hd)], dim=1)  # [B, S, nkv, hd]
+        vals = torch.cat([vc.view(B, L, nkv, hd), vb.view(B, Q, nkv, hd)], dim=1)
+        group = nh // nkv
+        keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, nh, S, hd]
+        vals = vals.transpose(1, 2).repeat_interleave(group, dim=1).to(keys.dtype)
+        qh = q.view(B, Q, nh, hd).transpose(1, 2).to(keys.dtype)  # [B, nh, Q, hd]
+        o = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, scale=a.scale)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, a.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,6 +213,43 @@ class DSparkDrafter(nn.Module):
             x = layer(x, positions, kv, attn)
         return self.norm(x).view(R, K, -1)
 
+    def forward_train(
+        self,
+        features: torch.Tensor,  # [B, L, m d] target tap features at positions 0 .. L-1
+        anchors: torch.Tensor,  # [B, A] anchor token ids
+        anchor_positions: torch.Tensor,  # [B, A] int64, each >= 0 and < L
+    ) -> torch.Tensor:  # [B, A, K, d] final hidden states (after the drafter's norm)
+        """The block forward for training: A blocks per sequence at once, dense and differentiable.
+
+        The same computation as append_context + block_hidden, written over padded sequences
+        instead of the paged cache: block a of sequence b sees the context keys at positions
+        < anchor_positions[b, a] (never its own anchor's feature, which at inference does not
+        exist yet) and its own K slots both ways, never another block.
+
+          anchors at positions [3, 5], K = 2, L = 6    keys: ctx 0..5 | blk0 s0 s1 | blk1 s0 s1
+          block 0 queries (positions 3, 4):               1 1 1 0 0 0 |  1  1      |  0  0
+          block 1 queries (positions 5, 6):               1 1 1 1 1 0 |  0  0      |  1  1
+
+        Padding past a sequence's end is never visible: every anchor is inside the sequence.
+        """
+        B, A = anchors.shape
+        K, L = self.config.draft_len, features.shape[1]
+        ctx = self.context_norm(self.fc(features))  # [B, L, d]
+        x = self.mask_embedding.expand(B, A, K, -1).clone()  # [B, A, K, d]
+        x[:, :, 0] = self.target.embed_tokens(anchors).to(x.dtype)
+        x = x.reshape(B, A * K, -1)
+        slots = torch.arange(K, device=anchors.device)
+        block_pos = (anchor_positions[..., None] + slots).reshape(B, A * K)  # [B, A K]
+        query_anchor = anchor_positions.repeat_interleave(K, dim=1)  # [B, A K]
+        sees_ctx = torch.arange(L, device=anchors.device) < query_anchor[..., None]  # [B, AK, L]
+        block_id = torch.arange(A, device=anchors.device).repeat_interleave(K)  # [A K]
+        sees_block = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)  # [B, AK, AK]
+        mask = torch.cat([sees_ctx, sees_block], dim=-1)[:, None]  # [B, 1, AK, L + AK]
+        ctx_pos = torch.arange(L, device=anchors.device).expand(B, L)  # [B, L]
+        for layer in self.layers:
+            x = layer.forward_dense(x, block_pos, ctx, ctx_pos, mask)
+        return self.norm(x).view(B, A, K, -1)
+
     # ---- heads ----------------------------------------------------------------------------
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., V] fp32
@@ -215,8 +287,6 @@ class DSparkDrafter(nn.Module):
         target_weights_hash: str,
         backend: str = "torch",
     ) -> DSparkDrafter:
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         if not (directory / CONFIG_FILE).is_file():
             raise FileNotFoundError(f"{directory} is not a DSpark drafter (no {CONFIG_FILE})")
@@ -224,8 +294,13 @@ class DSparkDrafter(nn.Module):
         device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         drafter = cls(config, target, target_weights_hash, backend)  # checks the identity first
-        drafter.load_state_dict(load_file(directory / WEIGHTS_FILE))
-        return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        drafter.load_state_dict(read_weights(directory))
+        drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        # .to(dtype) rounded the (shared) rotary frequencies: the kernels want them in fp32
+        drafter.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(drafter.target_config).to(
+            device
+        )
+        return drafter
 
 
 def check_identity(expected: TargetIdentity, live: TargetIdentity) -> None:
@@ -236,3 +311,20 @@ def check_identity(expected: TargetIdentity, live: TargetIdentity) -> None:
                 f"this drafter was trained for another target: {name} is {want!r} in the drafter "
                 f"checkpoint but {got!r} in the loaded target model"
             )
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The drafter's tensors: model.safetensors, or the shards its index file names."""
+    from safetensors.torch import load_file
+
+    index = directory / WEIGHTS_INDEX_FILE
+    if (directory / WEIGHTS_FILE).is_file() or not index.is_file():
+        return load_file(directory / WEIGHTS_FILE)
+    weight_map = json.loads(index.read_text())["weight_map"]
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors.update(load_file(directory / shard))
+    missing = sorted(set(weight_map) - set(tensors))
+    if missing:
+        raise FileNotFoundError(f"{index} names tensors no shard holds: {missing[:5]}")
+    return tensors

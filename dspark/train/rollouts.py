@@ -1,0 +1,125 @@
+"""Full-block rollouts through the engine, recording what STS calibration needs (DSPARK.md 5).
+
+Per verify step and window row: the drafter's raw confidence logits (K) and how many drafts the
+target accepted. From those, the prefix labels y_k = 1[drafts 1..k all accepted] = 1[accepted >= k].
+
+The recorder observes the engine's own SpecDecoder (the path every speculative request takes):
+it wraps the instance's `draft` (which returns the block with its confidence logits) and
+`record` (which the runner calls after the step's one host sync with each row's accepted
+count). Both are called once per step, draft first, with window rows in the same order, so a
+step's labels are paired with that step's confidences and never another's:
+
+  step t:  draft(rows)  -> confidence logits [R, K]   (kept, on the device)
+           ... target forward, verify, host sync ...
+           record(verify_len [R], num_accepted [R])   -> rows with verify_len == K recorded
+
+The wrapper only sees steps that run the Python step path, so the LLMs that record are built
+with use_cuda_graphs=False (a replayed graph would not call it).
+
+Rows verified with fewer than K drafts (windows shortened near max_tokens) are dropped: their
+later labels are censored, and a censored label reads as a rejection (DSPARK.md 5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.llm import LLM
+from dspark.outputs import RequestOutput
+from dspark.sampling_params import SamplingParams
+from dspark.spec.spec_decoder import SpecDecoder
+from dspark.train.data import answer_seed, prompt_key, render
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConfidenceRecorder:
+    draft_len: int
+    confidence_logits: list[torch.Tensor] = field(default_factory=list)  # [n, K] per step
+    num_accepted: list[torch.Tensor] = field(default_factory=list)  # [n] per step
+    num_censored: int = 0  # rows verified with fewer than K drafts
+    _pending: torch.Tensor | None = None
+
+    def on_draft(self, confidence_logits: torch.Tensor | None) -> None:
+        assert self._pending is None, "two drafts without a record: steps would be mispaired"
+        assert confidence_logits is not None, "the drafter has no confidence head"
+        self._pending = confidence_logits
+
+    def on_record(self, verify_len: list[int], num_accepted: list[int]) -> None:
+        assert self._pending is not None, "a record without a draft"
+        # live rows come first, pad rows (if the step had any) at the tail
+        logits = self._pending[: len(verify_len)].float().cpu()  # sync: after the step's own
+        self._pending = None
+        assert logits.shape == (len(verify_len), self.draft_len), logits.shape
+        full = torch.tensor(verify_len) == self.draft_len
+        self.num_censored += int((~full).sum())
+        self.confidence_logits.append(logits[full])
+        self.num_accepted.append(torch.tensor(num_accepted, dtype=torch.int64)[full])
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw confidence logits [N, K], prefix labels [N, K] float 0/1)."""
+        logits = torch.cat(self.confidence_logits) if self.confidence_logits else None
+        if logits is None:
+            return torch.zeros(0, self.draft_len), torch.zeros(0, self.draft_len)
+        accepted = torch.cat(self.num_accepted)  # [N]
+        labels = accepted[:, None] >= torch.arange(1, self.draft_len + 1)  # [N, K]
+        return logits, labels.float()
+
+
+@contextlib.contextmanager
+def record_confidences(llm: LLM) -> Iterator[ConfidenceRecorder]:
+    """Record every full-block verify step the engine runs inside the `with` block."""
+    spec: SpecDecoder | None = llm.engine.spec
+    if spec is None or spec.drafter.confidence is None:
+        raise ValueError("recording confidences needs speculation with a confidence head")
+    if spec.num_verify != spec.draft_len:
+        raise ValueError(
+            f"calibration labels need full-block verification: num_speculative_tokens is "
+            f"{spec.num_verify}, the drafter drafts {spec.draft_len}"
+        )
+    recorder = ConfidenceRecorder(spec.draft_len)
+    draft, record = spec.draft, spec.record
+
+    def recording_draft(*args, **kwargs):
+        block = draft(*args, **kwargs)
+        recorder.on_draft(block.confidence_logits)
+        return block
+
+    def recording_record(verify_len: list[int], num_accepted: list[int]) -> None:
+        record(verify_len, num_accepted)
+        recorder.on_record(verify_len, num_accepted)
+
+    spec.draft, spec.record = recording_draft, recording_record  # instance attributes
+    try:
+        yield recorder
+    finally:
+        del spec.draft, spec.record  # back to the class's methods
+
+
+def rollout(
+    llm: LLM, texts: list[str], temperature: float, max_tokens: int, seed: int = 0,
+    progress: bool = True,
+) -> list[RequestOutput]:  # fmt: skip
+    """Chat-rendered prompts answered with plain sampling (no top-k/top-p), seeded per prompt.
+
+    Prompts too long for the engine's max_model_len are skipped, with a warning."""
+    tok = llm.get_tokenizer()
+    rendered = [render(tok, t) for t in texts]
+    limit = llm.engine.max_model_len - max_tokens
+    kept = [(t, ids) for t, ids in zip(texts, rendered, strict=True) if len(ids) <= limit]
+    if len(kept) < len(texts):
+        logger.warning("rollout: %d of %d prompts skipped (longer than %d tokens)",
+                       len(texts) - len(kept), len(texts), limit)  # fmt: skip
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                       seed=answer_seed(seed, "rollout", prompt_key(t), 0))
+        for t, _ in kept
+    ]  # fmt: skip
+    prompts = [{"prompt_token_ids": ids} for _, ids in kept]
+    return llm.generate(prompts, params, use_tqdm=progress) if prompts else []

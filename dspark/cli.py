@@ -98,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     from dspark.benchmarks.offline import add_bench_parser
+    from dspark.train.cli import add_train_parsers
 
     add_bench_parser(sub)
+    add_train_parsers(sub)
     return parser
 
 

@@ -25,6 +25,17 @@ from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.layers.attention_metadata import AttentionMetadata
 
 PAD_TOKEN_ID = 0
+
+
+def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a synchronisation. It is staged in pinned
+    memory: a copy from pageable memory waits for the stream to drain, which under async
+    scheduling means waiting for the previous step's GPU work."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 PAD_SLOT = SCRATCH_PAGE  # slot 0 of the scratch page
 
 

@@ -26,7 +26,7 @@ from dspark.engine.scheduler import SampledTokens, ScheduledRow, StepPlan
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
-from dspark.runner.input_buffers import InputBuffers, StepLayout
+from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
 from dspark.spec.spec_buffers import SamplingMode, WindowRow
@@ -96,7 +96,8 @@ class ModelRunner:
             # opted out or near its end) run eagerly: the decode graphs do not produce the
             # drafter's tap features yet.
             width = 1 + spec.num_verify
-            sizes = [g for g in self.graph_sizes if g * width <= self.buffers.max_num_tokens]
+            capacity = self.buffers.input_ids.shape[0]
+            sizes = [g for g in self.graph_sizes if g * width <= capacity]
             if capture_graphs and sizes:
                 self.spec_graphs = SpecGraphs(self._spec_graph_step, self._prepare_spec_graph,
                                               sizes)  # fmt: skip
@@ -257,7 +258,7 @@ class ModelRunner:
             if logit_rows[-1] == len(logit_rows) - 1:  # rows 0..n-1: a view, no gather
                 plain_logits = logits[: len(logit_rows)]
             else:
-                plain_logits = logits[logit_rows]
+                plain_logits = logits[host_to_device(logit_rows, torch.int64, self.device)]
             tokens, lp = self._sample(plain_logits, [plan.rows[i] for i in step.plain])
             self._last_tokens = tokens
             self._last_index = {plan.rows[i].request.request_id: j
@@ -291,7 +292,7 @@ class ModelRunner:
         if not dst:
             return
         dev = self.device
-        idx = torch.tensor([dst, src], dtype=torch.int64).to(dev, non_blocking=True)
+        idx = host_to_device([dst, src], torch.int64, dev)
         self.buffers.input_ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]))
 
     def collect(self, step: InFlightStep) -> list[SampledTokens | None]:
@@ -431,19 +432,11 @@ class ModelRunner:
         top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
         dev = self.device
         return SamplingTensors(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(
-                dev, non_blocking=True
-            ),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev, non_blocking=True),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(
-                dev, non_blocking=True
-            ),
-            seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.int64).to(
-                dev, non_blocking=True
-            ),
-            positions=torch.tensor([r.end for r in rows], dtype=torch.int64).to(
-                dev, non_blocking=True
-            ),
+            temperature=host_to_device([p.temperature for p in params], torch.float32, dev),
+            top_k=host_to_device(top_k, torch.int64, dev),
+            top_p=host_to_device([p.top_p for p in params], torch.float32, dev),
+            seeds=host_to_device([r.request.seed for r in rows], torch.int64, dev),
+            positions=host_to_device([r.end for r in rows], torch.int64, dev),
             all_greedy=all(p.is_greedy for p in params),
             any_top_k=any(k < self.vocab_size for k in top_k),
             any_top_p=any(p.top_p < 1.0 for p in params),
@@ -464,5 +457,6 @@ class ModelRunner:
         if not banned_rows:
             return logits
         logits = logits.clone()
-        logits[banned_rows, banned_ids] = float("-inf")
+        index = host_to_device([banned_rows, banned_ids], torch.int64, self.device)
+        logits[index[0], index[1]] = float("-inf")
         return logits

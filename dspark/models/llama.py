@@ -4,15 +4,16 @@ One forward runs any ragged mix of prefill chunks, decode tokens and verify wind
 logits only for the rows asked for (`logits_indices`) and, on request, the residual stream after
 chosen decoder layers (the DSpark drafter's context features).
 
-With the triton backend, a step of at most SKINNY_MAX_ROWS (16) tokens runs the skinny decoder
-layers: each norm and the SiLU-and-mul are folded into the projection after them, rotary and
-the K/V store into the qkv projection (dspark/kernels/skinny_*_triton.py): 4 launches per layer
-besides attention, not 8. The token count is known on the host from the input's shape (and
-fixed inside a CUDA graph), so the whole step takes one path.
+With the triton backend and DSPARK_SKINNY=1, a step of at most SKINNY_MAX_ROWS (16) tokens runs
+the skinny decoder layers: each norm and the SiLU-and-mul are folded into the projection after
+them, rotary and the K/V store into the qkv projection (dspark/kernels/skinny_*_triton.py): 4
+launches per layer besides attention, not 8. The token count is known on the host from the
+input's shape (and fixed inside a CUDA graph), so the whole step takes one path.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -137,7 +138,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.use_skinny = attention_backend == "triton"  # bench/kernels_skinny.py compares
+        # Off unless DSPARK_SKINNY=1: on the H200 (bench/kernels_skinny.py, docs/PERFORMANCE.md)
+        # the skinny kernels do not yet beat cuBLAS + the separate small kernels.
+        self.use_skinny = attention_backend == "triton" and os.environ.get("DSPARK_SKINNY") == "1"
 
     def forward(
         self,

@@ -244,6 +244,7 @@ def prefill_then_decode(model, kv: list[torch.Tensor], device: torch.device) -> 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
 def test_skinny_model_matches_torch_backend(tmp_path, device, monkeypatch, arch: str):
     # fp32, so only the order of float32 additions differs: tight tolerance
+    monkeypatch.setenv("DSPARK_SKINNY", "1")  # the skinny path is opt-in
     hf_config = _llama_config(128, arch, num_attention_heads=6, num_key_value_heads=2,
                               hidden_size=96, intermediate_size=80)  # fmt: skip
     save_random_model(tmp_path, hf_config)

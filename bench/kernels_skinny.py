@@ -1,10 +1,13 @@
 """Skinny GEMM micro-benchmark: each fused skinny kernel against the unfused launches it replaces,
 and one decoder layer skinny against normal, all replayed from CUDA graphs.
 
-    python bench/kernels_skinny.py --out kernels_skinny.json
-    python bench/kernels_skinny.py --out sweep.json --block-n 16,32,64 --block-k 64,128,256 \\
-        --split-k 1,2,4 --num-warps 2,4 --num-stages 2,3          # tile sweep
+    python bench/kernels_skinny.py --out kernels_skinny.json      # defaults + the layer test
+    python bench/kernels_skinny.py --out sweep.json --ops o_proj,down_silu_mul --tokens 1,16 \\
+        --block-n 16,32 --block-k 64,128,256 --split-k 1,2,4 --layers 0   # a tile sweep
     python bench/kernels_skinny.py --smoke --out /tmp/smoke.json  # CPU, interpreter, tiny
+
+Every config is compiled for T = 1, T = 16 and other T (Triton specializes those), ~1-2 s each:
+keep a sweep's ops x configs x T small enough for the time you have.
 
 SmolLM2-135M shapes (hidden 576, 9 heads, 3 kv heads, head_dim 64, intermediate 1536), bf16,
 T in {1, 2, 4, 8, 16} token rows. Ops, each fused kernel against the sequence it replaces:
@@ -327,7 +330,7 @@ def kernels_per_layer(run: Callable, skinny: bool, num_layers: int) -> float:
 
 def bench_layers(args: argparse.Namespace, s: Shapes, dtype, device) -> list[dict]:
     rows = []
-    for T in args.layer_tokens:
+    for T in args.layer_tokens if args.layers > 0 else []:
         run = layer_stack(args, s, T, dtype, device)
         err = max_err(run(True), run(False))
         for skinny in (False, True):
@@ -391,13 +394,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=30, help="least calls per CUDA graph")
     p.add_argument("--cold-mb", type=int, default=128, help="weight copies' total (0: one)")
     p.add_argument("--replays", type=int, default=50, help="timed graph replays (median)")
-    p.add_argument("--layers", type=int, default=30, help="decoder layers in the layer test")
+    p.add_argument("--layers", type=int, default=30, help="layers in the layer test (0: none)")
     p.add_argument("--layer-tokens", type=int_list, default=[1], help="T of the layer test")
     p.add_argument("--context", type=int, default=512, help="KV tokens per request (layer test)")
     args = p.parse_args()
     if args.smoke:  # tiny and quick: the interpreter runs every call
         args.tokens, args.layer_tokens, args.repeats, args.cold_mb = [1, 3], [1, 3], 1, 0
-        args.layers, args.context, args.replays = 2, 24, 1
+        args.layers, args.context, args.replays = min(args.layers, 2), 24, 1
         args.block_n, args.split_k = args.block_n or [16], args.split_k or [1, 2]
     return args
 

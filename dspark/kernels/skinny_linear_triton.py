@@ -31,7 +31,8 @@ SPLIT_K > 1 cuts each column block's K range into parts: every part writes its f
 sum to a workspace and counts itself in on a per-column-block arrival counter; the last part to
 arrive adds the partials in split order (deterministic) and writes the output, then resets its
 counter to zero for the next launch. Launches on one stream never overlap, so one counter
-buffer per device serves all of them.
+buffer per device serves all of them (split-K kernels running at once on two streams would each
+need their own). The defaults keep SPLIT_K 1 until a sweep on the GPU shows it pays.
 
 Under TRITON_INTERPRET=1 (CPU tensors) it runs in Triton's interpreter; set the variable before
 this module is imported.
@@ -298,11 +299,17 @@ def dot_options(x: torch.Tensor) -> dict:
             "UPCAST_DOT": is_interpreted and not is_fp32}  # fmt: skip
 
 
-def split_workspace(
+def split_buffers(
     num_tiles: int, block_n: int, split_k: int, device: torch.device
-) -> torch.Tensor:  # [tiles * split_k * 16 * block_n] float32, or a 1-element dummy
-    size = num_tiles * split_k * SKINNY_MAX_ROWS * block_n if split_k > 1 else 1
-    return torch.empty(size, dtype=torch.float32, device=device)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace [tiles, split_k, 16, block_n] float32 flat, arrival counters [>= tiles]) for
+    split-K; without it 1-element placeholders, which the kernel never touches."""
+    if split_k == 1:
+        placeholder = torch.empty(1, dtype=torch.float32, device=device)
+        return placeholder, placeholder
+    size = num_tiles * split_k * SKINNY_MAX_ROWS * block_n
+    workspace = torch.empty(size, dtype=torch.float32, device=device)
+    return workspace, arrival_counters(device, num_tiles)
 
 
 def _launch(
@@ -336,8 +343,7 @@ def _launch(
     _skinny_linear_kernel[(num_tiles, config.split_k)](
         x, dummy if residual is None else residual, dummy if norm_weight is None else norm_weight,
         weight, dummy if bias is None else bias, out, res_out,
-        split_workspace(num_tiles, config.block_n, config.split_k, x.device),
-        arrival_counters(x.device, num_tiles),
+        *split_buffers(num_tiles, config.block_n, config.split_k, x.device),
         T, x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0),
         out.stride(0), res_out.stride(0), eps,
         N=N, K=K, PROLOGUE=prologue, HAS_BIAS=bias is not None,

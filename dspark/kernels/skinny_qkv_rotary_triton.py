@@ -42,10 +42,9 @@ from dspark.kernels.skinny_linear_triton import (
     _split_range,
     _store_partial,
     _sum_partials,
-    arrival_counters,
     check_config,
     dot_options,
-    split_workspace,
+    split_buffers,
 )
 
 
@@ -216,12 +215,13 @@ def skinny_qkv_rotary(
     check_config(config)
     half = head_dim // 2
     block_half = max(16, triton.next_power_of_2(half))  # tl.dot's smallest N
-    ws = split_workspace(2 * num_qkv_heads, block_half, config.split_k, x.device)  # 2 halves
+    # tiles 2 h and 2 h + 1: the halves of head h; counters: one per head (the first ones)
+    ws, counters = split_buffers(2 * num_qkv_heads, block_half, config.split_k, x.device)
     res_out = x if new_residual is None else new_residual
     _skinny_qkv_rotary_kernel[(num_qkv_heads, config.split_k)](
         x, x if residual is None else residual, norm_weight, weight,
         x if bias is None else bias, res_out, positions, inv_freq, slot_mapping, q, kv_cache, ws,
-        arrival_counters(x.device, num_qkv_heads),
+        counters,
         T, x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0),
         res_out.stride(0), q.stride(0), kv_cache.stride(0), eps,
         K=d, PROLOGUE="rmsnorm" if residual is None else "add_rmsnorm", HAS_BIAS=bias is not None,

@@ -22,10 +22,12 @@ batched generation at ~60k output tokens/s at batch 256 with 256-token answers):
 - train (<= 2 x 10 min): a step is 32 sequences (~450 tokens each, ~14k target tokens) and 64
   anchors x 7 slots each (~14k drafted slots). Target forward ~3.8 TFLOP (its LM head only at
   the labelled rows), drafter forward + backward ~3.6 TFLOP (its 576 x 49,152 LM head dominates),
-  and ~15 fp32 passes over [14k, 49,152] logits (~40 GB of memory traffic). At ~150 TFLOP/s and
-  ~4 TB/s that is ~60-80 ms a step, ~15k steps in 18 minutes. The step count is not guessed: with
-  the default total_steps 0 the trainer measures its first 30 steps and fixes total_steps to fill
-  train_minutes (18), split over two commands of 9.5 minutes by the checkpoint.
+  and ~15 fp32 passes over [14k, 49,152] logits (~40 GB of memory traffic, ~30-40 GB peak
+  memory). At ~150 TFLOP/s and ~4 TB/s that is ~60-80 ms a step, ~13k steps (~15 epochs of the
+  ~28k answers, new anchors each time) in 16 minutes. The step count is not guessed: with the
+  default total_steps 0 the trainer times its first 30 steps and fixes total_steps to fill
+  train_minutes (16), two commands of --max-minutes 9 (each ~40 s of start-up: GGUF
+  dequantisation, reading the shards, CUDA initialisation) with the checkpoint between them.
 - calibrate + evaluate (<= ~5 min): speculation runs eagerly (~40-60 ms a step). Calibration
   rolls out <= 320 held-out prompts x 256 tokens at once (~100 steps, ~10 s); evaluation runs
   2 temperatures x 5 sources x <= 64 prompts x 256 tokens (~100 steps each, ~1 min); each engine

@@ -63,7 +63,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     total_steps: int = 0  # 0: sized to train_minutes after measure_steps steps
-    train_minutes: float = 18.0
+    train_minutes: float = 16.0
     measure_steps: int = 30
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -215,6 +215,8 @@ class Trainer:
                 return False
             t0 = time.monotonic()
             terms = self.train_step()
+            if self.device.type == "cuda" and len(self.step_seconds) < self.config.measure_steps:
+                torch.cuda.synchronize(self.device)  # sync: timed steps measure the GPU's work
             self._after_step(terms, time.monotonic() - t0, bar)
             if self.step % self.config.save_every == 0:
                 self.save(train_dir / CHECKPOINT_FILE)

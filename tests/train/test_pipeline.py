@@ -170,3 +170,10 @@ def test_cli_calibrate_and_train_arguments(run, tiny_llama_dir, capsys):
     assert cfg.train.target_layers == (1, 5) and cfg.train.total_steps == 40
     assert cfg.regenerate.counts["gsm8k"] == 10 and cfg.eval.temperatures == (0.0, 0.7)
     assert str(cfg.data) == "w/data" and cfg.max_minutes == 9.0
+
+
+def test_a_missing_prompt_source_is_an_error_before_generating(tiny_llama_dir, tmp_path):
+    config = _config(tiny_llama_dir, tmp_path, "w")  # tmp_path has no prompts directory
+    with pytest.raises(FileNotFoundError, match=r"no prompts for source\(s\) \['gsm8k', "):
+        run_pipeline(config, ("regenerate",))
+    assert not (config.data / "self_prompts.jsonl").exists()

@@ -48,6 +48,7 @@ class StepLayout:
     num_logits: int
     cu_num_tokens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
+    num_fed: int = 0  # input tokens fed from the previous step's output on the device
 
 
 class InputBuffers:
@@ -72,6 +73,9 @@ class InputBuffers:
             (max_num_rows, max_pages_per_row), torch.int32
         )
         self.logits_indices_cpu, self.logits_indices = pair(max_num_tokens, torch.int64)
+        # async scheduling: token index <- index into the previous step's sampled tokens
+        self.feed_dst_cpu, self.feed_dst = pair(max_num_rows, torch.int64)
+        self.feed_src_cpu, self.feed_src = pair(max_num_rows, torch.int64)
         self._pointers = self.data_ptrs()
         # what each block-table row holds: (request id, its preemption count, pages), so a row
         # is rewritten only when its request or page count changed (pages only ever grow while
@@ -130,8 +134,11 @@ class InputBuffers:
             ("seq_lens", r),
             ("block_table", r),
             ("logits_indices", n),
+            ("feed_dst", layout.num_fed),
+            ("feed_src", layout.num_fed),
         ):
-            getattr(self, name)[:used].copy_(getattr(self, f"{name}_cpu")[:used], True)
+            if used:
+                getattr(self, name)[:used].copy_(getattr(self, f"{name}_cpu")[:used], True)
         self._uploaded = torch.cuda.Event()
         self._uploaded.record()
 

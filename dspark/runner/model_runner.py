@@ -84,6 +84,13 @@ class ModelRunner:
             max(max_num_tokens, max_rows), max_rows, pages_for(max_model_len, page_size), device
         )
         self.stats: Counter[str] = Counter()
+        # sampled tokens come back through two persistent pinned buffers, alternately: under
+        # async scheduling one holds the step being read while the next step's copy is queued
+        self._token_host = None
+        if device.type == "cuda":
+            self._token_host = [torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
+                                for _ in range(2)]  # fmt: skip
+        self._token_parity = 0
         self.graph_sizes = sorted(graph_sizes or [])
         if device.type == "cuda":
             self._warm_up_eager(max_num_tokens)
@@ -114,22 +121,38 @@ class ModelRunner:
         b, ps = self.buffers, self.page_size
         b.wait_for_upload()
         ids, positions, slots, cu, seq_lens, logits_idx = [], [], [], [0], [], []
+        fed_dst, fed_src = [], []  # input tokens still on the device (async scheduling)
         for i, row in enumerate(plan.rows):
-            req, span = row.request, range(row.start, row.end)
+            req, start, end = row.request, row.start, row.end
             pages = req.page_ids
-            if row.num_draft:  # [anchor, drafts]: the drafts are scattered in on the device
-                ids += [req.token_ids[row.start]] + [0] * row.num_draft
+            if end - start == 1 and not row.num_draft:  # a decode token: the common case
+                token = req.token_ids[start]
+                if token == PENDING_TOKEN:
+                    fed_dst.append(cu[-1])
+                    fed_src.append(self._last_index[req.request_id])
+                ids.append(token)
+                positions.append(start)
+                slots.append(pages[start // ps] * ps + start % ps)
+                if row.do_sample:  # (a 1-token prefill chunk short of the prompt's end does not)
+                    logits_idx.append(cu[-1])
             else:
-                ids += req.token_ids[row.start : row.end]
-            positions += span
-            slots += [pages[p // ps] * ps + p % ps for p in span]
-            cu.append(cu[-1] + row.num_tokens)
-            seq_lens.append(row.end)
-            if row.num_draft:  # every window token is scored
-                logits_idx += range(cu[-2], cu[-1])
-            elif row.do_sample:
-                logits_idx.append(cu[-1] - 1)
+                if row.num_draft:  # [anchor, drafts]: the drafts are scattered in on the device
+                    ids += [req.token_ids[start]] + [0] * row.num_draft
+                    logits_idx += range(cu[-1], cu[-1] + row.num_tokens)  # all scored
+                else:
+                    ids += req.token_ids[start:end]
+                    assert PENDING_TOKEN not in req.token_ids[start:end], (
+                        f"request {req.request_id}: a pending token can only feed a decode row"
+                    )
+                    if row.do_sample:
+                        logits_idx.append(cu[-1] + row.num_tokens - 1)
+                positions += range(start, end)
+                slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
+            cu.append(cu[-1] + end - start)
+            seq_lens.append(end)
             b.write_block_row(i, (req.request_id, req.num_preemptions, len(pages)), pages)
+        b.np("feed_dst")[: len(fed_dst)] = fed_dst
+        b.np("feed_src")[: len(fed_src)] = fed_src
         t, num_rows, n = cu[-1], len(plan.rows), len(logits_idx)
         b.np("input_ids")[:t] = ids
         b.np("positions")[:t] = positions
@@ -150,7 +173,8 @@ class ModelRunner:
             seq_lens += [width] * pad
             t, num_rows = t + pad * width, graph_size
             n = t
-        return StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens)), graph_size
+        layout = StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens), num_fed=len(fed_dst))
+        return layout, graph_size
 
     @torch.inference_mode()
     def _warm_up_eager(self, max_num_tokens: int) -> None:
@@ -229,7 +253,7 @@ class ModelRunner:
         """
         layout, graph_size = self._stage(plan)
         self.buffers.upload(layout)
-        self._feed_pending(plan)
+        self._feed_pending(layout)
         window_rows = [i for i, r in enumerate(plan.rows) if r.num_draft]
         spec_out = None
         if window_rows:
@@ -263,7 +287,7 @@ class ModelRunner:
             self._last_tokens = tokens
             self._last_index = {plan.rows[i].request.request_id: j
                                 for j, i in enumerate(step.plain)}  # fmt: skip
-            step.tokens = _to_host(tokens)
+            step.tokens = self._tokens_to_host(tokens)
             step.logprobs = _to_host(lp)
         if spec_out is not None:
             R = len(window_rows)
@@ -276,24 +300,20 @@ class ModelRunner:
             step.done.record()
         return step
 
-    def _feed_pending(self, plan: StepPlan) -> None:
-        """Scatter the previous launch's pending tokens into this step's input ids (device)."""
-        dst, src = [], []
-        t = 0
-        for row in plan.rows:
-            req = row.request
-            if req.token_ids[row.start] == PENDING_TOKEN:
-                assert row.num_tokens == 1 and not row.num_draft, (
-                    f"request {req.request_id}: a pending token can only feed a decode row"
-                )
-                dst.append(t)
-                src.append(self._last_index[req.request_id])
-            t += row.num_tokens
-        if not dst:
-            return
-        dev = self.device
-        idx = host_to_device([dst, src], torch.int64, dev)
-        self.buffers.input_ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]))
+    def _tokens_to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._token_host is None:  # CPU: already there
+            return tokens
+        buf = self._token_host[self._token_parity][: tokens.shape[0]]
+        self._token_parity ^= 1
+        return buf.copy_(tokens, non_blocking=True)
+
+    def _feed_pending(self, layout: StepLayout) -> None:
+        """input_ids[feed_dst[j]] = last_tokens[feed_src[j]]: the previous launch's pending
+        tokens into this step's inputs, on the device (indices staged by _stage)."""
+        n, b = layout.num_fed, self.buffers
+        if n:
+            fed = self._last_tokens.index_select(0, b.feed_src[:n])
+            b.input_ids.index_copy_(0, b.feed_dst[:n], fed)
 
     def collect(self, step: InFlightStep) -> list[SampledTokens | None]:
         """Wait for a launched step and assign its results to plan rows."""

@@ -24,7 +24,7 @@ from dspark.sample.sampler import SamplingTensors, sampling_probs
 @dataclass(frozen=True)
 class DraftBlock:
     tokens: torch.Tensor  # [R, K] int64
-    probs: torch.Tensor  # [R, K, V] float32, the distribution each draft was drawn from
+    probs: torch.Tensor | None  # [R, K, V] float32, each draft's distribution; None: all greedy
     confidence_logits: torch.Tensor | None  # [R, K] float32, raw (before STS calibration)
 
 
@@ -38,7 +38,8 @@ def draft_block(
     R, K, _ = hidden.shape
     base = drafter.base_logits(hidden)  # [R, K, V]
     tokens = torch.empty(R, K, dtype=torch.int64, device=hidden.device)
-    probs = torch.empty_like(base)
+    # a batch of greedy rows needs no distributions: greedy verification compares argmaxes
+    probs = None if st.all_greedy else torch.empty_like(base)
     has_conf = drafter.confidence is not None
     conf = torch.empty(R, K, device=hidden.device) if has_conf else None
     prev = anchors
@@ -47,10 +48,13 @@ def draft_block(
         if has_conf:
             conf[:, k] = drafter.confidence_logit(hidden[:, k], prev)  # before x[k] is drawn
         logits = base[:, k] + drafter.markov_bias(prev)  # [R, V]
-        p = sampling_probs(logits, st)  # [R, V]
-        u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT, p.shape[-1])
-        sampled = (p / -torch.log(u)).argmax(dim=-1)  # exponential race: a draw from p
-        tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
-        probs[:, k] = p
+        if st.all_greedy:
+            tokens[:, k] = logits.argmax(dim=-1)
+        else:
+            p = sampling_probs(logits, st)  # [R, V]
+            u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT, p.shape[-1])
+            sampled = (p / -torch.log(u)).argmax(dim=-1)  # exponential race: a draw from p
+            tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+            probs[:, k] = p
         prev = tokens[:, k]
     return DraftBlock(tokens, probs, conf)

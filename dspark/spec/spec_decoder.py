@@ -30,7 +30,7 @@ from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.spec.drafting import DraftBlock, draft_block
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
-from dspark.spec.verifier import VerifyInput, VerifyOutput, verify
+from dspark.spec.verifier import VerifyInput, VerifyOutput, verify, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,8 @@ class SpecDecoder:
         verify_len = b.verify_len[:R]
         cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
         cu[1:] = (verify_len + 1).cumsum(0)
+        if st.all_greedy:
+            return verify_greedy(window_logits, block.tokens, verify_len, cu)
         # owner row of each window token (shape-static: no host sync, capturable)
         token = torch.arange(window_logits.shape[0], device=dev)
         owner = torch.searchsorted(cu[1:], token, right=True).clamp(max=R - 1)

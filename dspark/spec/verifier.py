@@ -87,6 +87,29 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     return VerifyOutput(tokens, num_accepted)
 
 
+def verify_greedy(
+    target_logits: torch.Tensor,  # [T, V] the target's logits at every window token
+    draft_tokens: torch.Tensor,  # [R, K]
+    verify_len: torch.Tensor,  # [R]
+    cu_num_tokens: torch.Tensor,  # [R + 1]
+) -> VerifyOutput:
+    """Verification when every row is greedy: a draft is kept iff it is the target's argmax,
+    and the final token is the argmax at the first disagreement (or after the last draft).
+    The argmax of the logits, exactly as plain greedy decoding takes it: no distribution over
+    the vocabulary is ever built."""
+    R, K = draft_tokens.shape
+    slots = torch.arange(K, device=draft_tokens.device)  # [K]
+    target_tokens = target_logits.argmax(dim=-1)  # [T]
+    rows = (cu_num_tokens[:-1, None] + slots[None, :]).clamp(max=target_tokens.shape[0] - 1)
+    accept = (draft_tokens == target_tokens[rows]) & (slots[None, :] < verify_len[:, None])
+    num_accepted = (~accept).cumsum(dim=1).eq(0).sum(dim=1)  # [R]
+    final = target_tokens[cu_num_tokens[:-1] + num_accepted]  # [R]
+    tokens = torch.where(slots[None, :] < num_accepted[:, None], draft_tokens, 0)
+    tokens = torch.cat([tokens, torch.zeros_like(tokens[:, :1])], dim=1)  # [R, K + 1]
+    tokens.scatter_(1, num_accepted[:, None], final[:, None])
+    return VerifyOutput(tokens, num_accepted)
+
+
 def _final_token(
     inp: VerifyInput, num_accepted: torch.Tensor, target_at: torch.Tensor
 ) -> torch.Tensor:  # [R] the recovered (a draft was rejected) or bonus (all accepted) token

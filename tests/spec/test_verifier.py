@@ -112,3 +112,34 @@ def test_ragged_layout_worked_example():
     assert out.num_accepted.tolist() == [2, 0, 1]
     assert [out.tokens[r, : n + 1].tolist() for r, n in enumerate(out.num_accepted.tolist())] == [
         [1, 2, 3], [0], [1, 2]]  # fmt: skip
+
+
+def test_greedy_fast_path_equals_general_verification_of_greedy_rows():
+    # verify_greedy (argmax of logits, no distributions) must emit what verify() emits for rows
+    # that are all greedy; random float logits have no ties, so the argmaxes agree
+    from dspark.spec.verifier import verify_greedy
+
+    g = torch.Generator().manual_seed(3)
+    R, K, V = 5, 4, 11
+    verify_len = torch.tensor([4, 0, 2, 4, 1])
+    cu = torch.zeros(R + 1, dtype=torch.int64)
+    cu[1:] = (verify_len + 1).cumsum(0)
+    logits = torch.randn(int(cu[-1]), V, generator=g)
+    drafts = torch.randint(0, V, (R, K), generator=g)
+    target_argmax = logits.argmax(-1)
+    drafts[0] = target_argmax[cu[0] : cu[0] + K]  # row 0: every draft is the argmax
+    drafts[3, :2] = target_argmax[cu[3] : cu[3] + 2]  # row 3: two kept, then likely a miss
+    fast = verify_greedy(logits, drafts, verify_len, cu)
+    general = verify(
+        VerifyInput(
+            target_probs=logits.softmax(-1), draft_probs=torch.full((R, K, V), 1.0 / V),
+            draft_tokens=drafts, verify_len=verify_len, cu_num_tokens=cu,
+            anchor_positions=torch.arange(R) * 10, seeds=torch.arange(R),
+            is_greedy=torch.ones(R, dtype=torch.bool),
+        )
+    )  # fmt: skip
+    assert fast.num_accepted.tolist() == general.num_accepted.tolist()
+    assert fast.num_accepted[0] == 4 and fast.num_accepted[1] == 0
+    for r in range(R):
+        n = int(fast.num_accepted[r]) + 1
+        assert fast.tokens[r, :n].tolist() == general.tokens[r, :n].tolist()

@@ -51,7 +51,7 @@ def test_real_prompts_mix_domains_and_are_deterministic():
     texts = load_source_texts(DATA_DIR, sources, seed=0)
     assert tuple(texts) == sources and all(texts.values())
     owner = {t: name for name, rows in texts.items() for t in rows}
-    prompts = load_prompts(DATA_DIR, sources, seed=0)
+    prompts = load_prompts(DATA_DIR, sources, seed=0, split="all")
     assert all(c[0]["role"] == "user" and len(c) == 1 for c in prompts)
     contents = [c[0]["content"] for c in prompts]
     # every window of len(sources) before the smallest source runs out holds each source once
@@ -59,8 +59,10 @@ def test_real_prompts_mix_domains_and_are_deterministic():
     n = len(sources)
     for start in range(0, shortest * n, n):
         assert [owner[t] for t in contents[start : start + n]] == list(sources)
-    assert prompts == load_prompts(DATA_DIR, sources, seed=0)
-    assert contents != [c[0]["content"] for c in load_prompts(DATA_DIR, sources, seed=1)]
+    assert prompts == load_prompts(DATA_DIR, sources, seed=0, split="all")
+    assert contents != [
+        c[0]["content"] for c in load_prompts(DATA_DIR, sources, seed=1, split="all")
+    ]
     alpaca = texts["alpaca"]
     assert any("\n\n" in t for t in alpaca)  # a non-empty input follows its instruction
     if HAS_HUMANEVAL:
@@ -70,7 +72,7 @@ def test_real_prompts_mix_domains_and_are_deterministic():
 def test_missing_sources_are_skipped_but_none_is_an_error(tmp_path, caplog):
     (tmp_path / "gsm8k_train.jsonl").write_text('{"question": "What is 2 + 3?"}\n')
     with caplog.at_level(logging.WARNING):
-        prompts = load_prompts(tmp_path, ("gsm8k", "vicuna"))
+        prompts = load_prompts(tmp_path, ("gsm8k", "vicuna"), split="all")
     assert prompts == [[{"role": "user", "content": "What is 2 + 3?"}]]
     assert "vicuna skipped" in caplog.text
     with pytest.raises(ValueError, match="no prompts loaded"):
@@ -175,3 +177,15 @@ def test_hf_sweep_records_out_of_memory_and_the_cap():
     assert levels[1]["reason"].startswith("out of memory: CUDA out of memory")
     assert levels[2]["reason"] == "concurrency 2 already ran out of memory"
     assert levels[3]["reason"] == "above --hf-max-concurrency 4"
+
+
+def test_default_prompts_are_the_drafter_trainings_held_out_slice():
+    from dspark.train.data import SplitConfig, prompt_key, split_of
+
+    sources = _available_sources()
+    every = [c[0]["content"] for c in load_prompts(DATA_DIR, sources, seed=0, split="all")]
+    held_out = [c[0]["content"] for c in load_prompts(DATA_DIR, sources, seed=0)]
+    assert held_out and set(held_out) < set(every)
+    assert all(split_of(prompt_key(t), SplitConfig()) == "eval" for t in held_out)
+    with pytest.raises(ValueError, match="prompt split 'train' is not one of"):
+        load_prompts(DATA_DIR, sources, split="train")

@@ -31,7 +31,13 @@ from dspark.benchmarks.hf_peer import (
     run_hf_sweep,
     synchronize,
 )
-from dspark.benchmarks.prompts import SOURCES, default_prompts_dir, load_prompts, parse_sources
+from dspark.benchmarks.prompts import (
+    PROMPT_SPLITS,
+    SOURCES,
+    default_prompts_dir,
+    load_prompts,
+    parse_sources,
+)
 from dspark.benchmarks.report import environment, format_table, ratios, write_results
 from dspark.config import DTYPE_CHOICES, EngineConfig
 from dspark.models.loader import resolve_model
@@ -61,6 +67,7 @@ class BenchConfig:
     prompts_dir: Path | None = None
     sources: tuple[str, ...] = SOURCES
     seed: int = 0
+    prompt_split: str = "eval"  # "eval": the drafter training's held-out prompts only
     use_dspark: bool = True
     use_hf: bool = False
     hf_max_concurrency: int = 64
@@ -247,7 +254,7 @@ def run_offline_bench(
 ) -> dict:
     """Run the sweep on dspark and/or the HF peer; write the JSON (and plot) and print a table."""
     prompts_dir = resolve_prompts_dir(config)
-    conversations = load_prompts(prompts_dir, config.sources, config.seed)
+    conversations = load_prompts(prompts_dir, config.sources, config.seed, config.prompt_split)
     engine_config = EngineConfig(model=config.model, dtype=config.dtype, device=config.device)
     device = engine_config.torch_device()
     dtype = engine_config.torch_dtype(device)
@@ -294,6 +301,7 @@ def metadata(
         "concurrency": list(config.concurrency),
         "sources": list(config.sources),
         "seed": config.seed,
+        "prompt_split": config.prompt_split,
         "engine": None,
         "dspark": None,
         "hf": None,
@@ -359,6 +367,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated prompt sources")
     p.add_argument("--seed", type=int, default=0, help="prompt shuffle seed")
+    p.add_argument(
+        "--prompt-split",
+        default="eval",
+        choices=PROMPT_SPLITS,
+        help="eval: only prompts held out of drafter training (default); all: every prompt",
+    )
     p.add_argument("--hf-peer", action="store_true", help="also run transformers generate")
     p.add_argument("--hf-only", action="store_true", help="run only the transformers peer")
     p.add_argument("--hf-max-concurrency", type=int, default=64)
@@ -393,6 +407,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prompts_dir=args.prompts_dir,
         sources=parse_sources(args.sources),
         seed=args.seed,
+        prompt_split=args.prompt_split,
         use_dspark=not args.hf_only,
         use_hf=args.hf_peer or args.hf_only,
         hf_max_concurrency=args.hf_max_concurrency,

@@ -130,11 +130,29 @@ def interleave(texts: dict[str, list[str]]) -> list[str]:
     return merged
 
 
+PROMPT_SPLITS = ("eval", "all")
+
+
 def load_prompts(
-    data_dir: Path | None, sources: tuple[str, ...] = SOURCES, seed: int = 0
+    data_dir: Path | None, sources: tuple[str, ...] = SOURCES, seed: int = 0, split: str = "eval"
 ) -> list[Conversation]:
-    """The benchmark's prompts as single-user-turn conversations, domains mixed in any prefix."""
+    """The benchmark's prompts as single-user-turn conversations, domains mixed in any prefix.
+
+    split "eval": only the prompts the drafter training keeps out of training (dspark.train's
+    held-out eval slice, a pure function of each prompt's text), so acceptance is never measured
+    on training prompts; "all": every prompt (speed runs that want more distinct prompts).
+    """
+    if split not in PROMPT_SPLITS:
+        raise ValueError(f"prompt split {split!r} is not one of {PROMPT_SPLITS}")
     texts = load_source_texts(data_dir, sources, seed)
+    if split == "eval":
+        from dspark.train.data import SplitConfig, prompt_key, split_of  # (imports this module)
+
+        config = SplitConfig()
+        texts = {
+            name: [t for t in rows if split_of(prompt_key(t), config) == "eval"]
+            for name, rows in texts.items()
+        }
     merged = interleave(texts)
     if not merged:
         raise ValueError(

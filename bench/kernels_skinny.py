@@ -2,12 +2,12 @@
 and one decoder layer skinny against normal, all replayed from CUDA graphs.
 
     python bench/kernels_skinny.py --out kernels_skinny.json      # defaults + the layer test
-    python bench/kernels_skinny.py --out sweep.json --ops o_proj,down_silu_mul --tokens 1,16 \\
-        --block-n 16,32 --block-k 64,128,256 --split-k 1,2,4 --layers 0   # a tile sweep
+    python bench/kernels_skinny.py --out sweep.json --ops o_proj,down --tokens 1,16 \\
+        --block-n 16,32 --block-k 64,128 --split-k 1,2,4,8 --layers 0   # a tile sweep
     python bench/kernels_skinny.py --smoke --out /tmp/smoke.json  # CPU, interpreter, tiny
 
-Every config is compiled for T = 1, T = 16 and other T (Triton specializes those), ~1-2 s each:
-keep a sweep's ops x configs x T small enough for the time you have.
+Every config is compiled for T = 1 (the GEMV), T = 16 and other T (tl.dot; Triton specializes
+16), ~1-2 s each: keep a sweep's ops x configs x T small enough for the time you have.
 
 SmolLM2-135M shapes (hidden 576, 9 heads, 3 kv heads, head_dim 64, intermediate 1536), bf16,
 T in {1, 2, 4, 8, 16} token rows. Ops, each fused kernel against the sequence it replaces:
@@ -17,9 +17,15 @@ T in {1, 2, 4, 8, 16} token rows. Ops, each fused kernel against the sequence it
     o_proj            skinny_linear              vs F.linear                       N 576,  K 576
     gate_up_add_rmsnorm  skinny_add_rmsnorm_linear vs fused_add_rmsnorm + F.linear N 3072, K 576
     down_silu_mul     skinny_silu_mul_linear     vs silu_and_mul + F.linear        N 576,  K 1536
+    down              skinny_linear              vs F.linear                       N 576,  K 1536
+    gate_up_silu      skinny_gate_up_silu        vs fused_add_rmsnorm + F.linear + silu_and_mul
+                      (SiLU in the epilogue; N 1536 output columns of 2 x 1536 weight rows)
     qkv_rotary        skinny_qkv_rotary          vs fused_add_rmsnorm + F.linear + rotary_qkv
                       (rotary + KV store in the epilogue; one program per head, block_n unused)
     qkv_then_rotary   skinny_add_rmsnorm_linear + rotary_qkv (two launches), same baseline
+
+The model's skinny layer runs qkv_rotary (with the rmsnorm prologue in layer 0), o_proj,
+gate_up_silu and down; the other ops are the alternatives they were chosen over.
 
 Timing: the calls are captured in one CUDA graph and replayed; a call's time is the replay's
 CUDA-event time / calls, median over --replays. Each call reads its own copy of the weights, and
@@ -27,11 +33,11 @@ there are enough calls (at least --repeats) that the copies total --cold-mb (128
 H200's 50 MB L2, so W comes from HBM as in the real decode step, whose 30 layers hold ~200 MB of
 weights (--cold-mb 0: --repeats calls on one copy, W resident in L2).
 
-Every op runs with default_config and with each config of the sweep grid (the product of the
---block-n, --block-k, --split-k, --num-warps, --num-stages lists; "auto" keeps the default's
-value). The layer comparison runs --layers decoder layers (distinct weights, own KV caches, a
-decode batch of T rows at --context tokens) skinny and normal, and reports us per layer and
-kernels per layer (torch.profiler on one eager pass).
+Every op runs with its default config and with each config of the sweep grid (the product of
+the --block-n, --block-k, --split-k, --num-warps, --use-gemv lists; "auto" keeps the default's
+value; --use-gemv 0 runs T = 1 on tl.dot too). The layer comparison runs --layers decoder
+layers (distinct weights, own KV caches, a decode batch of T rows at --context tokens) skinny
+and normal, and reports us per layer and kernels per layer (torch.profiler on one eager pass).
 
 --smoke runs tiny shapes on the CPU interpreter with a wall clock and no graph (T in {1, 3},
 float32, two configs): its numbers mean nothing, it only proves the script runs end to end.
@@ -95,15 +101,17 @@ class Row:
 def kernels() -> dict:
     # Imported late on purpose: --smoke sets TRITON_INTERPRET, which Triton reads when the
     # kernels are decorated, that is when their module is first imported.
-    names = ("skinny_linear_triton", "skinny_qkv_rotary_triton", "rmsnorm_triton",
-             "rotary_triton", "silu_mul_triton")  # fmt: skip
+    names = ("skinny_gemm_triton", "skinny_linear_triton", "skinny_qkv_rotary_triton",
+             "skinny_gate_up_silu_triton", "rmsnorm_triton", "rotary_triton",
+             "silu_mul_triton")  # fmt: skip
     return {n: importlib.import_module(f"dspark.kernels.{n}") for n in names}
 
 
 def op_shape(op: str, s: Shapes) -> tuple[int, int]:  # (N, K) of the op's weight
     return {"qkv_add_rmsnorm": (s.qkv_size, s.hidden), "qkv_rmsnorm": (s.qkv_size, s.hidden),
             "o_proj": (s.hidden, s.hidden), "gate_up_add_rmsnorm": (2 * s.inter, s.hidden),
-            "down_silu_mul": (s.hidden, s.inter), "qkv_rotary": (s.qkv_size, s.hidden),
+            "down_silu_mul": (s.hidden, s.inter), "down": (s.hidden, s.inter),
+            "gate_up_silu": (2 * s.inter, s.hidden), "qkv_rotary": (s.qkv_size, s.hidden),
             "qkv_then_rotary": (s.qkv_size, s.hidden)}[op]  # fmt: skip
 
 
@@ -120,10 +128,12 @@ def num_calls(n: int, k: int, args: argparse.Namespace, dtype) -> tuple[int, int
 def op_case(op: str, s: Shapes, T: int, copies: int, dtype, device) -> OpCase:
     if op.startswith("qkv_") and "rotary" in op:
         return qkv_rotary_case(op, s, T, copies, dtype, device)
+    if op == "gate_up_silu":
+        return gate_up_silu_case(s, T, copies, dtype, device)
     k = kernels()
     sk, norm, silu = k["skinny_linear_triton"], k["rmsnorm_triton"], k["silu_mul_triton"]
     n, width = op_shape(op, s)
-    default = sk.default_config(n, width)
+    default = k["skinny_gemm_triton"].default_config(n, width, device.type)
     ws = [randn((n, width), dtype, device, width**-0.5) for _ in range(copies)]  # [N, K] each
     norm_ws = [norm_weight(width, dtype, device) for _ in range(copies)]  # [K] each
     x, residual = randn((T, width), dtype, device), randn((T, width), dtype, device)  # [T, K]
@@ -132,7 +142,7 @@ def op_case(op: str, s: Shapes, T: int, copies: int, dtype, device) -> OpCase:
         return OpCase(lambda i, c: sk.skinny_rmsnorm_linear(x, norm_ws[i], EPS, ws[i], None, c),
                       lambda i: F.linear(norm.rmsnorm(x, norm_ws[i], EPS), ws[i]),
                       default)  # fmt: skip
-    if op == "o_proj":
+    if op in ("o_proj", "down"):
         return OpCase(lambda i, c: sk.skinny_linear(x, ws[i], None, c),
                       lambda i: F.linear(x, ws[i]), default)  # fmt: skip
     if op == "down_silu_mul":
@@ -182,8 +192,30 @@ def qkv_rotary_case(op: str, s: Shapes, T: int, copies: int, dtype, device) -> O
         return rotate(F.linear(h, ws[i]), new_residual)
 
     if op == "qkv_then_rotary":
-        return OpCase(fused, unfused, sk.default_config(n, width))
-    return OpCase(fused, unfused, fused_qkv.default_qkv_config(width), uses_block_n=False)
+        return OpCase(fused, unfused, k["skinny_gemm_triton"].default_config(n, width, device.type))
+    default = fused_qkv.default_qkv_config(n // s.head_dim, width, device.type)
+    return OpCase(fused, unfused, default, uses_block_n=False)
+
+
+def gate_up_silu_case(s: Shapes, T: int, copies: int, dtype, device) -> OpCase:
+    """A later layer's MLP input: add + norm, gate_up, SiLU-and-mul; outputs (act [T, I], new
+    residual)."""
+    k = kernels()
+    fused_mlp = k["skinny_gate_up_silu_triton"]
+    norm, silu = k["rmsnorm_triton"], k["silu_mul_triton"]
+    ws = [randn((2 * s.inter, s.hidden), dtype, device, s.hidden**-0.5) for _ in range(copies)]
+    norm_ws = [norm_weight(s.hidden, dtype, device) for _ in range(copies)]
+    x, residual = randn((T, s.hidden), dtype, device), randn((T, s.hidden), dtype, device)
+
+    def fused(i: int, c) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_mlp.skinny_gate_up_silu(x, residual, norm_ws[i], EPS, ws[i], None, c)
+
+    def unfused(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, new_residual = norm.fused_add_rmsnorm(x, residual, norm_ws[i], EPS)
+        return silu.silu_and_mul(F.linear(h, ws[i])), new_residual
+
+    default = k["skinny_gemm_triton"].default_config(s.inter, s.hidden, device.type)
+    return OpCase(fused, unfused, default)
 
 
 def randn(shape: tuple[int, ...], dtype, device, scale: float = 1.0) -> torch.Tensor:
@@ -194,8 +226,8 @@ def norm_weight(width: int, dtype, device) -> torch.Tensor:  # [width]
     return (1 + 0.1 * torch.randn(width, device=device)).to(dtype)
 
 
-OPS = ("qkv_add_rmsnorm", "qkv_rmsnorm", "o_proj", "gate_up_add_rmsnorm", "down_silu_mul",
-       "qkv_rotary", "qkv_then_rotary")  # fmt: skip
+OPS = ("qkv_rotary", "qkv_rmsnorm", "o_proj", "gate_up_silu", "down", "qkv_add_rmsnorm",
+       "qkv_then_rotary", "gate_up_add_rmsnorm", "down_silu_mul")  # fmt: skip
 
 
 # -- timing ----------------------------------------------------------------------------------
@@ -235,7 +267,7 @@ def max_err(got, expected) -> float:
 def sweep_configs(args: argparse.Namespace, case: OpCase) -> list:
     """The grid of the sweep lists; "auto" keeps the default's value for that field."""
     default = case.default
-    fields = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+    fields = ("block_n", "block_k", "split_k", "num_warps", "use_gemv")
     if not case.uses_block_n:  # one program per head: block_n means nothing, keep the default
         fields = fields[1:]
     lists = [getattr(args, f) or [getattr(default, f)] for f in fields]
@@ -370,7 +402,7 @@ def print_report(table: list[dict], layers: list[dict]) -> None:
         tiles = f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']}"
         print(f"{r['op']:20} {r['num_tokens']:3d} {r['unfused_us']:8.2f} {r['default_us']:8.2f}"
               f" {r['best_us']:8.2f} {r['speedup_default']:5.2f}x {r['speedup_best']:5.2f}x"
-              f"  {tiles} st{c['num_stages']}")  # fmt: skip
+              f"  {tiles} {'gemv' if c['use_gemv'] else 'dot'}")  # fmt: skip
     for r in layers:
         kernels = "-" if r["kernels_per_layer"] is None else f"{r['kernels_per_layer']:.1f}"
         print(f"layer T={r['num_tokens']:<3d} {'skinny' if r['skinny'] else 'normal':6}"
@@ -388,7 +420,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + str(OPS))
     p.add_argument("--tokens", type=int_list, default=[1, 2, 4, 8, 16], help="T values")
-    for name in ("block-n", "block-k", "split-k", "num-warps", "num-stages"):
+    for name in ("block-n", "block-k", "split-k", "num-warps", "use-gemv"):
         p.add_argument(f"--{name}", type=int_list, default=None,
                        help="comma-separated sweep values (default: auto)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=30, help="least calls per CUDA graph")

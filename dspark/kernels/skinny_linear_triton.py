@@ -2,8 +2,12 @@
 
 At decode batch sizes a decoder layer is latency bound: every eager op and every cuBLAS GEMM is
 a launch of a few microseconds that moves little data. These kernels fold the elementwise op in
-front of each projection into the GEMM's load of its input, so a layer's norm + qkv, norm +
-gate_up and silu_mul + down are one launch each:
+front of a projection into the GEMM's load of its input (this file), or the op after it into
+its epilogue (skinny_qkv_rotary_triton.py, skinny_gate_up_silu_triton.py); all three are built
+on skinny_gemm_triton.py (tiles, GEMV or tl.dot, split-K). The skinny decoder layer uses "none"
+here for o_proj and down; the norms run as the prologues of the two epilogue kernels, and the
+silu_mul prologue is the slower alternative to gate_up's epilogue (bench/kernels_skinny.py
+compares them):
 
     prologue      input row of the GEMM                       extra output
     "none"        x                                           -
@@ -18,29 +22,11 @@ it, silu is rounded before the product with up, and the GEMM input is rounded to
 the result equals the unfused path up to the order of float32 additions (the GEMM and the sum of
 squares).
 
-Grid: (column blocks of BLOCK_N, SPLIT_K). A program owns output columns pid * BLOCK_N ..; it
-walks K in BLOCK_K chunks, building each chunk of the GEMM input on the fly (the norm's row
-statistics come from one pass over the row first: the rows are a few KB, read from L2 by every
-program). The rows are padded to 16 and multiplied with tl.dot: tensor cores need M >= 16, and
-the padding is free since the kernel is bound by reading W, not by MACs. A broadcast-multiply-sum
-would be as good at T = 1, but at T = 16 it needs a [T, BLOCK_N, BLOCK_K] product in registers
-(or re-reads W once per row); tl.dot reuses each W tile across all rows with one code path for
-every T <= 16. Padding rows are masked on load (zeros) and never stored.
-
-SPLIT_K > 1 cuts each column block's K range into parts: every part writes its float32 partial
-sum to a workspace and counts itself in on a per-column-block arrival counter; the last part to
-arrive adds the partials in split order (deterministic) and writes the output, then resets its
-counter to zero for the next launch. Launches on one stream never overlap, so one counter
-buffer per device serves all of them (split-K kernels running at once on two streams would each
-need their own). The defaults keep SPLIT_K 1 until a sweep on the GPU shows it pays.
-
 Under TRITON_INTERPRET=1 (CPU tensors) it runs in Triton's interpreter; set the variable before
 this module is imported.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,27 +35,24 @@ import triton.language as tl
 
 from dspark.kernels.rmsnorm_triton import fused_add_rmsnorm_ref, rmsnorm_ref
 from dspark.kernels.silu_mul_triton import silu_and_mul_ref
-
-SKINNY_MAX_ROWS = 16  # token rows per launch: tl.dot's smallest M, the rows are padded to it
-PROLOGUES = ("none", "rmsnorm", "add_rmsnorm", "silu_mul")
-
-
-@dataclass(frozen=True)
-class SkinnyConfig:
-    block_n: int = 16  # output columns per program (a power of two >= 16)
-    block_k: int = 128  # reduction chunk (a power of two >= 16)
-    split_k: int = 1  # programs sharing one column block's reduction
-    num_warps: int = 4
-    num_stages: int = 3  # software pipelining of the K loop (compiled only)
-
-
-def default_config(n: int, k: int) -> SkinnyConfig:
-    """Enough programs to keep an H200's 132 SMs reading W: N 3072 -> BLOCK_N 32, 96 programs;
-    N 960 -> 16, 60 programs; N 576 -> 16, 36 programs. Untuned beyond that (see
-    bench/kernels_skinny.py for the sweep)."""
-    block_n = 32 if triton.cdiv(n, 32) >= 64 else 16
-    return SkinnyConfig(block_n=block_n, block_k=min(128, max(16, triton.next_power_of_2(k))))
-
+from dspark.kernels.skinny_gemm_triton import (
+    SKINNY_MAX_ROWS,
+    SkinnyConfig,
+    _acc_total,
+    _acc_zeros,
+    _input_tile,
+    _is_last_split,
+    _load_w,
+    _mac,
+    _row_rstd,
+    _store_partial,
+    _sum_partials,
+    default_config,
+    dot_options,
+    launch_plan,
+    plan_constants,
+    split_buffers,
+)
 
 # -- references ------------------------------------------------------------------------------
 
@@ -112,103 +95,6 @@ def silu_mul_linear_ref(
     return F.linear(silu_and_mul_ref(gate_up), weight, bias)
 
 
-# -- kernel pieces (shared with skinny_qkv_rotary_triton.py) ---------------------------------
-
-
-@triton.jit
-def _stream_tile(x_ptr, res_ptr, rows, cols, mask, s_x, s_res, HAS_RESIDUAL: tl.constexpr):
-    # The residual stream x (+ residual) as float32 values rounded to x's dtype: [BT, BK].
-    h = tl.load(x_ptr + rows[:, None] * s_x + cols[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        res = tl.load(res_ptr + rows[:, None] * s_res + cols[None, :], mask=mask, other=0.0)
-        h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return h.to(tl.float32)
-
-
-@triton.jit
-def _row_rstd(
-    x_ptr, res_ptr, res_out_ptr, rows, row_mask, s_x, s_res, s_res_out, eps, write_mask,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    # 1 / rms of each row of the stream, float32 [BT], summed chunk by chunk then divided (as
-    # rmsnorm_triton does, up to summation order). It also stores the stream (the new residual)
-    # to res_out in the rows of write_mask [BT]: all rows in one program, none in the others.
-    sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (cols < K)[None, :]
-        h = _stream_tile(x_ptr, res_ptr, rows, cols, mask, s_x, s_res, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            dst = res_out_ptr + rows[:, None] * s_res_out + cols[None, :]
-            tl.store(dst, h.to(res_out_ptr.dtype.element_ty), mask=write_mask[:, None] & mask)
-        sum_sq += tl.sum(h * h, axis=1)
-    return tl.rsqrt(sum_sq / K + eps)
-
-
-@triton.jit
-def _input_tile(
-    x_ptr, res_ptr, norm_w_ptr, rows, row_mask, s_x, s_res, k0, rstd,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
-):  # fmt: skip
-    # Columns k0 .. k0 + BLOCK_K of the GEMM input prologue(x), in x's dtype: [BT, BK].
-    dtype = x_ptr.dtype.element_ty
-    cols = k0 + tl.arange(0, BLOCK_K)
-    mask = row_mask[:, None] & (cols < K)[None, :]
-    if PROLOGUE == "none":
-        a = tl.load(x_ptr + rows[:, None] * s_x + cols[None, :], mask=mask, other=0.0)
-    elif PROLOGUE == "silu_mul":  # x row = [gate (K) | up (K)]
-        gate_ptr = x_ptr + rows[:, None] * s_x + cols[None, :]
-        gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_ptr + K, mask=mask, other=0.0).to(tl.float32)
-        silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
-        a = (silu * up).to(dtype)
-    else:  # the norms: rmsnorm(stream) * norm_weight
-        h = _stream_tile(x_ptr, res_ptr, rows, cols, mask, s_x, s_res, PROLOGUE == "add_rmsnorm")
-        w = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        a = (w[None, :] * (h * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-    return a
-
-
-@triton.jit
-def _split_range(split, K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Split s reduces columns [lo, hi) of K, cut in BLOCK_K-aligned parts.
-    # K 1536, BLOCK_K 128, SPLIT_K 4: part 384 -> [0, 384) [384, 768) [768, 1152) [1152, 1536)
-    # K 576, BLOCK_K 128, SPLIT_K 4: part 256 -> [0, 256) [256, 512) [512, 576) [768, 576)
-    # (the last split is empty: it adds a zero partial but still counts itself in)
-    part = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    lo = split * part
-    return lo, tl.minimum(lo + part, K)
-
-
-@triton.jit
-def _store_partial(acc, ws_ptr, tile, split, BT: tl.constexpr, BN: tl.constexpr,
-                   SPLIT_K: tl.constexpr):  # fmt: skip
-    # This split's float32 partial [BT, BN] of output tile `tile`; workspace [tiles, SPLIT_K,
-    # BT, BN]. Tile 2, split 1, SPLIT_K 4: partial index 2 * 4 + 1 = 9.
-    idx = tl.arange(0, BT)[:, None] * BN + tl.arange(0, BN)[None, :]
-    tl.store(ws_ptr + (tile * SPLIT_K + split) * BT * BN + idx, acc)
-
-
-@triton.jit
-def _is_last_split(counter_ptr, counter, SPLIT_K: tl.constexpr):
-    # Count this split in after its partials; True for the last of the SPLIT_K to arrive. The
-    # barrier orders every thread's partial stores before the (one-thread, release) increment.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr + counter, 1, sem="acq_rel")
-    return arrived == SPLIT_K - 1
-
-
-@triton.jit
-def _sum_partials(ws_ptr, tile, BT: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
-    # The last split: the tile's partials added in split order (deterministic). .cg loads read
-    # L2, where the other SMs' stores landed (never a stale L1 line).
-    idx = tl.arange(0, BT)[:, None] * BN + tl.arange(0, BN)[None, :]
-    total = tl.zeros([BT, BN], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        total += tl.load(ws_ptr + (tile * SPLIT_K + s) * BT * BN + idx, cache_modifier=".cg")
-    return total
-
-
 # -- the kernel ------------------------------------------------------------------------------
 
 
@@ -229,7 +115,8 @@ def _skinny_linear_kernel(
     num_rows, s_x, s_res, s_w, s_out, s_res_out, eps,
     N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_PART: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
@@ -245,17 +132,14 @@ def _skinny_linear_kernel(
             x_ptr, res_ptr, res_out_ptr, rows, row_mask, s_x, s_res, s_res_out, eps, write_mask,
             K, BLOCK_T, BLOCK_K, PROLOGUE == "add_rmsnorm",
         )  # fmt: skip
-    lo, hi = _split_range(split, K, BLOCK_K, SPLIT_K)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
+    acc = _acc_zeros(BLOCK_T, BLOCK_N, BLOCK_K, USE_DOT)
+    for i in tl.static_range(SPLIT_PART // BLOCK_K):  # unrolled: all loads can be in flight
+        k0 = split * SPLIT_PART + i * BLOCK_K
         a = _input_tile(x_ptr, res_ptr, norm_w_ptr, rows, row_mask, s_x, s_res, k0, rstd,
                         K, BLOCK_K, PROLOGUE)  # fmt: skip
-        k = k0 + tl.arange(0, BLOCK_K)
-        w_mask = col_mask[:, None] & (k < K)[None, :]
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * s_w + k[None, :], mask=w_mask, other=0.0)
-        if UPCAST_DOT:  # exact: float32 holds bf16 products; same float32 accumulation
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)  # [BT, BN]
+        w = _load_w(w_ptr, cols, col_mask, s_w, k0, K, BLOCK_K)
+        acc = _mac(acc, a, w, USE_DOT, DOT_PRECISION, UPCAST_DOT)
+    acc = _acc_total(acc, USE_DOT)  # [BT, BN]
     if SPLIT_K == 1:
         _store_output(acc, bias_ptr, out_ptr, s_out, rows, row_mask, cols, col_mask, HAS_BIAS)
     else:
@@ -267,49 +151,6 @@ def _skinny_linear_kernel(
 
 
 # -- launch ----------------------------------------------------------------------------------
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, num_tiles: int) -> torch.Tensor:  # [>= tiles] int32
-    """The device's split-K arrival counters, all zero between launches (each launch resets the
-    ones it used). Allocated on first use, so a CUDA graph's warm-up run creates them outside
-    the capture."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < num_tiles:
-        counters = torch.zeros(max(4096, num_tiles), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
-def check_config(config: SkinnyConfig) -> None:
-    for name in ("block_n", "block_k"):
-        value = getattr(config, name)
-        if value < 16 or value != triton.next_power_of_2(value):
-            raise ValueError(f"{name} {value} must be a power of two >= 16 (tl.dot's minimum)")
-    if config.split_k < 1:
-        raise ValueError(f"split_k {config.split_k} must be >= 1")
-
-
-def dot_options(x: torch.Tensor) -> dict:
-    """fp32 dots in full precision (not tf32). On the CPU, Triton's interpreter computes tl.dot
-    on bf16 as raw integers, so there the tiles are upcast to float32 first."""
-    is_fp32, is_interpreted = x.dtype == torch.float32, x.device.type == "cpu"
-    return {"DOT_PRECISION": "ieee" if is_fp32 or is_interpreted else "tf32",
-            "UPCAST_DOT": is_interpreted and not is_fp32}  # fmt: skip
-
-
-def split_buffers(
-    num_tiles: int, block_n: int, split_k: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(workspace [tiles, split_k, 16, block_n] float32 flat, arrival counters [>= tiles]) for
-    split-K; without it 1-element placeholders, which the kernel never touches."""
-    if split_k == 1:
-        placeholder = torch.empty(1, dtype=torch.float32, device=device)
-        return placeholder, placeholder
-    size = num_tiles * split_k * SKINNY_MAX_ROWS * block_n
-    workspace = torch.empty(size, dtype=torch.float32, device=device)
-    return workspace, arrival_counters(device, num_tiles)
 
 
 def _launch(
@@ -335,21 +176,20 @@ def _launch(
         residual_out = torch.empty_like(x)
     if T == 0:
         return out, residual_out
-    config = config or default_config(N, K)
-    check_config(config)
+    config = config or default_config(N, K, x.device.type)
+    plan = launch_plan(config, T, K)
     num_tiles = triton.cdiv(N, config.block_n)
     dummy = x  # stands in for absent optional tensors (their loads are compiled out)
     res_out = dummy if residual_out is None else residual_out
-    _skinny_linear_kernel[(num_tiles, config.split_k)](
+    _skinny_linear_kernel[(num_tiles, plan.num_splits)](
         x, dummy if residual is None else residual, dummy if norm_weight is None else norm_weight,
         weight, dummy if bias is None else bias, out, res_out,
-        *split_buffers(num_tiles, config.block_n, config.split_k, x.device),
+        *split_buffers(num_tiles, config.block_n, plan, x.device),
         T, x.stride(0), 0 if residual is None else residual.stride(0), weight.stride(0),
         out.stride(0), res_out.stride(0), eps,
-        N=N, K=K, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        BLOCK_T=SKINNY_MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=config.split_k, **dot_options(x),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        N=N, K=K, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, **plan_constants(plan), **dot_options(x),
+        num_warps=config.num_warps,
     )  # fmt: skip
     return out, residual_out
 

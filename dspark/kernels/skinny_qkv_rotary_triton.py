@@ -6,8 +6,8 @@ store, in one Triton kernel.
     q      = rotary(q part)            -> q_out [T, nh * hd]
     k      = rotary(k part), v part    -> the paged KV cache at slot_mapping
 
-The fusion of skinny_linear_triton.py's add_rmsnorm prologue (same helpers, same rounding) with
-rotary_triton.py's epilogue. One program computes one head of the qkv output (nh q heads, then
+The add_rmsnorm prologue and paired GEMM of skinny_gemm_triton.py (same rounding) with rotary
+and the K/V store as the epilogue. One program computes one head of the qkv output (nh q heads, then
 nkv k heads, then nkv v heads), as two accumulators: the head's first and second halves, the
 pair rotary mixes. Each half is rounded to the dtype as the qkv tensor is, then rotated with the
 rounding steps of rotary_triton.py (cos/sin rounded to the dtype, each product rounded before
@@ -16,8 +16,8 @@ the sum or difference):
     out1 = x1 * cos - x2 * sin        out2 = x2 * cos + x1 * sin
 
 so q and the cached k, v equal qkv_proj + rotary_qkv up to the order of float32 additions.
-SPLIT_K > 1 splits the reduction as in skinny_linear_triton.py (both halves' partials, one
-arrival counter per head); the last split to arrive runs the epilogue.
+SPLIT_K > 1 splits the reduction as skinny_gemm_triton.py does (both halves' partials, one
+arrival counter per head); the last split to arrive runs the epilogue. T = 1 takes the GEMV.
 
 Under TRITON_INTERPRET=1 (CPU tensors) it runs in Triton's interpreter; set the variable before
 this module is imported.
@@ -33,17 +33,16 @@ import triton.language as tl
 from dspark.kernels.paged_attention_ref import store_kv_ref
 from dspark.kernels.rmsnorm_triton import fused_add_rmsnorm_ref, rmsnorm_ref
 from dspark.kernels.rotary_triton import apply_rotary_ref
-from dspark.kernels.skinny_linear_triton import (
+from dspark.kernels.skinny_gemm_triton import (
     SKINNY_MAX_ROWS,
     SkinnyConfig,
-    _input_tile,
-    _is_last_split,
+    _paired_gemm,
+    _reduce_pair,
     _row_rstd,
-    _split_range,
-    _store_partial,
-    _sum_partials,
-    check_config,
+    default_config,
     dot_options,
+    launch_plan,
+    plan_constants,
     split_buffers,
 )
 
@@ -131,7 +130,8 @@ def _skinny_qkv_rotary_kernel(
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_PART: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     head, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
@@ -144,30 +144,15 @@ def _skinny_qkv_rotary_kernel(
     write_mask = rows < tl.where((head == 0) & (split == 0), num_rows, 0)
     rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rows, row_mask, s_x, s_res, s_res_out, eps,
                      write_mask, K, BLOCK_T, BLOCK_K, PROLOGUE == "add_rmsnorm")  # fmt: skip
-    lo, hi = _split_range(split, K, BLOCK_K, SPLIT_K)
-    acc1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
-        a = _input_tile(x_ptr, res_ptr, norm_w_ptr, rows, row_mask, s_x, s_res, k0, rstd,
-                        K, BLOCK_K, PROLOGUE)  # fmt: skip
-        k = k0 + tl.arange(0, BLOCK_K)
-        w_mask = half_mask[:, None] & (k < K)[None, :]
-        w1_ptr = w_ptr + cols1[:, None].to(tl.int64) * s_w + k[None, :]  # [BLOCK_HALF, BK]
-        w1 = tl.load(w1_ptr, mask=w_mask, other=0.0)
-        w2 = tl.load(w1_ptr + HALF * s_w, mask=w_mask, other=0.0)
-        if UPCAST_DOT:  # exact: float32 holds bf16 products; same float32 accumulation
-            a, w1, w2 = a.to(tl.float32), w1.to(tl.float32), w2.to(tl.float32)
-        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=DOT_PRECISION)  # [BT, BLOCK_HALF]
-        acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=DOT_PRECISION)
+    acc1, acc2 = _paired_gemm(
+        x_ptr, res_ptr, norm_w_ptr, w_ptr, rows, row_mask, s_x, s_res, s_w, rstd, cols1, cols2,
+        half_mask, split, K, PROLOGUE, BLOCK_T, BLOCK_HALF, BLOCK_K, SPLIT_PART, USE_DOT,
+        DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
     is_last = True
-    if SPLIT_K > 1:  # tiles 2 * head and 2 * head + 1: the two halves; one counter per head
-        _store_partial(acc1, ws_ptr, 2 * head, split, BLOCK_T, BLOCK_HALF, SPLIT_K)
-        _store_partial(acc2, ws_ptr, 2 * head + 1, split, BLOCK_T, BLOCK_HALF, SPLIT_K)
-        is_last = _is_last_split(counter_ptr, head, SPLIT_K)
-        if is_last:
-            acc1 = _sum_partials(ws_ptr, 2 * head, BLOCK_T, BLOCK_HALF, SPLIT_K)
-            acc2 = _sum_partials(ws_ptr, 2 * head + 1, BLOCK_T, BLOCK_HALF, SPLIT_K)
-            tl.atomic_xchg(counter_ptr + head, 0)  # zero again for the next launch
+    if SPLIT_K > 1:
+        is_last, acc1, acc2 = _reduce_pair(acc1, acc2, ws_ptr, counter_ptr, head, split,
+                                           BLOCK_T, BLOCK_HALF, SPLIT_K)  # fmt: skip
     if is_last:
         dtype = q_ptr.dtype.element_ty
         x1 = _add_bias_and_round(acc1, bias_ptr, cols1, half_mask, HAS_BIAS, dtype)
@@ -177,9 +162,12 @@ def _skinny_qkv_rotary_kernel(
                           BLOCK_HALF)  # fmt: skip
 
 
-def default_qkv_config(k: int) -> SkinnyConfig:
-    """block_n is unused (a program is one head); split_k 1 until measured otherwise."""
-    return SkinnyConfig(block_k=min(128, max(16, triton.next_power_of_2(k))))
+def default_qkv_config(num_qkv_heads: int, k: int, device_type: str = "cuda") -> SkinnyConfig:
+    """One program per head (block_n unused), K split for ~128 programs: SmolLM2's 15 heads
+    and K 576 -> split_k 8, BLOCK_K 64 -> 5 parts of 128 columns, 75 programs. The CPU never
+    splits."""
+    split_k = min(8, triton.cdiv(128, num_qkv_heads)) if device_type == "cuda" else 1
+    return SkinnyConfig(block_k=default_config(16, k).block_k, split_k=split_k)
 
 
 def skinny_qkv_rotary(
@@ -211,14 +199,14 @@ def skinny_qkv_rotary(
     new_residual = None if residual is None else torch.empty_like(x)
     if T == 0:
         return q, new_residual
-    config = config or default_qkv_config(d)
-    check_config(config)
+    config = config or default_qkv_config(num_qkv_heads, d, x.device.type)
+    plan = launch_plan(config, T, d)
     half = head_dim // 2
     block_half = max(16, triton.next_power_of_2(half))  # tl.dot's smallest N
     # tiles 2 h and 2 h + 1: the halves of head h; counters: one per head (the first ones)
-    ws, counters = split_buffers(2 * num_qkv_heads, block_half, config.split_k, x.device)
+    ws, counters = split_buffers(2 * num_qkv_heads, block_half, plan, x.device)
     res_out = x if new_residual is None else new_residual
-    _skinny_qkv_rotary_kernel[(num_qkv_heads, config.split_k)](
+    _skinny_qkv_rotary_kernel[(num_qkv_heads, plan.num_splits)](
         x, x if residual is None else residual, norm_weight, weight,
         x if bias is None else bias, res_out, positions, inv_freq, slot_mapping, q, kv_cache, ws,
         counters,
@@ -226,9 +214,8 @@ def skinny_qkv_rotary(
         res_out.stride(0), q.stride(0), kv_cache.stride(0), eps,
         K=d, PROLOGUE="rmsnorm" if residual is None else "add_rmsnorm", HAS_BIAS=bias is not None,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_T=SKINNY_MAX_ROWS, BLOCK_HALF=block_half, BLOCK_K=config.block_k,
-        SPLIT_K=config.split_k, **dot_options(x),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_HALF=block_half, BLOCK_K=config.block_k, **plan_constants(plan), **dot_options(x),
+        num_warps=config.num_warps,
         enable_fp_fusion=False,  # as rotary_triton.py: keep each rounded product's rounding
     )  # fmt: skip
     return q, new_residual

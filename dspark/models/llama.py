@@ -5,10 +5,10 @@ logits only for the rows asked for (`logits_indices`) and, on request, the resid
 chosen decoder layers (the DSpark drafter's context features).
 
 With the triton backend and DSPARK_SKINNY=1, a step of at most SKINNY_MAX_ROWS (16) tokens runs
-the skinny decoder layers: each norm and the SiLU-and-mul are folded into the projection after
-them, rotary and the K/V store into the qkv projection (dspark/kernels/skinny_*_triton.py): 4
-launches per layer besides attention, not 8. The token count is known on the host from the
-input's shape (and fixed inside a CUDA graph), so the whole step takes one path.
+the skinny decoder layers (dspark/kernels/skinny_*_triton.py): the norms fused into the qkv and
+gate_up projections, rotary and the K/V store into qkv's epilogue, the SiLU-and-mul into
+gate_up's: 4 launches per layer besides attention, not 8. The token count is known on the host
+from the input's shape (and fixed inside a CUDA graph), so the whole step takes one path.
 """
 
 from __future__ import annotations
@@ -94,18 +94,17 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # launches: [add_rmsnorm + qkv + rotary + KV store], attention, [o_proj],
-        # [add_rmsnorm + gate_up], [silu_mul + down]
-        from dspark.kernels import skinny_linear_triton as skinny
+        # [add_rmsnorm + gate_up + silu_mul], [down]
+        from dspark.kernels.skinny_gate_up_silu_triton import skinny_gate_up_silu
+        from dspark.kernels.skinny_linear_triton import skinny_linear
 
-        attn_layer, mlp = self.self_attn, self.mlp
+        attn_layer, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
         q, residual = self._skinny_qkv(x, residual, positions, kv_cache, attn)  # [T, q_size]
         o = attn_layer.attend_stored(q, kv_cache, attn)  # [T, q_size]
-        x = skinny.skinny_linear(o, attn_layer.o_proj.weight)  # [T, d]
-        norm = self.post_attention_layernorm
-        gate_up, residual = skinny.skinny_add_rmsnorm_linear(
-            x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight
-        )  # [T, 2I], [T, d]
-        return skinny.skinny_silu_mul_linear(gate_up, mlp.down_proj.weight), residual
+        x = skinny_linear(o, attn_layer.o_proj.weight)  # [T, d]
+        act, residual = skinny_gate_up_silu(x, residual, norm.weight, norm.eps,
+                                            mlp.gate_up_proj.weight)  # fmt: skip
+        return skinny_linear(act, mlp.down_proj.weight), residual  # [T, d], [T, d]
 
     def _skinny_qkv(
         self,
@@ -168,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     def _is_skinny(self, num_tokens: int) -> bool:
         if not self.use_skinny:
             return False
-        from dspark.kernels.skinny_linear_triton import SKINNY_MAX_ROWS
+        from dspark.kernels.skinny_gemm_triton import SKINNY_MAX_ROWS
 
         return num_tokens <= SKINNY_MAX_ROWS
 

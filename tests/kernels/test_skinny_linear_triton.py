@@ -10,17 +10,26 @@ may land one ulp off the reference on the CPU: the CPU bf16 tolerance allows for
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dspark.engine.kv_cache import allocate_kv_caches
+from dspark.kernels import skinny_gate_up_silu_triton, skinny_qkv_rotary_triton
 from dspark.kernels import skinny_linear_triton as skinny
-from dspark.kernels import skinny_qkv_rotary_triton
 from dspark.kernels.rmsnorm_triton import fused_add_rmsnorm_ref, rmsnorm_ref
 from dspark.kernels.silu_mul_triton import silu_and_mul_ref
-from dspark.kernels.skinny_linear_triton import SkinnyConfig
+from dspark.kernels.skinny_gemm_triton import (
+    PROLOGUES,
+    LaunchPlan,
+    SkinnyConfig,
+    arrival_counters,
+    default_config,
+    launch_plan,
+)
 from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
@@ -41,14 +50,18 @@ def tolerance(dtype: torch.dtype, device: torch.device) -> dict[str, float]:
     return {"rtol": 1.6e-2, "atol": 4e-2 if device.type == "cpu" else 1.6e-2}
 
 
-def shape_and_configs(prologue: str, device: torch.device) -> tuple[int, int, list]:
-    """(N, K, configs): on the CPU small tiles with and without split-K; on a GPU the default
-    tiles and a split-K one."""
+def shape_and_configs(prologue: str, device: torch.device, T: int = 3) -> tuple[int, int, list]:
+    """(N, K, configs): on the CPU small tiles with and without split-K; on a GPU the defaults
+    and other tiles. With one row also tl.dot on it (it runs the GEMV by default)."""
     if device.type == "cpu":
         n, k = CPU_SHAPE
-        return n, k, [SkinnyConfig(block_n=16, block_k=32, split_k=s) for s in (1, 3)]
-    n, k = GPU_SHAPES[prologue]
-    return n, k, [None, SkinnyConfig(block_n=16, block_k=128, split_k=4)]
+        configs = [SkinnyConfig(block_n=16, block_k=32, split_k=s) for s in (1, 3)]
+    else:
+        n, k = GPU_SHAPES[prologue]
+        configs = [None, SkinnyConfig(block_n=32, block_k=128, split_k=2)]
+    if T == 1:
+        configs.append(SkinnyConfig(block_n=16, block_k=32, split_k=2, use_gemv=False))
+    return n, k, configs
 
 
 def operands(T: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -88,11 +101,11 @@ def run(prologue: str, ops: dict, bias: torch.Tensor | None, config: SkinnyConfi
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,has_bias", [(1, False), (3, True), (16, True)])
-@pytest.mark.parametrize("prologue", skinny.PROLOGUES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
 def test_matches_reference(
     device: torch.device, prologue: str, T: int, has_bias: bool, dtype: torch.dtype
 ):
-    n, k, configs = shape_and_configs(prologue, device)
+    n, k, configs = shape_and_configs(prologue, device, T)
     ops = operands(T, n, k, dtype, device)
     bias = ops["bias"] if has_bias else None
     residual_before = ops["residual"].clone()
@@ -115,7 +128,7 @@ def unfused_prologue(prologue: str, ops: dict) -> torch.Tensor:  # [T, K], the G
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prologue", skinny.PROLOGUES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
 def test_rounds_like_the_unfused_path_on_gpu(prologue: str):
     # Against the unfused prologue's bf16 output multiplied in float32 and rounded once: only
     # the order of float32 additions differs, so nearly every bf16 output is bit-identical. A
@@ -153,11 +166,11 @@ def test_split_k_resets_its_counters_and_repeats(device: torch.device):
     # Every launch leaves the arrival counters at zero, so the next (e.g. a graph replay) sees
     # a clean start and gives the same, deterministic result.
     n, k, configs = shape_and_configs("silu_mul", device)
-    config = configs[-1]
+    config = configs[1]
     assert config.split_k > 1
     ops = operands(5, n, k, torch.float32, device)
     first = skinny.skinny_silu_mul_linear(ops["gate_up"], ops["weight"], ops["bias"], config)
-    counters = skinny.arrival_counters(device, 1)
+    counters = arrival_counters(device, 1)
     assert not counters.any()
     second = skinny.skinny_silu_mul_linear(ops["gate_up"], ops["weight"], ops["bias"], config)
     assert torch.equal(first, second) and not counters.any()
@@ -182,11 +195,18 @@ def test_bad_config_and_too_many_rows(device: torch.device):
 
 
 def test_default_config_fills_an_h200():
-    # the docstring's numbers: programs = cdiv(N, BLOCK_N)
-    assert skinny.default_config(3072, 576) == SkinnyConfig(block_n=32, block_k=128)
-    assert skinny.default_config(960, 576).block_n == 16
-    assert skinny.default_config(576, 1536).block_n == 16
-    assert skinny.default_config(40, 24).block_k == 32
+    # the docstring's numbers: programs = cdiv(N, 16) column blocks x K splits
+    assert default_config(3072, 576) == SkinnyConfig(block_n=16, block_k=64, split_k=1)
+    assert default_config(960, 576).split_k == 3
+    assert default_config(576, 1536) == SkinnyConfig(block_n=16, block_k=128, split_k=4)
+    assert default_config(40, 72).block_k == 128  # no power of two >= 16 divides 72
+
+
+def test_launch_plan_has_no_empty_split():
+    # the launch_plan docstring: K 576 in parts of 192 (3 splits, not 4); K 1536 in 4 of 384
+    config = SkinnyConfig(block_k=64, split_k=4)
+    assert launch_plan(config, 1, 576) == LaunchPlan(1, False, 3, 192)
+    assert launch_plan(replace(config, block_k=128), 5, 1536) == LaunchPlan(16, True, 4, 384)
 
 
 # -- the model's skinny path -----------------------------------------------------------------
@@ -198,7 +218,7 @@ BLOCK_TABLE = [[1, 2, 3], [4, 5, 0], [6, 7, 8]]  # pages of requests 0, 1, 2 (0:
 def step_metadata(
     num_cached: list[int], q_lens: list[int], device: torch.device
 ) -> tuple[AttentionMetadata, torch.Tensor]:  # the step's metadata, positions [T]
-    """Request r appends q_lens[r] tokens after its num_cached[r] cached ones.
+    """Request r (of the first len(q_lens)) appends q_lens[r] tokens after its num_cached[r].
 
     num_cached [7, 5, 9], q_lens [1, 1, 1] (a decode batch), PAGE_SIZE 4:
       positions:     [7, 5, 9]
@@ -216,7 +236,7 @@ def step_metadata(
         cu_num_tokens=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, device=device),
-        block_table=torch.tensor(BLOCK_TABLE, dtype=torch.int32, device=device),
+        block_table=torch.tensor(BLOCK_TABLE[: len(q_lens)], dtype=torch.int32, device=device),
         cu_num_tokens_cpu=tuple(cu),
         seq_lens_cpu=tuple(seq_lens),
     )
@@ -224,21 +244,40 @@ def step_metadata(
 
 
 PREFILL_LENS = [7, 5, 9]  # 21 tokens: more than 16, the unfused path
-# a decoder layer's skinny launches: norm + qkv + rotary + store, o_proj, gate_up, down
-LAYER_LAUNCHES = ["qkv_rotary", "none", "add_rmsnorm", "silu_mul"]
+# a decoder layer's skinny launches: norm + qkv + rotary + store, o_proj, norm + gate_up + silu,
+# down
+LAYER_LAUNCHES = ["qkv_rotary", "none", "gate_up_silu", "none"]
 
 
 def prefill_then_decode(model, kv: list[torch.Tensor], device: torch.device) -> tuple:
-    """A ragged prefill of 3 requests, then one decode token each (T 3: the skinny path).
-    Returns the tensors to compare: both steps' logits, the decode's taps and the KV caches."""
-    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(0)).to(device)
+    """A ragged prefill of 3 requests, one decode token each (T 3: the skinny path with
+    tl.dot), then one more for request 0 alone (T 1: the GEMV). Returns the tensors to compare:
+    every step's logits, the first decode's taps and the KV caches."""
+    ids = torch.randint(0, 128, (25,), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.inference_mode():
         attn, positions = step_metadata([0, 0, 0], PREFILL_LENS, device)
         last_rows = torch.tensor([6, 11, 20], device=device)
         prefill = model(ids[:21], positions, attn, kv, last_rows)
         attn, positions = step_metadata(PREFILL_LENS, [1, 1, 1], device)
-        decode = model(ids[21:], positions, attn, kv, None, (0, 1))
-    return (prefill.logits, decode.logits, decode.hidden_states[0], decode.hidden_states[1], *kv)
+        decode = model(ids[21:24], positions, attn, kv, None, (0, 1))
+        attn, positions = step_metadata([8], [1], device)  # request 0 alone
+        single = model(ids[24:], positions, attn, kv)
+    taps = (decode.hidden_states[0], decode.hidden_states[1])
+    return (prefill.logits, decode.logits, single.logits, *taps, *kv)
+
+
+def record_skinny_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Wraps the skinny entry points: each call appends its name (the prologue for
+    skinny_linear's) to the returned list, then runs as before."""
+    launches = []
+    launch, qkv_rotary = skinny._launch, skinny_qkv_rotary_triton.skinny_qkv_rotary
+    gate_up_silu = skinny_gate_up_silu_triton.skinny_gate_up_silu
+    monkeypatch.setattr(skinny, "_launch", lambda *a: launches.append(a[0]) or launch(*a))
+    monkeypatch.setattr(skinny_qkv_rotary_triton, "skinny_qkv_rotary",
+                        lambda *a: launches.append("qkv_rotary") or qkv_rotary(*a))  # fmt: skip
+    monkeypatch.setattr(skinny_gate_up_silu_triton, "skinny_gate_up_silu",
+                        lambda *a: launches.append("gate_up_silu") or gate_up_silu(*a))  # fmt: skip
+    return launches
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
@@ -251,6 +290,7 @@ def test_skinny_model_matches_torch_backend(tmp_path, device, monkeypatch, arch:
     config = ModelConfig.from_hf_dict(hf_config.to_dict())
     assert config.attention_bias == (arch == "qwen2")
     weights = load_file(tmp_path / "model.safetensors")
+    launches = record_skinny_launches(monkeypatch)
     outputs = {}
     for backend in ("torch", "triton"):
         model = build_model(config, weights, torch.float32, device, backend)
@@ -258,13 +298,5 @@ def test_skinny_model_matches_torch_backend(tmp_path, device, monkeypatch, arch:
         outputs[backend] = prefill_then_decode(model, kv, device)
     for got, want in zip(outputs["triton"], outputs["torch"], strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-
-    # the skinny kernels ran in the decode step only, four per layer
-    launches = []
-    launch, qkv_rotary = skinny._launch, skinny_qkv_rotary_triton.skinny_qkv_rotary
-    monkeypatch.setattr(skinny, "_launch", lambda *a: launches.append(a[0]) or launch(*a))
-    monkeypatch.setattr(skinny_qkv_rotary_triton, "skinny_qkv_rotary",
-                        lambda *a: launches.append("qkv_rotary") or qkv_rotary(*a))  # fmt: skip
-    kv = allocate_kv_caches(config, 9, PAGE_SIZE, torch.float32, device)
-    prefill_then_decode(model, kv, device)
-    assert launches == LAYER_LAUNCHES * config.num_layers
+    # the skinny kernels ran in the triton backend's two decode steps only, four per layer
+    assert launches == LAYER_LAUNCHES * config.num_layers * 2

@@ -13,15 +13,17 @@ import torch.nn.functional as F
 
 from dspark.kernels.rmsnorm_triton import fused_add_rmsnorm
 from dspark.kernels.rotary_triton import rotary_qkv
-from dspark.kernels.skinny_linear_triton import SkinnyConfig
+from dspark.kernels.skinny_gemm_triton import SkinnyConfig
 from dspark.kernels.skinny_qkv_rotary_triton import qkv_rotary_ref, skinny_qkv_rotary
 
 EPS = 1e-5
 PAGE_SIZE, NUM_PAGES = 4, 6
-# (num_heads, num_kv_heads, head_dim, d) and the configs tried, per device type
+# (num_heads, num_kv_heads, head_dim, d) and the configs tried, per device type; one row also
+# runs tl.dot (it takes the GEMV by default)
 SHAPES = {"cpu": (3, 1, 24, 72), "cuda": (9, 3, 64, 576)}
 CONFIGS = {"cpu": [SkinnyConfig(block_k=32), SkinnyConfig(block_k=32, split_k=3)],
-           "cuda": [None, SkinnyConfig(block_k=64, split_k=3)]}  # fmt: skip
+           "cuda": [None, SkinnyConfig(block_k=128, split_k=2)]}  # fmt: skip
+ONE_ROW_DOT = SkinnyConfig(block_k=32, split_k=2, use_gemv=False)
 
 
 def tolerance(dtype: torch.dtype, device: torch.device) -> dict[str, float]:
@@ -77,7 +79,7 @@ def test_matches_unfused_sequence(
     expected_cache = poisoned_cache(args, dtype, device)
     expected_q, expected_residual = qkv_rotary_ref(**args, kv_cache=expected_cache)
     tol = tolerance(dtype, device)
-    for config in CONFIGS[device.type]:
+    for config in CONFIGS[device.type] + ([ONE_ROW_DOT] if T == 1 else []):
         cache = poisoned_cache(args, dtype, device)
         q, new_residual = skinny_qkv_rotary(**args, kv_cache=cache, config=config)
         torch.testing.assert_close(q, expected_q, **tol, msg=str(config))

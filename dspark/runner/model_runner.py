@@ -46,6 +46,7 @@ class InFlightStep:
     window_rows: list[int] | None = None  # plan rows with a window, in verification order
     verify_len: list[int] | None = None
     verified: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens, num accepted
+    confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
     done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
 
@@ -294,6 +295,8 @@ class ModelRunner:
             step.window_rows = window_rows
             step.verify_len = [plan.rows[i].num_draft for i in window_rows]
             step.verified = _to_host((spec_out.tokens[:R], spec_out.num_accepted[:R]))
+            if self.spec.observers and spec_out.confidence_logits is not None:
+                step.confidence = _to_host(spec_out.confidence_logits[:R].float())
             step.window_logprobs = _to_host(self._window_logprobs(plan, spec_out, step.verify_len))
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
@@ -324,7 +327,7 @@ class ModelRunner:
             step.done.synchronize()
         if step.verified is not None:
             emitted, accepted = (x.tolist() for x in step.verified)
-            self.spec.record(step.verify_len, accepted)
+            self.spec.record(step.verify_len, accepted, step.confidence)
             wlp = None
             if step.window_logprobs is not None:
                 wlp = [x.tolist() for x in step.window_logprobs]

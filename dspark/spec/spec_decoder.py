@@ -73,6 +73,9 @@ class SpecDecoder:
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len
+        # called once per verified step with (verify_len, num_accepted, raw confidence logits
+        # [R, K] on the host), live windows in plan order: calibration records through this
+        self.observers: list[Callable[[list[int], list[int], torch.Tensor | None], None]] = []
 
     def stage(self, rows: list[WindowRow], num_rows: int, pad_token_offset: int = 0) -> None:
         """Write the windows (and pad rows of num_verify drafts up to num_rows) into the
@@ -170,8 +173,16 @@ class SpecDecoder:
             )
         )
 
-    def record(self, verify_len: list[int], num_accepted: list[int]) -> None:
-        """vLLM's counters: drafts (windows), drafted tokens, accepted tokens, per position."""
+    def record(
+        self,
+        verify_len: list[int],
+        num_accepted: list[int],
+        confidence_logits: torch.Tensor | None = None,  # [R, K] raw, host copy (observers only)
+    ) -> None:
+        """vLLM's counters: drafts (windows), drafted tokens, accepted tokens, per position;
+        then every observer sees the step's windows (after the step's host sync)."""
+        for observe in self.observers:
+            observe(verify_len, num_accepted, confidence_logits)
         self.metrics["num_drafts"] += len(verify_len)
         self.metrics["num_draft_tokens"] += sum(verify_len)
         self.metrics["num_accepted_tokens"] += sum(num_accepted)

@@ -164,7 +164,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     texts = [t for rows in held_out.values() for t in rows[: args.prompts_per_source]]
     llm = LLM(args.target, dtype=args.dtype, device=args.device,
               speculative_config={"method": "dspark", "model": str(args.drafter)},
-              use_cuda_graphs=False, **_engine_kwargs(args))  # fmt: skip
+              **_engine_kwargs(args))  # fmt: skip
     report = calibrate_drafter(llm, args.drafter, texts, args.temperature, args.max_tokens,
                                args.seed, not args.no_progress)  # fmt: skip
     print(f"STS calibration on {report['num_blocks']} full blocks ({len(texts)} prompts), "

@@ -173,12 +173,11 @@ def _log_run(work_dir: Path, stage: str, seconds: float, device: torch.device, d
 
 def _llm(config: PipelineConfig, speculative: bool = False) -> LLM:
     kwargs = dict(config.engine)
-    if speculative:  # full-block verification, eager so the confidence recorder sees every step
+    if speculative:  # full-block verification (the confidence recorder observes every step)
         kwargs["speculative_config"] = {
             "method": "dspark", "model": str(config.drafter_dir),
             "num_speculative_tokens": config.train.draft_len,
         }  # fmt: skip
-        kwargs["use_cuda_graphs"] = False
     return LLM(config.target, dtype=config.dtype, device=config.device, **kwargs)
 
 

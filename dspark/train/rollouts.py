@@ -3,18 +3,14 @@
 Per verify step and window row: the drafter's raw confidence logits (K) and how many drafts the
 target accepted. From those, the prefix labels y_k = 1[drafts 1..k all accepted] = 1[accepted >= k].
 
-The recorder observes the engine's own SpecDecoder (the path every speculative request takes):
-it wraps the instance's `draft` (which returns the block with its confidence logits) and
-`record` (which the runner calls after the step's one host sync with each row's accepted
-count). Both are called once per step, draft first, with window rows in the same order, so a
-step's labels are paired with that step's confidences and never another's:
+The recorder is an observer of the engine's own SpecDecoder (the path every speculative request
+takes, eager or replayed from a CUDA graph): after each verified step's host sync the runner
+hands it the step's live windows, their accepted counts and the drafter's raw confidence
+logits, in the same row order, so a step's labels are paired with that step's confidences:
 
-  step t:  draft(rows)  -> confidence logits [R, K]   (kept, on the device)
-           ... target forward, verify, host sync ...
-           record(verify_len [R], num_accepted [R])   -> rows with verify_len == K recorded
-
-The wrapper only sees steps that run the Python step path, so the LLMs that record are built
-with use_cuda_graphs=False (a replayed graph would not call it).
+  step t:  draft -> target forward -> verify -> host sync
+           observer(verify_len [R], num_accepted [R], confidence logits [R, K])
+                                                    -> rows with verify_len == K recorded
 
 Rows verified with fewer than K drafts (windows shortened near max_tokens) are dropped: their
 later labels are censored, and a censored label reads as a rejection (DSPARK.md 5).
@@ -44,18 +40,12 @@ class ConfidenceRecorder:
     confidence_logits: list[torch.Tensor] = field(default_factory=list)  # [n, K] per step
     num_accepted: list[torch.Tensor] = field(default_factory=list)  # [n] per step
     num_censored: int = 0  # rows verified with fewer than K drafts
-    _pending: torch.Tensor | None = None
 
-    def on_draft(self, confidence_logits: torch.Tensor | None) -> None:
-        assert self._pending is None, "two drafts without a record: steps would be mispaired"
-        assert confidence_logits is not None, "the drafter has no confidence head"
-        self._pending = confidence_logits
-
-    def on_record(self, verify_len: list[int], num_accepted: list[int]) -> None:
-        assert self._pending is not None, "a record without a draft"
-        # live rows come first, pad rows (if the step had any) at the tail
-        logits = self._pending[: len(verify_len)].float().cpu()  # sync: after the step's own
-        self._pending = None
+    def __call__(
+        self, verify_len: list[int], num_accepted: list[int], confidence: torch.Tensor | None
+    ) -> None:
+        assert confidence is not None, "the drafter has no confidence head"
+        logits = confidence.float().cpu()  # the host copy, ready after the step's sync
         assert logits.shape == (len(verify_len), self.draft_len), logits.shape
         full = torch.tensor(verify_len) == self.draft_len
         self.num_censored += int((~full).sum())
@@ -84,22 +74,11 @@ def record_confidences(llm: LLM) -> Iterator[ConfidenceRecorder]:
             f"{spec.num_verify}, the drafter drafts {spec.draft_len}"
         )
     recorder = ConfidenceRecorder(spec.draft_len)
-    draft, record = spec.draft, spec.record
-
-    def recording_draft(*args, **kwargs):
-        block = draft(*args, **kwargs)
-        recorder.on_draft(block.confidence_logits)
-        return block
-
-    def recording_record(verify_len: list[int], num_accepted: list[int]) -> None:
-        record(verify_len, num_accepted)
-        recorder.on_record(verify_len, num_accepted)
-
-    spec.draft, spec.record = recording_draft, recording_record  # instance attributes
+    spec.observers.append(recorder)
     try:
         yield recorder
     finally:
-        del spec.draft, spec.record  # back to the class's methods
+        spec.observers.remove(recorder)
 
 
 def rollout(

@@ -35,7 +35,10 @@ def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
                   max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
                   speculative_config={"model": str(vocab_drafter)})  # fmt: skip
+        seen = []  # the observer hook gets each step's confidences from graphs too
+        llm.engine.spec.observers.append(lambda v, a, c, seen=seen: seen.append((v, a, c.tolist())))
         runs[graphs] = (_outputs(llm, PROMPTS12, params), llm.engine.get_metrics())
+        assert seen and len(seen[0][2]) == len(seen[0][0])
         if graphs:
             stats = llm.engine.runner.stats
             assert stats["spec_graph_steps"] > 0, dict(stats)

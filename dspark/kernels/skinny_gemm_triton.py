@@ -246,18 +246,18 @@ def _reduce_pair(acc1, acc2, ws_ptr, counter_ptr, tile, split, BT: tl.constexpr,
 
 # -- host pieces -----------------------------------------------------------------------------
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}  # per device, smallest first
 
 
 def arrival_counters(device: torch.device, num_tiles: int) -> torch.Tensor:  # [>= tiles] int32
     """The device's split-K arrival counters, all zero between launches (each launch resets the
     ones it used). Allocated on first use, so a CUDA graph's warm-up run creates them outside
-    the capture."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < num_tiles:
-        counters = torch.zeros(max(4096, num_tiles), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+    the capture. A larger buffer is added when one is needed and the old ones are kept: a
+    captured graph may still point at them."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < num_tiles:
+        buffers.append(torch.zeros(max(4096, num_tiles), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def check_config(config: SkinnyConfig) -> None:

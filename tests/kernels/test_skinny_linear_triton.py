@@ -128,15 +128,16 @@ def unfused_prologue(prologue: str, ops: dict) -> torch.Tensor:  # [T, K], the G
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])  # the GEMV and tl.dot
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_rounds_like_the_unfused_path_on_gpu(prologue: str):
+def test_rounds_like_the_unfused_path_on_gpu(prologue: str, T: int):
     # Against the unfused prologue's bf16 output multiplied in float32 and rounded once: only
     # the order of float32 additions differs, so nearly every bf16 output is bit-identical. A
     # rounding step skipped or added in the prologue would move far more of them. (Not on the
     # CPU: the interpreter rounds by truncation.)
     device = torch.device("cuda")
     n, k, _ = shape_and_configs(prologue, device)
-    ops = operands(16, n, k, torch.bfloat16, device)
+    ops = operands(T, n, k, torch.bfloat16, device)
     w, bias = ops["weight"], ops["bias"]
     (got, *_), _ = run(prologue, ops, bias, None)
     gemm_input = unfused_prologue(prologue, ops)  # [T, K] bf16

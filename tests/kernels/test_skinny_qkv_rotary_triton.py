@@ -92,11 +92,12 @@ def test_matches_unfused_sequence(
 
 
 @pytest.mark.gpu
-def test_rounds_like_the_unfused_kernels_on_gpu():
+@pytest.mark.parametrize("T", [1, 16])  # the GEMV and tl.dot
+def test_rounds_like_the_unfused_kernels_on_gpu(T: int):
     # Against fused_add_rmsnorm, a float32 GEMM rounded once, and rotary_qkv: only the order of
     # float32 additions differs, so nearly every bf16 output is bit-identical.
     device, dtype = torch.device("cuda"), torch.bfloat16
-    args = inputs(16, dtype, device, has_residual=True)
+    args = inputs(T, dtype, device, has_residual=True)
     cache, expected_cache = (poisoned_cache(args, dtype, device) for _ in range(2))
     q, _ = skinny_qkv_rotary(**args, kv_cache=cache)
     h, _ = fused_add_rmsnorm(args["x"], args["residual"], args["norm_weight"], EPS)

@@ -1,0 +1,50 @@
+"""SpecBuffers: the worked example of its docstring, and pad windows on the scratch page."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.spec.spec_buffers import FILTERED, GREEDY, SamplingMode, SpecBuffers, WindowRow
+
+PAGE = 4
+
+
+def _row(anchor, pos, verify_len, offset, pages, temperature=0.0, top_k=100, top_p=1.0, seed=0):
+    return WindowRow(anchor, pos, verify_len, offset, pages, temperature, top_k, top_p, seed)
+
+
+def test_docstring_example_and_pad_rows():
+    b = SpecBuffers(max_rows=4, draft_len=3, page_size=PAGE, device=torch.device("cpu"))
+    rows = [_row(11, 9, 2, 0, [5, 6, 7], temperature=0.7, seed=3), _row(22, 4, 3, 3, [8, 9])]
+    # two pad rows after them: windows of 1 + 3 tokens from token 7 on
+    b.write(rows, num_rows=4, pad_token_offset=7, pad_verify_len=3)
+    assert b.anchors[:4].tolist() == [11, 22, 0, 0]
+    assert b.anchor_pos[:4].tolist() == [9, 4, 0, 0]
+    assert b.block_positions[:12].tolist() == [9, 10, 11, 4, 5, 6, 0, 1, 2, 0, 1, 2]
+    # position p of a row lives at pages[p // 4] * 4 + p % 4; pad rows on the scratch page
+    assert b.block_slots[:6].tolist() == [7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1,
+                                          9 * 4 + 2]  # fmt: skip
+    assert set(b.block_slots[6:12].tolist()) == {SCRATCH_PAGE * PAGE}
+    assert b.block_seq_lens[:4].tolist() == [12, 7, 3, 3]
+    # draft k < verify_len goes to its window token, the rest rewrite the anchor's own token
+    assert b.draft_dst[:4].tolist() == [[1, 2, 0], [4, 5, 6], [8, 9, 10], [12, 13, 14]]
+    assert b.verify_len[:4].tolist() == [2, 3, 3, 3]
+    st = b.sampling(4, FILTERED)
+    assert st.temperature.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.0])
+    assert st.seeds.tolist() == [3, 0, 0, 0]
+    assert st.top_k.tolist() == [100, 100, 1, 1]  # pad rows: a dummy greedy identity
+    meta = b.block_metadata(2, torch.zeros(2, 3, dtype=torch.int32))
+    assert meta.cu_num_tokens.tolist() == [0, 3, 6] and not meta.causal
+    assert meta.seq_lens_cpu == (12, 7)
+
+
+def test_sampling_mode_of_a_batch():
+    vocab = 100
+    greedy = [_row(1, 1, 1, 0, [1]), _row(1, 1, 1, 2, [1])]
+    assert SamplingMode.of(greedy, vocab) == GREEDY
+    mixed = greedy + [_row(1, 1, 1, 4, [1], temperature=1.0)]
+    assert SamplingMode.of(mixed, vocab) == SamplingMode(False, False, False)
+    filtered = mixed + [_row(1, 1, 1, 6, [1], temperature=1.0, top_p=0.9)]
+    assert SamplingMode.of(filtered, vocab) == SamplingMode(False, False, True)

@@ -185,3 +185,16 @@ def test_draft_block_follows_the_markov_chain(target):
     greedy = draft_block(drafter, hidden[:2], anchors[:2], torch.full((2,), 20),
                          _st(2, 0.0, torch.arange(2)))  # fmt: skip
     assert greedy.tokens[0, 0] == expected0.argmax()
+
+
+def test_inverse_cdf_worked_example_never_draws_a_zero_probability_token():
+    from dspark.spec.drafting import _inverse_cdf
+
+    p = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).expand(4, -1)
+    u = torch.tensor([[0.1], [0.2], [0.65], [0.95]])
+    assert _inverse_cdf(p, u).tolist() == [0, 2, 2, 3]
+    u = torch.linspace(1e-6, 1 - 1e-6, 10001)[:, None]
+    drawn = _inverse_cdf(p.expand(len(u), -1), u)
+    assert 1 not in drawn.tolist()
+    freq = torch.bincount(drawn, minlength=4).float() / len(u)
+    torch.testing.assert_close(freq, p[0], atol=1e-3, rtol=0)

@@ -7,7 +7,11 @@ exact distribution each draft was drawn from is kept: verification needs draft_p
 confidence logit of slot k is computed from h[k] and x[k-1] only, before x[k] exists.
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
-function of (seed, position), like every other random number in the engine.
+function of (seed, position), like every other random number in the engine. A draft is drawn by
+inversion, one uniform per slot: the first token whose cumulative probability exceeds u times
+the total (an exponential race would hash one uniform per vocabulary entry per slot, which on a
+49k vocabulary was most of the drafting time). Verification only needs the distribution a draft
+was drawn from, not how it was drawn.
 """
 
 from __future__ import annotations
@@ -26,6 +30,20 @@ class DraftBlock:
     tokens: torch.Tensor  # [R, K] int64
     probs: torch.Tensor | None  # [R, K, V] float32, each draft's distribution; None: all greedy
     confidence_logits: torch.Tensor | None  # [R, K] float32, raw (before STS calibration)
+
+
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from each row of p [R, V] with one uniform u [R, 1] per row: the first index whose
+    cumulative mass exceeds u * total. Tokens of zero probability are never drawn (a run of
+    equal cumulative values is passed over by searchsorted's right side).
+
+      p = [0.2, 0.0, 0.5, 0.3], cdf = [0.2, 0.2, 0.7, 1.0]
+      u = 0.1 -> 0    u = 0.2 -> 2    u = 0.65 -> 2    u = 0.95 -> 3
+    """
+    cdf = p.cumsum(dim=-1)  # [R, V]
+    target = u * cdf[:, -1:]  # [R, 1]
+    index = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return index.clamp(max=p.shape[-1] - 1)
 
 
 def draft_block(
@@ -52,9 +70,8 @@ def draft_block(
             tokens[:, k] = logits.argmax(dim=-1)
         else:
             p = sampling_probs(logits, st)  # [R, V]
-            u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT, p.shape[-1])
-            sampled = (p / -torch.log(u)).argmax(dim=-1)  # exponential race: a draw from p
-            tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+            u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT)  # [R, 1]
+            tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), _inverse_cdf(p, u))
             probs[:, k] = p
         prev = tokens[:, k]
     return DraftBlock(tokens, probs, conf)

@@ -27,7 +27,7 @@ from dspark.engine.kv_cache import PageAllocator, pages_for
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledRow:
     """One request's share of a step: tokens [start, start + num_tokens) of its token_ids."""
 
@@ -66,7 +66,7 @@ class StepPlan:
         return not self.rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SampledTokens:
     """What one row emitted this step: one token, or accepted drafts + a recovered/bonus one."""
 
@@ -114,7 +114,7 @@ class Scheduler:
                 continue
             if req.token_ids[-1] == PENDING_TOKEN and self._reaches_length(req):
                 continue  # its pending token is its last: it ends once the value arrives
-            num_draft = self._num_draft(req, budget)
+            num_draft = self._num_draft(req, budget) if self.draft_len else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))

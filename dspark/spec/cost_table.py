@@ -1,0 +1,151 @@
+"""The measured cost table (DSPARK.md section 7): whole-step seconds per runnable cell, and the
+fingerprint that says which engine on which GPU measured them.
+
+A cell is (G, V): a step of G rows (the graph batch size) verifying V target tokens in all.
+V = G is plain decoding (no drafting), V = G * (K + 1) the full block (fixed K); ragged cells
+lie between. Each value is the median whole-step time (draft + verify + sampling + host work).
+
+  {"fingerprint": {"gpu": "NVIDIA H200", "device_count": 1, "torch": "2.11.0", ...},
+   "cells": {"1": {"1": 0.00104, "8": 0.00151},            G = 1: plain, full block (K = 7)
+             "16": {"16": 0.00099, "64": 0.00141, "128": 0.00183}}}
+
+Loading is authentication: the table is used only if its fingerprint equals the live engine's
+and every G it lists has its full-block cell and every value is a finite positive number. On any
+failure `load_cost_table` returns no table and the reason; the engine then verifies full blocks
+(fixed K), logs the reason and counts it. Unmeasured cells are never interpolated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+FINGERPRINT_KEYS = (
+    "gpu", "device_count", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
+    "dtype", "graph_sizes", "page_size", "engine_version",
+)  # fmt: skip
+# a table whose step time varies less than this across the cells of every G is flat
+MIN_SPREAD = 0.05
+
+
+@dataclass(frozen=True)
+class CostTable:
+    fingerprint: dict
+    cells: dict[int, dict[int, float]]  # G -> V -> seconds per step
+
+    def step_seconds(self, g: int, v: int) -> float | None:
+        """The measured time of cell (G, V), or None if it was not measured."""
+        return self.cells.get(g, {}).get(v)
+
+    def to_json(self) -> str:
+        cells = {str(g): {str(v): t for v, t in sorted(row.items())}
+                 for g, row in sorted(self.cells.items())}  # fmt: skip
+        return json.dumps({"fingerprint": self.fingerprint, "cells": cells}, indent=1)
+
+
+def make_fingerprint(
+    device,  # torch.device the table is for
+    target_hash: str,
+    drafter_hash: str,
+    draft_len: int,
+    dtype: str,
+    graph_sizes: list[int],
+    page_size: int,
+) -> dict:
+    """The live fingerprint: what a table's measurements depend on."""
+    import torch
+
+    import dspark
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = device.type == "cuda"
+    return {
+        "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "device_count": torch.cuda.device_count() if cuda else 0,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "target_hash": target_hash,
+        "drafter_hash": drafter_hash,
+        "draft_len": draft_len,
+        "dtype": dtype,
+        "graph_sizes": list(graph_sizes),
+        "page_size": page_size,
+        "engine_version": dspark.__version__,
+    }
+
+
+def full_block_tokens(g: int, draft_len: int) -> int:
+    """V of the full-block cell of G rows: every row verifies its K drafts after its anchor."""
+    return g * (draft_len + 1)
+
+
+def check_table(table: CostTable, live: dict) -> str | None:
+    """Why this table may not be used by the live engine, or None if it may."""
+    missing = [k for k in FINGERPRINT_KEYS if k not in table.fingerprint]
+    if missing:
+        return f"fingerprint lacks {missing}"
+    for key in FINGERPRINT_KEYS:
+        if table.fingerprint[key] != live.get(key):
+            return (f"fingerprint mismatch on {key}: table {table.fingerprint[key]!r}, "
+                    f"live {live.get(key)!r}")  # fmt: skip
+    if not table.cells:
+        return "no cells"
+    k = live["draft_len"]
+    for g, row in table.cells.items():
+        full = full_block_tokens(g, k)
+        if full not in row:
+            return f"G={g} has no full-block cell V={full}"
+        for v, t in row.items():
+            if not (g <= v <= full):
+                return f"cell G={g} V={v} is outside [{g}, {full}]"
+            if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+                return f"cell G={g} V={v} has a malformed time {t!r}"
+    return None
+
+
+def parse_table(text: str) -> CostTable:
+    """CostTable from JSON text; ValueError naming what is malformed."""
+    try:
+        raw = json.loads(text)
+        fingerprint, cells = raw["fingerprint"], raw["cells"]
+        parsed = {int(g): {int(v): t for v, t in row.items()} for g, row in cells.items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"malformed cost table: {type(e).__name__}: {e}") from None
+    if not isinstance(fingerprint, dict):
+        raise ValueError("malformed cost table: fingerprint is not an object")
+    return CostTable(fingerprint, parsed)
+
+
+def load_cost_table(path: str | Path, live: dict) -> tuple[CostTable | None, str | None]:
+    """(table, None) if the file authenticates against the live fingerprint, else (None, why)."""
+    try:
+        table = parse_table(Path(path).read_text())
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
+    except ValueError as e:
+        return None, str(e)
+    reason = check_table(table, live)
+    return (None, reason) if reason else (table, None)
+
+
+def flatness_reason(table: CostTable) -> str | None:
+    """Why the profiler should refuse to write this table as flat, or None.
+
+    Flat: in every G the step time of the cheapest and the dearest cell differ by less than
+    MIN_SPREAD, so verifying fewer tokens (or not drafting) never saves measurable time and
+    the planner could only ever pick the full block.
+    """
+    spreads = [max(row.values()) / min(row.values()) - 1 for row in table.cells.values()
+               if len(row) > 1]  # fmt: skip
+    if not spreads:
+        return "every G has a single cell: nothing to choose between"
+    if max(spreads) < MIN_SPREAD:
+        return f"flat: step time varies by at most {max(spreads):.1%} within any G"
+    return None

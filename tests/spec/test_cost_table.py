@@ -1,0 +1,75 @@
+"""The cost table authenticates against the live fingerprint and fails closed with a reason."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspark.spec.cost_table import (
+    CostTable,
+    flatness_reason,
+    full_block_tokens,
+    load_cost_table,
+    make_fingerprint,
+    parse_table,
+)
+
+K = 7
+
+
+@pytest.fixture
+def live():
+    return make_fingerprint(torch.device("cpu"), "t" * 8, "d" * 8, K, "bfloat16", [1, 16], 16)
+
+
+def _table(live, cells=None) -> CostTable:
+    cells = cells or {1: {1: 1.0e-3, 8: 1.5e-3}, 16: {16: 1.0e-3, 64: 1.4e-3, 128: 1.8e-3}}
+    return CostTable(dict(live), cells)
+
+
+def test_round_trip_and_lookup(tmp_path, live):
+    path = tmp_path / "cost.json"
+    path.write_text(_table(live).to_json())
+    table, reason = load_cost_table(path, live)
+    assert reason is None and table.step_seconds(16, 64) == 1.4e-3
+    assert table.step_seconds(16, 80) is None  # unmeasured: never interpolated
+    assert full_block_tokens(16, K) == 128
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda fp, c: fp.update(gpu="NVIDIA H100"), "fingerprint mismatch on gpu"),
+        (lambda fp, c: fp.update(drafter_hash="other"), "fingerprint mismatch on drafter_hash"),
+        (lambda fp, c: fp.pop("torch"), "fingerprint lacks ['torch']"),
+        (lambda fp, c: c[16].pop(128), "G=16 has no full-block cell V=128"),
+        (lambda fp, c: c[16].update({64: math.nan}), "cell G=16 V=64 has a malformed time nan"),
+        (lambda fp, c: c[16].update({64: -1.0}), "cell G=16 V=64 has a malformed time -1.0"),
+        (lambda fp, c: c[1].update({9: 2e-3}), "cell G=1 V=9 is outside [1, 8]"),
+    ],
+)
+def test_every_defect_fails_closed_with_its_reason(tmp_path, live, edit, expected):
+    table = _table(live)
+    edit(table.fingerprint, table.cells)
+    path = tmp_path / "cost.json"
+    path.write_text(table.to_json())
+    got, reason = load_cost_table(path, live)
+    assert got is None and expected in reason
+
+
+def test_unreadable_and_malformed_files(tmp_path, live):
+    assert "cannot read" in load_cost_table(tmp_path / "missing.json", live)[1]
+    (tmp_path / "bad.json").write_text('{"cells": {}}')
+    assert "malformed cost table" in load_cost_table(tmp_path / "bad.json", live)[1]
+    with pytest.raises(ValueError, match="malformed cost table"):
+        parse_table('{"fingerprint": {}, "cells": {"x": {"1": 1.0}}}')
+
+
+def test_flat_tables_are_refused(live):
+    assert flatness_reason(_table(live)) is None
+    flat = _table(live, {1: {1: 1.0e-3, 8: 1.02e-3}, 16: {16: 1.0e-3, 128: 1.03e-3}})
+    assert "flat: step time varies by at most 3.0%" in flatness_reason(flat)
+    single = _table(live, {1: {8: 1e-3}})
+    assert "single cell" in flatness_reason(single)

@@ -1,0 +1,64 @@
+"""The synchronous planner (Algorithm 1): its worked example, and why it must stop early.
+
+The losslessness test reproduces the paper's counterexample (DSPARK.md 6.3) through the real
+rejection sampler: one request, K = 2, vocabulary {A, B}, target (0.7, 0.3) at every position,
+draft (0.5, 0.5); survival a1 = 0.8, and a2 = 0.72 if the first draft is A, else 0 (the
+confidence head reads the previous token). Step times 1.0, 2.0, 2.22 for 1, 2, 3 tokens.
+Algorithm 1 stops at draft 1 (Theta 0.9 < 1.0) whatever was drafted, so the first emitted token
+is the target's: P(A) = 0.7. The retrospective argmax verifies draft 1 only when draft 2 looks
+good, i.e. only when draft 1 is A, and emits A with probability 0.5 + 0.5 * 0.7 = 0.85.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.spec.planner import candidate_order, plan_retrospective, plan_sync
+from dspark.spec.verifier import VerifyInput, verify
+from tests.helpers import chi2_critical_001
+
+TIMES = {1: 1.0, 2: 2.0, 3: 2.22}
+
+
+def test_worked_example_of_the_docstring():
+    survival = [[0.9, 0.6], [0.8, 0.1]]
+    assert candidate_order(survival) == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    assert plan_sync(survival, lambda b: 1 + 0.1 * (b - 2)) == [2, 1]
+    # ties: position first, then row; a step time the table lacks ends the plan
+    assert candidate_order([[0.5, 0.5], [0.5, 0.5]]) == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    assert plan_sync([[0.9, 0.9]], lambda b: {1: 1.0, 2: 1.0}.get(b)) == [1]
+
+
+def _first_tokens(planner, n: int = 20000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.randint(0, 2, (n, 2), generator=g)  # x1, x2 ~ (0.5, 0.5); A = 0, B = 1
+    lengths = []
+    for x1 in drafts[:, 0].tolist():
+        a2 = 0.8 * 0.9 if x1 == 0 else 0.0
+        lengths.append(planner([[0.8, a2]], TIMES.get)[0])
+    verify_len = torch.tensor(lengths)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = (verify_len + 1).cumsum(0)
+    target = torch.tensor([0.7, 0.3]).expand(int(cu[-1]), -1)
+    out = verify(VerifyInput(
+        target_probs=target, draft_probs=torch.full((n, 2, 2), 0.5), draft_tokens=drafts,
+        verify_len=verify_len, cu_num_tokens=cu, anchor_positions=torch.zeros(n, dtype=torch.long),
+        seeds=torch.arange(n), is_greedy=torch.zeros(n, dtype=torch.bool),
+    ))  # fmt: skip
+    return out.tokens[:, 0]
+
+
+def _chi2_vs_target(first: torch.Tensor) -> float:
+    n = len(first)
+    counts = torch.bincount(first, minlength=2).float()
+    expected = torch.tensor([0.7, 0.3]) * n
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_algorithm_1_is_lossless_and_the_retrospective_argmax_is_not():
+    critical = chi2_critical_001(1)
+    lossless = _first_tokens(plan_sync)
+    assert _chi2_vs_target(lossless) < critical
+    lossy = _first_tokens(plan_retrospective)
+    assert _chi2_vs_target(lossy) > critical  # the test can tell the difference
+    assert abs((lossy == 0).float().mean().item() - 0.85) < 0.01

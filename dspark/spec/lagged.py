@@ -1,0 +1,113 @@
+"""The lagged-capacity scheduler's two halves (DSPARK.md 6.3 item 2, 6.4).
+
+Host, before launch: choose the step's cell (G, V) by the global argmax of expected tokens per
+second over the measured cells, from survivals at least one step old (the drafts they describe
+are already verified, so the budget cannot depend on the tokens it admits). Device, inside the
+step: rank the fresh survivals and fill exactly that budget.
+
+Geometry, the one formula pricing, allocation and execution share: a cell of G rows and V
+tokens serves R <= G live rows; the G - R pad rows take one token each, and the live rows get
+their anchors plus D = V - G drafts in all. V = G means no drafting (plain decoding).
+
+  G 4, R 3, V 10:  pad rows 1 x 1 token; live rows 3 anchors + D = 6 drafts
+
+Survival a[r, j] is the calibrated probability that drafts 1..j of row r all survive:
+cumprod_j sigmoid(logit[r, j] / T_j). Rows with no confidences yet (just admitted, preempted)
+count as fully confident: a[r, :] = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.spec.cost_table import CostTable
+
+
+@dataclass(frozen=True)
+class CellGeometry:
+    num_rows: int  # G
+    num_tokens: int  # V
+    num_live: int  # R
+    num_drafts: int  # D = V - G, drafts shared by the live rows
+
+    @property
+    def drafts(self) -> bool:
+        return self.num_drafts > 0
+
+
+def cell_geometry(g: int, v: int, num_live: int) -> CellGeometry:
+    if not 1 <= num_live <= g <= v:
+        raise ValueError(f"cell G={g} V={v} cannot serve {num_live} live rows")
+    return CellGeometry(g, v, num_live, v - g)
+
+
+def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """[R, K] raw logits, [K] STS temperatures -> [R, K] non-increasing survivals."""
+    return torch.sigmoid(confidence_logits / temperatures[None, :]).cumprod(dim=-1)
+
+
+def expected_tokens(a: torch.Tensor, num_drafts: int) -> float:
+    """Live rows' anchors plus the D highest survivals (always a prefix of each row)."""
+    top = a.flatten().topk(min(num_drafts, a.numel())).values if num_drafts > 0 else a[:0, 0]
+    return a.shape[0] + float(top.sum())
+
+
+@dataclass(frozen=True)
+class CellChoice:
+    geometry: CellGeometry
+    expected_tokens_per_s: float
+    reason: str  # why this cell (for the log and the metrics)
+
+
+def choose_cell(
+    lagged_survival: torch.Tensor,  # [R, K] from the previous step's confidences (host)
+    g: int,
+    table: CostTable,
+    draft_len: int,
+    min_gain: float = 0.02,
+    drafting_now: bool = True,
+) -> CellChoice:
+    """The measured cell of G rows with the highest expected tokens per second.
+
+    The incumbent is the full block while drafting (fixed K, the safe default) and plain
+    decoding while not. Another cell must beat the incumbent by min_gain, and by that margin
+    twice over when it switches drafting off or back on (hysteresis: noise in the lagged
+    estimates cannot flip the mode every step).
+    """
+    num_live = lagged_survival.shape[0]
+    row = table.cells[g]
+    full = g * (draft_len + 1)
+
+    def theta(v: int) -> float:
+        geo = cell_geometry(g, v, num_live)
+        return expected_tokens(lagged_survival, geo.num_drafts) / row[v]
+
+    incumbent = full if drafting_now or g not in row else g
+    floor = theta(incumbent)
+    best_v, best = incumbent, floor
+    for v in sorted(row):
+        if v == incumbent:
+            continue
+        switches_mode = (v == g) != (incumbent == g)
+        margin = (1 + min_gain) ** (2 if switches_mode else 1)
+        if theta(v) > floor * margin and theta(v) > best:
+            best_v, best = v, theta(v)
+    reason = "full block" if best_v == full else ("no drafting" if best_v == g else "trimmed")
+    return CellChoice(cell_geometry(g, best_v, num_live), best, reason)
+
+
+def select_verify_lengths(a: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    """On the device, no host sync: the D candidates (r, j) of highest fresh survival, ties by
+    position then row, as verify lengths [R] (a prefix of each row, since a is non-increasing).
+
+      a = [[0.9, 0.5], [0.9, 0.2]], D = 3 -> candidates (0,1) (1,1) (0,2) -> lengths [2, 1]
+    """
+    num_rows, k = a.shape
+    # flatten position-major, so a stable sort on survival alone leaves ties by (j, r)
+    flat = a.t().reshape(-1)  # index i = j * R + r
+    order = torch.sort(flat, descending=True, stable=True).indices
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[order[: min(num_drafts, flat.numel())]] = True
+    return chosen.view(k, num_rows).sum(dim=0)

@@ -48,3 +48,28 @@ def test_sampling_mode_of_a_batch():
     assert SamplingMode.of(mixed, vocab) == SamplingMode(False, False, False)
     filtered = mixed + [_row(1, 1, 1, 6, [1], temperature=1.0, top_p=0.9)]
     assert SamplingMode.of(filtered, vocab) == SamplingMode(False, False, True)
+
+
+def test_the_captured_step_function_runs_eagerly_on_pad_windows(tiny_vocab_dir, tmp_path):
+    # what SpecGraphs captures on a GPU: prepare G pad windows, then one SpecDecoder.step over
+    # them; here eagerly on the CPU, so its code path is exercised without CUDA
+    from dspark import LLM
+    from tests.spec.test_spec_engine import K as DRAFT_LEN
+    from tests.spec.test_spec_engine import _make_drafter
+
+    drafter = _make_drafter(tiny_vocab_dir, tmp_path / "drafter", taps=(0,))
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=32,
+              max_num_seqs=4, speculative_config={"model": str(drafter)})  # fmt: skip
+    runner = llm.engine.runner
+    caches = runner.kv_caches + runner.spec.kv_caches  # [2, pages, page_size, nkv, hd] each
+    before = [kv[:, 1:].clone() for kv in caches]  # every page but the scratch page
+    for mode in (GREEDY, FILTERED):
+        runner._prepare_spec_graph(4)
+        out = runner._spec_graph_step(4, mode)
+        assert out.logits.shape[0] == 4 * (DRAFT_LEN + 1)
+        assert out.tokens.shape == (4, DRAFT_LEN + 1) and out.num_accepted.shape == (4,)
+        assert ((0 <= out.num_accepted) & (out.num_accepted <= DRAFT_LEN)).all()
+    # pad windows wrote only the scratch page (page 0): no other page changed
+    for kv, old in zip(caches, before, strict=True):
+        assert torch.equal(kv[:, 1:], old)
+    assert any(kv[:, 0].abs().sum() > 0 for kv in caches)  # ... and they did write there

@@ -87,7 +87,7 @@ def _drain(llm: LLM) -> None:
 def _breakdown(runner, g: int) -> tuple[float, float, float]:
     """Whole captured step, drafting alone, target forward alone (us), on the live buffers."""
     spec, b = runner.spec, runner.buffers
-    graph_us = _cuda_time_us(lambda: runner.spec_graphs.replay(g, GREEDY))
+    graph_us = _cuda_time_us(lambda: runner.spec_runner.graphs.replay(g, GREEDY))
     st = spec.buffers.sampling(g, GREEDY)
     draft = _captured(lambda: spec.draft(g, st, b.input_ids, b.block_table[:g]))
     layout = window_layout(g, spec.num_verify + 1)

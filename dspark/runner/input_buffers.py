@@ -27,6 +27,16 @@ from dspark.layers.attention_metadata import AttentionMetadata
 PAD_TOKEN_ID = 0
 
 
+def to_host(x):
+    """Queue device -> pinned host copies (a tensor or a tuple of them); None stays None. The
+    values are valid once the step's completion event has been waited for."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(t.to("cpu", non_blocking=True) for t in x)
+    return x.to("cpu", non_blocking=True)
+
+
 def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without a synchronisation. It is staged in pinned
     memory: a copy from pageable memory waits for the stream to drain, which under async

@@ -26,11 +26,10 @@ from dspark.engine.scheduler import SampledTokens, ScheduledRow, StepPlan
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
-from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device
-from dspark.runner.spec_graphs import SpecGraphs, window_layout
+from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device, to_host
+from dspark.runner.spec_runner import SpecRunner
 from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
-from dspark.spec.spec_buffers import SamplingMode, WindowRow
-from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
+from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +48,6 @@ class InFlightStep:
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
     done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
-
-
-def _to_host(x):
-    """Queue device -> pinned host copies (a tensor or a tuple of them); None stays None."""
-    if x is None:
-        return None
-    if isinstance(x, tuple):
-        return tuple(t.to("cpu", non_blocking=True) for t in x)
-    return x.to("cpu", non_blocking=True)
 
 
 class ModelRunner:
@@ -96,20 +86,18 @@ class ModelRunner:
         if device.type == "cuda":
             self._warm_up_eager(max_num_tokens)
         self.graphs = None
-        self.spec_graphs = None
-        if self.graph_sizes and capture_graphs and spec is None:
-            self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
-        elif self.graph_sizes and spec is not None:
+        self.spec_runner = None
+        if spec is not None:
             # Fixed-K windows replay captured speculative steps. Plain decode steps (every row
             # opted out or near its end) run eagerly: the decode graphs do not produce the
             # drafter's tap features yet.
-            width = 1 + spec.num_verify
-            capacity = self.buffers.input_ids.shape[0]
-            sizes = [g for g in self.graph_sizes if g * width <= capacity]
-            if capture_graphs and sizes:
-                self.spec_graphs = SpecGraphs(self._spec_graph_step, self._prepare_spec_graph,
-                                              sizes)  # fmt: skip
+            ladder = self.graph_sizes if capture_graphs else []
+            self.spec_runner = SpecRunner(
+                spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder
+            )
             self.graph_sizes = []
+        elif self.graph_sizes and capture_graphs:
+            self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
 
     # ---- staging --------------------------------------------------------------------------
 
@@ -163,8 +151,8 @@ class ModelRunner:
         b.np("logits_indices")[:n] = logits_idx
         graph_size = self._graph_size(plan)
         width = 1
-        if graph_size is None and self.spec_graphs is not None:
-            graph_size = self._spec_graph_size(plan)
+        if graph_size is None and self.spec_runner is not None:
+            graph_size = self.spec_runner.graph_size(plan)
             width = 1 + self.spec.num_verify
         if graph_size is not None:  # pad to the captured size; every token is scored
             pad = graph_size - num_rows
@@ -215,17 +203,6 @@ class ModelRunner:
             return None
         return self.graph_sizes[i]
 
-    def _spec_graph_size(self, plan: StepPlan) -> int | None:
-        """The captured size a fixed-K speculative step pads to, or None (eager, counted)."""
-        if not all(r.num_draft == self.spec.num_verify for r in plan.rows):
-            self.stats["eager_spec_steps_not_all_full_windows"] += 1
-            return None
-        i = bisect.bisect_left(self.spec_graphs.sizes, len(plan.rows))
-        if i == len(self.spec_graphs.sizes):
-            self.stats["eager_spec_steps_batch_too_large"] += 1
-            return None
-        return self.spec_graphs.sizes[i]
-
     def _forward(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
         return self._run_model(layout).logits
 
@@ -258,7 +235,7 @@ class ModelRunner:
         window_rows = [i for i, r in enumerate(plan.rows) if r.num_draft]
         spec_out = None
         if window_rows:
-            spec_out = self._speculate(plan, layout, window_rows, graph_size)
+            spec_out = self.spec_runner.run(plan, layout, window_rows, graph_size)
             logits = spec_out.logits
         elif graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(graph_size)
@@ -288,22 +265,16 @@ class ModelRunner:
             self._last_tokens = tokens
             self._last_index = {plan.rows[i].request.request_id: j
                                 for j, i in enumerate(step.plain)}  # fmt: skip
-            step.tokens = self._tokens_to_host(tokens)
-            step.logprobs = _to_host(lp)
+            step.tokens = self._tokensto_host(tokens)
+            step.logprobs = to_host(lp)
         if spec_out is not None:
-            R = len(window_rows)
-            step.window_rows = window_rows
-            step.verify_len = [plan.rows[i].num_draft for i in window_rows]
-            step.verified = _to_host((spec_out.tokens[:R], spec_out.num_accepted[:R]))
-            if self.spec.observers and spec_out.confidence_logits is not None:
-                step.confidence = _to_host(spec_out.confidence_logits[:R].float())
-            step.window_logprobs = _to_host(self._window_logprobs(plan, spec_out, step.verify_len))
+            self.spec_runner.queue_results(step, plan, window_rows, spec_out)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
         return step
 
-    def _tokens_to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _tokensto_host(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._token_host is None:  # CPU: already there
             return tokens
         buf = self._token_host[self._token_parity][: tokens.shape[0]]
@@ -326,25 +297,7 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         if step.verified is not None:
-            emitted, accepted = (x.tolist() for x in step.verified)
-            self.spec.record(step.verify_len, accepted, step.confidence)
-            wlp = None
-            if step.window_logprobs is not None:
-                wlp = [x.tolist() for x in step.window_logprobs]
-            row0 = 0
-            for j, i in enumerate(step.window_rows):
-                toks = tuple(emitted[j][: accepted[j] + 1])
-                n = plan.rows[i].request.sampling_params.logprobs
-                logprobs = None
-                if n is not None and wlp is not None:
-                    chosen, top_ids, top_vals = wlp
-                    logprobs = tuple(
-                        TokenLogprobs(t, chosen[row0 + k], dict(zip(top_ids[row0 + k][:n],
-                                      top_vals[row0 + k][:n], strict=True)))
-                        for k, t in enumerate(toks)
-                    )  # fmt: skip
-                results[i] = SampledTokens(toks, logprobs)
-                row0 += 1 + step.verify_len[j]
+            self.spec_runner.assign(step, results)
         if not step.plain:
             return results
         token_list = step.tokens.tolist()
@@ -358,84 +311,6 @@ class ModelRunner:
                 logprobs = (TokenLogprobs(tok, chosen[j], top),)
             results[i] = SampledTokens((tok,), logprobs)
         return results
-
-    def _window_logprobs(self, plan: StepPlan, out: SpecStepOutput, verify_len: list[int]):
-        """The target's logprobs of each emitted window token: emitted token i of a window is
-        scored by window row i (the anchor's row scores the first). None if nobody asked."""
-        wants = [r.request.sampling_params.logprobs for r in plan.rows if r.num_draft]
-        if all(n is None for n in wants):
-            return None
-        lens = [1 + n for n in verify_len]
-        total = sum(lens)  # the live window tokens (a padded graph step has more rows after)
-        dev = self.device
-        owner = torch.repeat_interleave(
-            torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev), output_size=total
-        )
-        start = torch.tensor([sum(lens[:j]) for j in range(len(lens))], device=dev)
-        offset = torch.arange(total, device=dev) - start[owner]
-        tokens = out.tokens[owner, offset]  # [Tw] the token each window row would emit
-        return top_logprobs(out.window_logits[:total], tokens, max(n or 0 for n in wants))
-
-    # ---- speculation ------------------------------------------------------------------------
-
-    def _speculate(
-        self, plan: StepPlan, layout: StepLayout, window_rows: list[int], graph_size: int | None
-    ) -> SpecStepOutput:
-        """Stage the windows and run the speculative step: a captured graph when the step is
-        all full windows of a captured size, else eagerly (mixed batches, short windows)."""
-        cu = layout.cu_num_tokens_cpu
-        rows = []
-        for i in window_rows:
-            r = plan.rows[i]
-            req, sp = r.request, r.request.sampling_params
-            rows.append(WindowRow(
-                anchor=req.token_ids[r.start], anchor_pos=r.start, verify_len=r.num_draft,
-                token_offset=cu[i], page_ids=req.page_ids, temperature=sp.temperature,
-                top_k=sp.top_k if sp.top_k > 0 else self.vocab_size, top_p=sp.top_p,
-                seed=req.seed,
-            ))  # fmt: skip
-        mode = SamplingMode.of(rows, self.vocab_size)
-        if graph_size is not None:  # every plan row is a full window: pad rows follow them
-            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)])
-            self.stats["spec_graph_steps"] += 1
-            return self.spec_graphs.replay(graph_size, mode)
-        self.spec.stage(rows, len(rows))
-        self.stats["eager_spec_steps"] += 1
-        b, dev = self.buffers, self.device
-        all_windows = window_rows == list(range(layout.num_rows))
-        block_table = b.block_table
-        window_index = None
-        if not all_windows:  # mixed with plain rows: gather the windows' page rows and logits
-            block_table = b.block_table[torch.tensor(window_rows, device=dev)]
-            logit_rows, row0 = [], 0
-            for r in plan.rows:
-                if r.num_draft:
-                    logit_rows += range(row0, row0 + r.num_tokens)
-                row0 += r.num_tokens if r.num_draft else int(r.do_sample)
-            window_index = torch.tensor(logit_rows, device=dev)
-        return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
-
-    def _target_step(self, layout: StepLayout, block_table: torch.Tensor) -> TargetStep:
-        b, t = self.buffers, layout.num_tokens
-        return TargetStep(
-            run=lambda: self._run_model(layout, self.spec.taps),
-            input_ids=b.input_ids[:t],
-            positions=b.positions[:t],
-            slot_mapping=b.slot_mapping[:t],
-            block_table=block_table,
-        )
-
-    def _prepare_spec_graph(self, size: int) -> None:
-        """Fill the buffers with `size` pad windows (capture inputs: the scratch page only)."""
-        b, width = self.buffers, 1 + self.spec.num_verify
-        b.write_pad_rows(0, 0, size, width)
-        b.np("logits_indices")[: size * width] = range(size * width)
-        b.upload(window_layout(size, width))
-        self.spec.stage([], size)
-
-    def _spec_graph_step(self, size: int, mode: SamplingMode) -> SpecStepOutput:
-        layout = window_layout(size, 1 + self.spec.num_verify)
-        return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table), None)
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]):
         """Tokens [N] (and logprobs) of the rows that sample one token, still on the device."""

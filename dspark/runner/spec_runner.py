@@ -1,0 +1,176 @@
+"""The speculative half of the runner: windows staged, the speculative step run (a captured
+graph or eagerly), its results queued to the host and assigned to plan rows.
+
+A step whose rows are all full windows of a captured size replays SpecGraphs (pad windows on the
+scratch page after the live ones); any other step with windows (mixed with plain rows, windows
+shortened near max_tokens) runs the same SpecDecoder.step eagerly, and the reason is counted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from dspark.engine.scheduler import SampledTokens, StepPlan
+from dspark.request import TokenLogprobs
+from dspark.runner.input_buffers import InputBuffers, StepLayout, to_host
+from dspark.runner.spec_graphs import SpecGraphs, window_layout
+from dspark.sample.sampler import top_logprobs
+from dspark.spec.spec_buffers import SamplingMode, WindowRow
+from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
+
+if TYPE_CHECKING:
+    from dspark.runner.model_runner import InFlightStep
+
+
+class SpecRunner:
+    def __init__(
+        self,
+        spec: SpecDecoder,
+        buffers: InputBuffers,
+        run_model: Callable,  # (layout, hidden_layers) -> ModelOutput
+        vocab_size: int,
+        stats: Counter[str],
+        graph_sizes: list[int],  # the ladder to capture ([]: none, every step eager)
+    ) -> None:
+        self.spec, self.buffers, self.run_model = spec, buffers, run_model
+        self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
+        width = 1 + spec.num_verify
+        capacity = buffers.input_ids.shape[0]
+        sizes = [g for g in graph_sizes if g * width <= capacity]
+        self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes) if sizes else None
+
+    def graph_size(self, plan: StepPlan) -> int | None:
+        """The captured size a fixed-K speculative step pads to, or None (eager, counted)."""
+        if self.graphs is None:
+            return None
+        if not all(r.num_draft == self.spec.num_verify for r in plan.rows):
+            self.stats["eager_spec_steps_not_all_full_windows"] += 1
+            return None
+        i = bisect.bisect_left(self.graphs.sizes, len(plan.rows))
+        if i == len(self.graphs.sizes):
+            self.stats["eager_spec_steps_batch_too_large"] += 1
+            return None
+        return self.graphs.sizes[i]
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def run(
+        self, plan: StepPlan, layout: StepLayout, window_rows: list[int], graph_size: int | None
+    ) -> SpecStepOutput:
+        """Stage the windows and run the speculative step: a captured graph when the step is
+        all full windows of a captured size, else eagerly (mixed batches, short windows)."""
+        cu = layout.cu_num_tokens_cpu
+        rows = []
+        for i in window_rows:
+            r = plan.rows[i]
+            req, sp = r.request, r.request.sampling_params
+            rows.append(WindowRow(
+                anchor=req.token_ids[r.start], anchor_pos=r.start, verify_len=r.num_draft,
+                token_offset=cu[i], page_ids=req.page_ids, temperature=sp.temperature,
+                top_k=sp.top_k if sp.top_k > 0 else self.vocab_size, top_p=sp.top_p,
+                seed=req.seed,
+            ))  # fmt: skip
+        mode = SamplingMode.of(rows, self.vocab_size)
+        if graph_size is not None:  # every plan row is a full window: pad rows follow them
+            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)])
+            self.stats["spec_graph_steps"] += 1
+            return self.graphs.replay(graph_size, mode)
+        self.spec.stage(rows, len(rows))
+        self.stats["eager_spec_steps"] += 1
+        b, dev = self.buffers, self.device
+        all_windows = window_rows == list(range(layout.num_rows))
+        block_table = b.block_table
+        window_index = None
+        if not all_windows:  # mixed with plain rows: gather the windows' page rows and logits
+            block_table = b.block_table[torch.tensor(window_rows, device=dev)]
+            logit_rows, row0 = [], 0
+            for r in plan.rows:
+                if r.num_draft:
+                    logit_rows += range(row0, row0 + r.num_tokens)
+                row0 += r.num_tokens if r.num_draft else int(r.do_sample)
+            window_index = torch.tensor(logit_rows, device=dev)
+        return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
+
+    def _target_step(self, layout: StepLayout, block_table: torch.Tensor) -> TargetStep:
+        b, t = self.buffers, layout.num_tokens
+        return TargetStep(
+            run=lambda: self.run_model(layout, self.spec.taps),
+            input_ids=b.input_ids[:t],
+            positions=b.positions[:t],
+            slot_mapping=b.slot_mapping[:t],
+            block_table=block_table,
+        )
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def queue_results(
+        self, step: InFlightStep, plan: StepPlan, window_rows: list[int], out: SpecStepOutput
+    ) -> None:
+        """Queue the host copies of the windows' results (live rows only) behind the step."""
+        R = len(window_rows)
+        step.window_rows = window_rows
+        step.verify_len = [plan.rows[i].num_draft for i in window_rows]
+        step.verified = to_host((out.tokens[:R], out.num_accepted[:R]))
+        if self.spec.observers and out.confidence_logits is not None:
+            step.confidence = to_host(out.confidence_logits[:R].float())
+        step.window_logprobs = to_host(self._window_logprobs(plan, out, step.verify_len))
+
+    def assign(self, step: InFlightStep, results: list[SampledTokens | None]) -> None:
+        """After the step's sync: each window row's emitted tokens (and logprobs) into results;
+        the counters and observers see the step."""
+        plan = step.plan
+        emitted, accepted = (x.tolist() for x in step.verified)
+        self.spec.record(step.verify_len, accepted, step.confidence)
+        wlp = None
+        if step.window_logprobs is not None:
+            wlp = [x.tolist() for x in step.window_logprobs]
+        row0 = 0
+        for j, i in enumerate(step.window_rows):
+            toks = tuple(emitted[j][: accepted[j] + 1])
+            n = plan.rows[i].request.sampling_params.logprobs
+            logprobs = None
+            if n is not None and wlp is not None:
+                chosen, top_ids, top_vals = wlp
+                logprobs = tuple(
+                    TokenLogprobs(t, chosen[row0 + k], dict(zip(top_ids[row0 + k][:n],
+                                  top_vals[row0 + k][:n], strict=True)))
+                    for k, t in enumerate(toks)
+                )  # fmt: skip
+            results[i] = SampledTokens(toks, logprobs)
+            row0 += 1 + step.verify_len[j]
+
+    def _window_logprobs(self, plan: StepPlan, out: SpecStepOutput, verify_len: list[int]):
+        """The target's logprobs of each emitted window token: emitted token i of a window is
+        scored by window row i (the anchor's row scores the first). None if nobody asked."""
+        wants = [r.request.sampling_params.logprobs for r in plan.rows if r.num_draft]
+        if all(n is None for n in wants):
+            return None
+        lens = [1 + n for n in verify_len]
+        total = sum(lens)  # the live window tokens (a padded graph step has more rows after)
+        dev = self.device
+        owner = torch.repeat_interleave(
+            torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev), output_size=total
+        )
+        start = torch.tensor([sum(lens[:j]) for j in range(len(lens))], device=dev)
+        offset = torch.arange(total, device=dev) - start[owner]
+        tokens = out.tokens[owner, offset]  # [Tw] the token each window row would emit
+        return top_logprobs(out.window_logits[:total], tokens, max(n or 0 for n in wants))
+
+    # ---- graph capture ----------------------------------------------------------------------
+
+    def _prepare_graph(self, size: int) -> None:
+        """Fill the buffers with `size` pad windows (capture inputs: the scratch page only)."""
+        b, width = self.buffers, 1 + self.spec.num_verify
+        b.write_pad_rows(0, 0, size, width)
+        b.np("logits_indices")[: size * width] = range(size * width)
+        b.upload(window_layout(size, width))
+        self.spec.stage([], size)
+
+    def _graph_step(self, size: int, mode: SamplingMode) -> SpecStepOutput:
+        layout = window_layout(size, 1 + self.spec.num_verify)
+        return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table), None)

@@ -61,18 +61,40 @@ class StepLayout:
     num_fed: int = 0  # input tokens fed from the previous step's output on the device
 
 
+def staging_pair(shape, dtype: torch.dtype, device: torch.device):
+    """(pinned host buffer, device buffer); on the CPU they are one buffer: nothing to copy."""
+    host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    return host, host if device.type == "cpu" else host.to(device)
+
+
+class UploadFence:
+    """Marks when the async copies out of a set of staging buffers have run, so the host does
+    not rewrite them under a queued copy. One event, re-recorded after each upload."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def record(self) -> None:
+        if self._event is not None:
+            self._event.record()
+            self._pending = True
+
+    def wait(self) -> None:
+        if self._pending:
+            self._event.synchronize()
+            self._pending = False
+
+
 class InputBuffers:
     def __init__(
         self, max_num_tokens: int, max_num_rows: int, max_pages_per_row: int, device: torch.device
     ) -> None:
         self.device = device
         self.max_pages_per_row = max_pages_per_row
-        pin = device.type == "cuda"
 
         def pair(shape, dtype):
-            # on the CPU the staging buffer is the device buffer: nothing to copy
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return host, host if device.type == "cpu" else host.to(device)
+            return staging_pair(shape, dtype, device)
 
         self.input_ids_cpu, self.input_ids = pair(max_num_tokens, torch.int64)
         self.positions_cpu, self.positions = pair(max_num_tokens, torch.int64)
@@ -91,16 +113,14 @@ class InputBuffers:
         # is rewritten only when its request or page count changed (pages only ever grow while
         # a request runs; a preemption rebuilds them and bumps the count)
         self._block_row_keys: list[tuple | None] = [None] * max_num_rows
-        self._uploaded: torch.cuda.Event | None = None  # the last upload's copies are done
+        self._uploaded = UploadFence(device)
 
     def wait_for_upload(self) -> None:
         """Before the host rewrites the staging buffers: the previous step's async copies out of
         them must have run. Under async scheduling that step may still be queued; by the time
         the host stages again it has long started, so this wait is for a few microseconds of
         copies at most (it is not the step's result synchronisation)."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-            self._uploaded = None
+        self._uploaded.wait()
 
     def write_block_row(self, row: int, key: tuple, pages: list[int]) -> None:
         if self._block_row_keys[row] == key:
@@ -149,7 +169,6 @@ class InputBuffers:
         ):
             if used:
                 getattr(self, name)[:used].copy_(getattr(self, f"{name}_cpu")[:used], True)
-        self._uploaded = torch.cuda.Event()
         self._uploaded.record()
 
     def metadata(self, layout: StepLayout) -> AttentionMetadata:

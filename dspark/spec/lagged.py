@@ -50,8 +50,9 @@ def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> tor
 
 def expected_tokens(a: torch.Tensor, num_drafts: int) -> float:
     """Live rows' anchors plus the D highest survivals (always a prefix of each row)."""
-    top = a.flatten().topk(min(num_drafts, a.numel())).values if num_drafts > 0 else a[:0, 0]
-    return a.shape[0] + float(top.sum())
+    if num_drafts <= 0:
+        return float(a.shape[0])
+    return a.shape[0] + float(a.flatten().topk(min(num_drafts, a.numel())).values.sum())
 
 
 @dataclass(frozen=True)

@@ -53,24 +53,3 @@ def plan_sync(
             break  # the first candidate that does not raise Theta ends the plan
         lengths[r], tokens, expected, best = j, tokens + 1, expected + survival[r][j - 1], theta
     return lengths
-
-
-def plan_retrospective(
-    survival: list[list[float]], step_time: Callable[[int], float | None]
-) -> list[int]:
-    """The LOSSY variant kept only for the test that shows why Algorithm 1 stops: scan every
-    prefix of the order and take the best. Never used by the engine."""
-    num_rows = len(survival)
-    lengths = [0] * num_rows
-    tokens, expected = num_rows, float(num_rows)
-    best, best_lengths = expected / step_time(tokens), list(lengths)
-    for r, j in candidate_order(survival):
-        if j != lengths[r] + 1:
-            continue
-        t = step_time(tokens + 1)
-        if t is None:
-            break
-        lengths[r], tokens, expected = j, tokens + 1, expected + survival[r][j - 1]
-        if expected / t > best:
-            best, best_lengths = expected / t, list(lengths)
-    return best_lengths

@@ -29,6 +29,7 @@ import torch
 
 from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.runner.input_buffers import UploadFence, staging_pair
 from dspark.sample.sampler import SamplingTensors
 
 
@@ -73,13 +74,7 @@ FILTERED = SamplingMode(False, True, True)  # top-k and top-p on (rows without t
 class SpecBuffers:
     def __init__(self, max_rows: int, draft_len: int, page_size: int, device: torch.device):
         self.max_rows, self.K, self.page_size, self.device = max_rows, draft_len, page_size, device
-        pin = device.type == "cuda"
         K = draft_len
-
-        def pair(shape, dtype):
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return host, host if device.type == "cpu" else host.to(device)
-
         self._names = []
         for name, shape, dtype in (
             ("anchors", max_rows, torch.int64),
@@ -94,13 +89,13 @@ class SpecBuffers:
             ("top_p", max_rows, torch.float32),
             ("seeds", max_rows, torch.int64),
         ):
-            host, dev = pair(shape, dtype)
+            host, dev = staging_pair(shape, dtype, device)
             setattr(self, f"{name}_cpu", host)
             setattr(self, name, dev)
             self._names.append(name)
         # block layout: K query tokens per row, so cu is fixed: [0, K, 2K, ...]
         self.block_cu = torch.arange(0, (max_rows + 1) * K, K, dtype=torch.int32, device=device)
-        self._uploaded: torch.cuda.Event | None = None
+        self._uploaded = UploadFence(device)
         self.block_seq_lens_host: tuple[int, ...] = ()  # of the last write (CPU attention)
 
     def np(self, name: str) -> np.ndarray:
@@ -111,9 +106,7 @@ class SpecBuffers:
     ) -> None:
         """Stage the live rows, then pad rows up to num_rows (their windows of pad_verify_len
         + 1 tokens start at pad_token_offset in the target layout)."""
-        if self._uploaded is not None:  # the previous upload's copies read these buffers
-            self._uploaded.synchronize()
-            self._uploaded = None
+        self._uploaded.wait()  # the previous upload's copies read these buffers
         K, ps = self.K, self.page_size
         n = len(rows)
         assert n <= num_rows <= self.max_rows, (n, num_rows, self.max_rows)
@@ -152,7 +145,6 @@ class SpecBuffers:
             per_slot = name in ("block_positions", "block_slots")
             used = num_rows * self.K if per_slot else num_rows
             getattr(self, name)[:used].copy_(getattr(self, f"{name}_cpu")[:used], True)
-        self._uploaded = torch.cuda.Event()
         self._uploaded.record()
 
     def sampling(self, num_rows: int, mode: SamplingMode) -> SamplingTensors:

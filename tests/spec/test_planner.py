@@ -11,13 +11,36 @@ good, i.e. only when draft 1 is A, and emits A with probability 0.5 + 0.5 * 0.7 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from dspark.spec.planner import candidate_order, plan_retrospective, plan_sync
+from dspark.spec.planner import candidate_order, plan_sync
 from dspark.spec.verifier import VerifyInput, verify
 from tests.helpers import chi2_critical_001
 
 TIMES = {1: 1.0, 2: 2.0, 3: 2.22}
+
+
+def plan_retrospective(
+    survival: list[list[float]], step_time: Callable[[int], float | None]
+) -> list[int]:
+    """The LOSSY variant Algorithm 1 must not be: scan every prefix of the order and take the
+    best (the counterexample below shows why it is not lossless)."""
+    num_rows = len(survival)
+    lengths = [0] * num_rows
+    tokens, expected = num_rows, float(num_rows)
+    best, best_lengths = expected / step_time(tokens), list(lengths)
+    for r, j in candidate_order(survival):
+        if j != lengths[r] + 1:
+            continue
+        t = step_time(tokens + 1)
+        if t is None:
+            break
+        lengths[r], tokens, expected = j, tokens + 1, expected + survival[r][j - 1]
+        if expected / t > best:
+            best, best_lengths = expected / t, list(lengths)
+    return best_lengths
 
 
 def test_worked_example_of_the_docstring():

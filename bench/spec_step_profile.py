@@ -158,10 +158,10 @@ def main() -> None:
             results.append(row)
         del llm
         torch.cuda.empty_cache()
-    out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
-           "model": args.model, "drafter": args.drafter, "rows": results}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+        out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+               "model": args.model, "drafter": args.drafter, "rows": results}  # fmt: skip
+        with open(args.out, "w") as f:  # after every K: a run cut short keeps what it measured
+            json.dump(out, f, indent=1)
     print(f"{'K':>2} {'G':>4} {'step':>7} {'graph':>7} {'draft':>7} {'target':>7} {'rest':>6} "
           f"{'decode':>7} {'tau*':>5}")  # fmt: skip
     for r in results:

@@ -47,10 +47,11 @@ fi
 [ -f "$WORK/dspark/train/train.json" ] && [ -f "$WORK/dflash/train/train.json" ] \
   || { echo "training not done yet"; exit 0; }
 
-enough 1.5 && "${DSPARK[@]}" --stage calibrate --max-minutes "$(left)"
+KV=(--kv-cache-memory-gb 16)  # two engines share the GPU below
+enough 1.5 && "${DSPARK[@]}" --stage calibrate "${KV[@]}" --max-minutes "$(left)"
 if enough 2.5; then
-  "${DSPARK[@]}" --stage evaluate --max-minutes "$(left)" > "$WORK/dspark_eval.txt" 2>&1 &
-  "${DFLASH[@]}" --stage evaluate --max-minutes "$(left)" > "$WORK/dflash_eval.txt" 2>&1 &
+  "${DSPARK[@]}" --stage evaluate "${KV[@]}" --max-minutes "$(left)" > "$WORK/dspark_eval.txt" 2>&1 &
+  "${DFLASH[@]}" --stage evaluate "${KV[@]}" --max-minutes "$(left)" > "$WORK/dflash_eval.txt" 2>&1 &
   wait
   cat "$WORK/dspark_eval.txt" "$WORK/dflash_eval.txt" | grep -v "^INFO"
 fi

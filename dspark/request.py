@@ -52,6 +52,11 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # this request's speculation, with vLLM's counter definitions: windows verified, drafted
+    # positions sent to the target, and the drafts it accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -3,7 +3,8 @@
 - `make_tiny_llama(dir)`: a 2-layer Llama with SmolLM2's tokenizer (so text prompts work).
 - `make_tiny_vocab_model(dir)`: a 1-layer Llama over a 12-token word-level vocabulary, for
   distribution tests where every token's probability is measurable.
-Both are written by transformers (config.json + model.safetensors), so they exercise the same
+- `make_tiny_drafter(target_dir, dir, taps)`: a random DSpark drafter for one of those targets.
+The two targets are written by transformers (config.json + model.safetensors), so they exercise the same
 loading path as a downloaded checkpoint, and transformers can serve as the logits oracle.
 """
 
@@ -80,3 +81,31 @@ def make_tiny_vocab_model(directory: Path) -> Path:
     save_random_model(directory, config, seed=1)
     tok.save_pretrained(directory)
     return directory
+
+
+def make_tiny_drafter(
+    target_dir: Path, out_dir: Path, taps: tuple[int, ...], draft_len: int = 4, seed: int = 0
+) -> Path:
+    """A random-weight DSpark drafter for the checkpoint in target_dir (2 layers, Markov rank 8),
+    saved with the target's identity so the engine accepts it."""
+    from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
+    from dspark.models.llama import build_model
+    from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
+
+    source = resolve_model(str(target_dir))
+    config, weights = load_checkpoint(source)
+    target = build_model(config, weights, torch.float32, torch.device("cpu"))
+    h = checkpoint_hash(source)
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(
+        target_identity(target, h),
+        draft_len=draft_len,
+        target_layers=taps,
+        num_layers=2,
+        markov_rank=8,
+    )
+    drafter = DSparkDrafter(cfg, target, h)
+    with torch.no_grad():
+        drafter.mask_embedding.normal_()
+    drafter.save(out_dir)
+    return out_dir

@@ -322,6 +322,10 @@ class LLMEngine:
             stop_reason=req.stop_reason,
         )
         metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions}
+        if self.spec is not None:
+            metrics["num_drafts"] = req.num_drafts
+            metrics["num_draft_tokens"] = req.num_draft_tokens
+            metrics["num_accepted_tokens"] = req.num_accepted_tokens
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
         if req.finished_time is not None:

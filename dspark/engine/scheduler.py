@@ -229,6 +229,10 @@ class Scheduler:
                 first = req.num_tokens
                 req.num_computed_tokens = row.start + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
+                # a window emits its accepted drafts and one recovered-or-bonus token
+                req.num_drafts += 1
+                req.num_draft_tokens += row.num_draft
+                req.num_accepted_tokens += len(out.token_ids) - 1
             else:
                 first = row.end
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)

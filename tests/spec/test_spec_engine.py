@@ -6,37 +6,20 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
-from dspark.models.llama import build_model
-from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
 from tests.helpers import chi2_critical_001
+from tests.tiny_models import make_tiny_drafter
 
 K = 4
 
 
-def _make_drafter(target_dir, out_dir, taps, seed=0):
-    source = resolve_model(str(target_dir))
-    config, weights = load_checkpoint(source)
-    target = build_model(config, weights, torch.float32, torch.device("cpu"))
-    h = checkpoint_hash(source)
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(target_identity(target, h), draft_len=K, target_layers=taps, num_layers=2,
-                        markov_rank=8)  # fmt: skip
-    drafter = DSparkDrafter(cfg, target, h)
-    with torch.no_grad():
-        drafter.mask_embedding.normal_()
-    drafter.save(out_dir)
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def vocab_drafter(tiny_vocab_dir, tmp_path_factory):
-    return _make_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter12"), taps=(0,))
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter12"), taps=(0,))
 
 
 @pytest.fixture(scope="module")
 def llama_drafter(tiny_llama_dir, tmp_path_factory):
-    return _make_drafter(tiny_llama_dir, tmp_path_factory.mktemp("drafter_llama"), taps=(0, 1))
+    return make_tiny_drafter(tiny_llama_dir, tmp_path_factory.mktemp("drafter_llama"), taps=(0, 1))
 
 
 def _outputs(llm, prompts, params):

@@ -98,9 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     from dspark.benchmarks.offline import add_bench_parser
+    from dspark.benchmarks.serve_bench import add_serve_bench_parser
+    from dspark.server.cli import add_serve_parser
     from dspark.train.cli import add_train_parsers
 
-    add_bench_parser(sub)
+    add_serve_parser(sub)
+    bench = add_bench_parser(sub)  # `dspark bench` is the offline sweep; `bench serve` the HTTP one
+    add_serve_bench_parser(bench.add_subparsers(dest="bench_mode", metavar="{serve}"))
     add_train_parsers(sub)
     return parser
 

@@ -1,0 +1,168 @@
+"""The FastAPI application: routes, authentication, and the engine's lifetime.
+
+    POST /v1/completions        POST /v1/chat/completions    (API key checked, if one is set)
+    GET  /v1/models             (API key checked)
+    GET  /health                200 serving, 503 loading / stopping / dead (with the reason)
+    GET  /metrics               Prometheus text (metrics.py)
+    GET  /version
+
+The engine is built by its own thread when the application starts (engine_loop.py), so the
+server answers /health while a large model loads; generation routes answer 503 until it is
+ready. On shutdown (uvicorn's SIGTERM handling first lets open requests finish, for up to
+ServerConfig.shutdown_timeout_s, then cancels them, which aborts them) the engine thread aborts
+whatever is left and exits.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+import dspark
+from dspark.engine.engine import LLMEngine
+from dspark.server.body_limit import BodyLimitMiddleware
+from dspark.server.config import ServerConfig
+from dspark.server.engine_loop import EngineLoop, EngineState
+from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.metrics import ServerMetrics
+from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
+from dspark.server.serving import (
+    Prepared,
+    full_response,
+    prepare_chat,
+    prepare_completion,
+    stream_response,
+)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServerState:
+    """What the routes share: the config, the engine loop and the metrics."""
+
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> None:
+        self.config = config
+        self.metrics = ServerMetrics(config.served_model_name)
+        self.engine_loop = EngineLoop(
+            engine_factory,
+            config.max_queued_requests,
+            config.max_queued_tokens,
+            on_finished=self.metrics.record,
+        )
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.config.served_model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+
+def build_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> FastAPI:
+    state = ServerState(config, engine_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine_loop.start()
+        yield
+        await state.engine_loop.stop()
+
+    app = FastAPI(title="dspark", version=dspark.__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    _add_generation_routes(app, state, _api_key_check(config.api_key))
+    _add_info_routes(app, state)
+    return app
+
+
+def _api_key_check(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                code="invalid_api_key",
+            )
+
+    return Depends(check)
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
+    loop = state.engine_loop
+
+    async def run(prep_fn, body, request: Request):
+        state.check_model(body.model)
+        try:
+            loop.check_serving()
+            prep: Prepared = prep_fn(body, loop.engine.tokenizer)
+            stream = await loop.submit(prep.subs)
+        except APIError as e:
+            if e.status == 503:
+                state.metrics.rejected[e.code or "unavailable"] += 1
+            raise
+        model = state.config.served_model_name
+        if prep.stream:
+            return StreamingResponse(
+                stream_response(prep, stream, model),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+                background=BackgroundTask(stream.close),
+            )
+        result = await full_response(prep, stream, request, model)
+        return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
+
+    @app.post("/v1/completions", dependencies=[auth])
+    async def completions(body: CompletionRequest, request: Request):
+        return await run(prepare_completion, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await run(prepare_chat, body, request)
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models():
+        engine = loop.engine
+        card = {
+            "id": state.config.served_model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "dspark",
+            "max_model_len": engine.max_model_len if engine is not None else None,
+        }
+        return {"object": "list", "data": [card]}
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    loop = state.engine_loop
+
+    @app.get("/health")
+    async def health():
+        if loop.state == EngineState.SERVING:
+            return {"status": "serving"}
+        body = {"status": loop.state.value, "reason": loop.failure}
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        text = state.metrics.render(loop.stats, loop.state == EngineState.SERVING)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version():
+        return {"version": dspark.__version__}

@@ -1,0 +1,162 @@
+"""`dspark serve [MODEL]`: parse options (flags over a --config YAML file over defaults), build
+the EngineConfig and ServerConfig, and run the application under uvicorn.
+
+Every option is also a key of the YAML file, spelled like the flag with or without dashes:
+
+    # serve.yaml                              dspark serve --config serve.yaml --port 9000
+    model: path/to/model.gguf
+    max-model-len: 4096
+    api_key: secret                           (a flag given on the command line wins)
+    speculative-config: {method: dspark, model: path/to/drafter}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from dspark.config import DTYPE_CHOICES
+from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
+
+# option -> default; the flags default to None so a value from the file is told apart
+ENGINE_OPTIONS: dict[str, Any] = {
+    "model": "default",
+    "dtype": "auto",
+    "device": "auto",
+    "max_model_len": None,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 2048,
+    "kv_cache_memory_gb": None,
+    "num_kv_pages": None,
+    "seed": 0,
+    "speculative_config": None,
+}
+SERVER_OPTIONS: dict[str, Any] = {
+    "host": DEFAULT_HOST,
+    "port": DEFAULT_PORT,
+    "api_key": None,
+    "served_model_name": None,  # None: the model argument
+    "max_queued_requests": ServerConfig.max_queued_requests,
+    "max_queued_tokens": ServerConfig.max_queued_tokens,
+    "max_request_bytes": ServerConfig.max_request_bytes,
+    "shutdown_timeout_s": ServerConfig.shutdown_timeout_s,
+    "disable_access_log": False,
+}
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the OpenAI API over HTTP (docs/SERVING.md)")
+    p.add_argument("model", nargs="?", default=None, help="'default', a .gguf file or a HF dir")
+    p.add_argument("--config", type=Path, default=None, help="a YAML file of these options")
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES)
+    p.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    for flag, kind in (
+        ("--max-model-len", int),
+        ("--max-num-seqs", int),
+        ("--max-num-batched-tokens", int),
+        ("--kv-cache-memory-gb", float),
+        ("--num-kv-pages", int),
+        ("--seed", int),
+    ):
+        p.add_argument(flag, type=kind, default=None)
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help="JSON, the keys of LLM(speculative_config=...): "
+        '\'{"method": "dspark", "model": "path/to/drafter"}\'',
+    )
+    p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (loopback only)")
+    p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}")
+    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="default: the model argument")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="waiting requests beyond this are answered 503",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="waiting prompt tokens beyond this are answered 503",
+    )
+    p.add_argument("--max-request-bytes", type=int, default=None, help="larger bodies get 413")
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=None,
+        help="on SIGTERM, how long in-flight requests may take to finish",
+    )
+    p.add_argument("--disable-access-log", action="store_true", default=None)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The YAML file's options, keys normalised to underscores; unknown keys are refused."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+    options = {str(k).replace("-", "_"): v for k, v in data.items()}
+    known = ENGINE_OPTIONS | SERVER_OPTIONS
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown option(s) {unknown}; allowed: {sorted(known)}")
+    return options
+
+
+def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Flag if given, else the file's value, else the default."""
+    from_file = read_config_file(args.config) if args.config else {}
+    resolved = {}
+    for name, default in (ENGINE_OPTIONS | SERVER_OPTIONS).items():
+        flag = getattr(args, name, None)
+        resolved[name] = flag if flag is not None else from_file.get(name, default)
+    if isinstance(resolved["speculative_config"], str):
+        resolved["speculative_config"] = json.loads(resolved["speculative_config"])
+    return resolved
+
+
+def build_configs(options: dict[str, Any]):
+    from dspark.config import EngineConfig
+
+    engine = EngineConfig(**{k: options[k] for k in ENGINE_OPTIONS})
+    server_keys = [k for k in SERVER_OPTIONS if k != "disable_access_log"]
+    server = ServerConfig(
+        **(
+            {k: options[k] for k in server_keys}
+            | {"served_model_name": options["served_model_name"] or options["model"]}
+        )
+    )
+    return engine, server
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from dspark.server.app import build_app
+    except ImportError as e:
+        message = f"dspark serve needs the serve extra ({e}): pip install 'dspark[serve]'"
+        raise ValueError(message) from None
+    from dspark.engine.engine import LLMEngine
+
+    options = resolve_options(args)
+    engine_config, server_config = build_configs(options)
+    app = build_app(server_config, lambda: LLMEngine(engine_config))
+    config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        timeout_graceful_shutdown=server_config.shutdown_timeout_s,
+        access_log=not options["disable_access_log"],
+        log_level="info",
+    )
+    uvicorn.Server(config).run()
+    return 0

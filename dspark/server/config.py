@@ -1,0 +1,48 @@
+"""`ServerConfig`: the HTTP side's settings (the engine's are an EngineConfig), validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host)
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None  # None: no authentication
+    served_model_name: str = "default"  # the name clients pass as "model"
+    # admission: requests (and their prompt tokens) waiting for the scheduler beyond these are
+    # answered 503 with Retry-After instead of queueing without bound
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1_000_000
+    max_request_bytes: int = 2 * 1024 * 1024  # a larger body is answered 413
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}"),
+            (self.api_key is None or self.api_key != "", "api_key must not be empty"),
+            (self.served_model_name != "", "served_model_name must not be empty"),
+            (
+                self.max_queued_requests >= 1,
+                f"max_queued_requests must be >= 1, got {self.max_queued_requests}",
+            ),
+            (
+                self.max_queued_tokens >= 1,
+                f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}",
+            ),
+            (
+                self.max_request_bytes >= 1024,
+                f"max_request_bytes must be >= 1024, got {self.max_request_bytes}",
+            ),
+            (
+                self.shutdown_timeout_s >= 0,
+                f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

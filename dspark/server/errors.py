@@ -1,0 +1,117 @@
+"""Errors in OpenAI's envelope: {"error": {"message", "type", "param", "code"}}.
+
+Every failure the server answers goes through `APIError` or one of the handlers installed by
+`install_error_handlers`, so a client sees one shape whatever went wrong:
+
+    400 invalid_request_error   a body that fails validation (FastAPI's own 422 included),
+                                a value the engine refuses (prompt too long, bad stop string)
+    401 authentication_error    a missing or wrong API key
+    404 not_found_error         an unknown model name or route
+    413 invalid_request_error   a body larger than the configured limit
+    503 service_unavailable     the engine is loading or died; the queue is full (Retry-After)
+    500 internal_error          a bug: logged with its traceback, answered without it
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as-is: status, message, and the offending field."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param, "invalid_value")
+
+
+def validation_message(error: dict) -> tuple[str, str | None]:
+    """One pydantic error as 'field: what is wrong (got value)' and the dotted field name."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = error.get("msg", "invalid value")
+    if "input" in error and error.get("type") not in ("missing", "json_invalid"):
+        shown = repr(error["input"])
+        message += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+    return (f"{param}: {message}" if param else message), param
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    message, param = validation_message(errors[0]) if errors else ("invalid request", None)
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more)"
+    return JSONResponse(error_body(400, message, param, "invalid_value"), status_code=400)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    try:
+        default = HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        default = "error"
+    message = exc.detail if isinstance(exc.detail, str) else default
+    return JSONResponse(
+        error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers
+    )
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("internal error on %s %s", request.method, request.url.path)
+    message = f"internal error ({type(exc).__name__}); the server log has the details"
+    return JSONResponse(error_body(500, message, code="internal_error"), status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

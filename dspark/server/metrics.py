@@ -1,0 +1,218 @@
+"""GET /metrics: Prometheus text exposition (format 0.0.4), with vLLM's metric names.
+
+Three sources, each rendered by one function:
+- request figures the server records as each request finishes (`ServerMetrics.record`): token
+  counters, finished requests by reason, TTFT / TPOT / end-to-end histograms;
+- the engine's state after its last step (`EngineStats`): running and waiting requests, KV use,
+  preemptions;
+- the engine's speculative counters (`LLMEngine.get_metrics()`), mapped by the `SPEC_METRICS`
+  table. A new engine counter is exposed by adding one row there; a row whose key the engine
+  does not report (yet) is simply left out.
+
+Every sample carries model_name, as vLLM's do, so dashboards built for vLLM read dspark.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from dspark.outputs import RequestOutput
+from dspark.server.engine_loop import EngineStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SpecMetric:
+    """How one key of get_metrics() is exposed.
+
+    kind: "counter" (a number, exposed as NAME_total), "gauge", "per_position" (a list, one
+    counter sample per draft position), "by_label" (a {value: count} dict, one counter sample
+    per value of `label`), "histogram_of_counts" (a list whose entry i counts observations of
+    the value i, exposed as a histogram with a bucket per value).
+    """
+
+    key: str
+    name: str
+    kind: str
+    help: str
+    label: str | None = None
+
+
+SPEC_METRICS = (
+    SpecMetric("num_drafts", "vllm:spec_decode_num_drafts", "counter",
+               "Speculative windows verified (one per request per speculative step)."),
+    SpecMetric("num_draft_tokens", "vllm:spec_decode_num_draft_tokens", "counter",
+               "Drafted tokens sent to the target for verification."),
+    SpecMetric("num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "counter",
+               "Drafted tokens the target accepted."),
+    SpecMetric("num_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
+               "per_position", "Accepted drafted tokens by draft position.", "position"),
+    SpecMetric("mean_acceptance_length", "dspark:spec_decode_mean_acceptance_length", "gauge",
+               "Tokens produced per verified window since start (bonus included)."),
+    SpecMetric("num_verified_tokens", "dspark:spec_decode_num_verified_tokens", "counter",
+               "Tokens in verify batches: anchors plus verified drafts."),
+    SpecMetric("verify_budget", "dspark:spec_decode_verify_budget", "gauge",
+               "The confidence scheduler's current verify-token budget."),
+    SpecMetric("verify_len_counts", "dspark:spec_decode_verify_len", "histogram_of_counts",
+               "Drafted positions verified per window."),
+    SpecMetric("fallbacks", "dspark:spec_decode_fallbacks", "by_label",
+               "Steps that fell back (no graph, no cost table, ...), by reason.", "reason"),
+)  # fmt: skip
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def samples(self, name: str, labels: dict[str, str]) -> list[str]:
+        lines, cumulative = [], 0
+        for bound, count in zip((*self.buckets, math.inf), self.counts, strict=True):
+            cumulative += count
+            le = "+Inf" if bound == math.inf else repr(float(bound))
+            lines.append(_sample(f"{name}_bucket", {**labels, "le": le}, cumulative))
+        lines.append(_sample(f"{name}_sum", labels, self.sum))
+        lines.append(_sample(f"{name}_count", labels, cumulative))
+        return lines
+
+
+class ServerMetrics:
+    """Figures recorded per finished request, and the whole /metrics page."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished = Counter()  # finish reason -> requests
+        self.rejected = Counter()  # reason -> HTTP requests refused with 503
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+
+    def record(self, out: RequestOutput) -> None:
+        completion = out.outputs[0]
+        num_output = len(completion.token_ids)
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.generation_tokens += num_output
+        self.finished[completion.finish_reason or "unknown"] += 1
+        m = out.metrics
+        first, end, start = m.get("first_token_time"), m.get("finished_time"), m["arrival_time"]
+        if first is not None:
+            self.ttft.observe(first - start)
+            if end is not None and num_output > 1:
+                self.tpot.observe((end - first) / (num_output - 1))
+        if end is not None:
+            self.e2e.observe(end - start)
+
+    def render(self, stats: EngineStats, is_serving: bool) -> str:
+        return "".join(
+            self._request_families() + _engine_families(stats, is_serving, self.labels)
+            + spec_families(stats.spec, self.labels)
+        )  # fmt: skip
+
+    def _request_families(self) -> list[str]:
+        lb = self.labels
+        reasons = sorted(set(self.finished) | {"stop", "length", "abort", "error"})
+        return [
+            _family("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                    [_sample("vllm:prompt_tokens_total", lb, self.prompt_tokens)]),
+            _family("vllm:generation_tokens_total", "counter", "Generated tokens.",
+                    [_sample("vllm:generation_tokens_total", lb, self.generation_tokens)]),
+            _family("vllm:request_success_total", "counter", "Finished requests by reason.",
+                    [_sample("vllm:request_success_total", {**lb, "finished_reason": r},
+                             self.finished[r]) for r in reasons]),
+            _family("dspark:requests_rejected_total", "counter",
+                    "HTTP requests refused with 503, by reason.",
+                    [_sample("dspark:requests_rejected_total", {**lb, "reason": r}, n)
+                     for r, n in sorted(self.rejected.items())]),
+            _family("vllm:time_to_first_token_seconds", "histogram", "Time to first token.",
+                    self.ttft.samples("vllm:time_to_first_token_seconds", lb)),
+            _family("vllm:time_per_output_token_seconds", "histogram",
+                    "Mean time per output token after the first, per request.",
+                    self.tpot.samples("vllm:time_per_output_token_seconds", lb)),
+            _family("vllm:e2e_request_latency_seconds", "histogram", "Arrival to finish.",
+                    self.e2e.samples("vllm:e2e_request_latency_seconds", lb)),
+        ]  # fmt: skip
+
+
+def _engine_families(stats: EngineStats, is_serving: bool, lb: dict[str, str]) -> list[str]:
+    usage = stats.num_kv_pages_used / stats.num_kv_pages if stats.num_kv_pages else 0.0
+    gauges = [
+        ("dspark:engine_serving", "1 while the engine serves, 0 while loading or dead.",
+         int(is_serving)),
+        ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
+        ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+        ("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).", usage),
+        ("dspark:kv_cache_pages_used", "KV pages in use.", stats.num_kv_pages_used),
+        ("dspark:kv_cache_pages", "Usable KV pages.", stats.num_kv_pages),
+    ]  # fmt: skip
+    families = [_family(name, "gauge", text, [_sample(name, lb, v)]) for name, text, v in gauges]
+    name = "vllm:num_preemptions_total"
+    families.append(
+        _family(name, "counter", "Preemptions.", [_sample(name, lb, stats.num_preemptions)])
+    )
+    return families
+
+
+def spec_families(spec: dict, lb: dict[str, str]) -> list[str]:
+    """The SPEC_METRICS rows whose keys the engine reported."""
+    families = []
+    for row in SPEC_METRICS:
+        value = spec.get(row.key)
+        if value is None:
+            continue
+        if row.kind == "gauge":
+            families.append(_family(row.name, "gauge", row.help, [_sample(row.name, lb, value)]))
+            continue
+        if row.kind == "histogram_of_counts":
+            families.append(_family(row.name, "histogram", row.help,
+                                    _histogram_of_counts(row.name, lb, value)))  # fmt: skip
+            continue
+        name = f"{row.name}_total"
+        if row.kind == "counter":
+            samples = [_sample(name, lb, value)]
+        elif row.kind == "per_position":
+            samples = [_sample(name, {**lb, row.label: str(i)}, v) for i, v in enumerate(value)]
+        else:  # by_label
+            samples = [_sample(name, {**lb, row.label: str(k)}, v) for k, v in value.items()]
+        families.append(_family(name, "counter", row.help, samples))
+    return families
+
+
+def _histogram_of_counts(name: str, labels: dict[str, str], counts: list[int]) -> list[str]:
+    """counts[i] observations of value i -> cumulative buckets le="0", "1", ..., "+Inf"."""
+    lines, cumulative = [], 0
+    for value, count in enumerate(counts):
+        cumulative += count
+        lines.append(_sample(f"{name}_bucket", {**labels, "le": f"{float(value)}"}, cumulative))
+    lines.append(_sample(f"{name}_bucket", {**labels, "le": "+Inf"}, cumulative))
+    lines.append(_sample(f"{name}_sum", labels, sum(i * c for i, c in enumerate(counts))))
+    lines.append(_sample(f"{name}_count", labels, cumulative))
+    return lines
+
+
+def _family(name: str, kind: str, help_text: str, samples: list[str]) -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" + "".join(samples)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _sample(name: str, labels: dict[str, str], value: float) -> str:
+    text = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+    return f"{name}{{{text}}} {float(value)!r}\n"

@@ -1,0 +1,192 @@
+"""The request bodies of the OpenAI API the server accepts, as pydantic models.
+
+Field names are OpenAI's (and vLLM's for the extensions: top_k, min_tokens, ignore_eos,
+stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_ids) plus
+dspark's use_speculation. Every bound is declared on the field, so /openapi.json tells a client
+(or a fuzzer) what is allowed and a value outside it is a 400 naming the field. Unknown fields are
+ignored, as OpenAI and vLLM do. Options the engine does not implement (penalties, logit_bias,
+echo, tools, ...) are accepted at their neutral value and refused otherwise with a clear message,
+never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dspark.sampling_params import MAX_SEED, SamplingParams
+from dspark.server.errors import bad_request
+
+MAX_N = 8  # choices per request
+MAX_PROMPTS = 16  # prompts in one completions request
+MAX_STOP = 16  # stop strings, and stop token ids
+MAX_LOGPROBS = 20  # the engine's limit on top alternatives per token
+MAX_MESSAGES = 1024
+MAX_INT32 = 2**31 - 1  # counts past this are never meant (the engine's lengths are far smaller)
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Sampling fields shared by both routes."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT32)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(max_length=MAX_STOP)]
+        | None
+    ) = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # dspark: per-request opt-out of speculation; vLLM: the token ids beside the text
+    use_speculation: bool = True
+    return_token_ids: bool = False
+
+    def check_supported(self) -> None:
+        """Refuse options the engine does not implement (400 naming the field)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise bad_request(f"{name} is not supported; use 0", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int):
+        """The SamplingParams of choice `index` (0..n-1): a seeded request's choices get seeds
+        seed, seed + 1, ... so they differ but stay reproducible."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                use_speculation=self.use_speculation,
+                output_kind="cumulative" if self.stream else "final_only",
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+
+    prompt: (
+        NonEmptyText
+        | TokenIds
+        | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request(
+                "echo is not supported (the engine returns no prompt logprobs)", "echo"
+            )
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}) or be omitted", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # None: until the context is full
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(
+                f"response_format {self.response_format.type!r} is not supported; only 'text'",
+                "response_format",
+            )
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

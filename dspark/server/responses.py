@@ -1,0 +1,177 @@
+"""Engine outputs as OpenAI response bodies: completions and chat, whole or as stream chunks.
+
+The two routes differ only in how one choice looks, so each has a small formatter with the same
+two methods (`choice` for a whole response, `delta_choice` for a chunk); the envelopes are
+shared. Usage follows OpenAI (prompt tokens counted once per prompt, completion tokens summed
+over choices); with speculation it also carries each request's own figures:
+
+    "usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42,
+              "completion_tokens_details": {"accepted_prediction_tokens": 17,
+                                            "rejected_prediction_tokens": 11},
+              "speculation": {"num_drafts": 13, "num_draft_tokens": 28,
+                              "num_accepted_tokens": 17, "mean_acceptance_length": 2.31}}
+
+(vLLM's definitions: a draft is one verified window, the acceptance length counts the bonus
+token, so it is 1 + accepted / drafts.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspark.models.tokenizer import Tokenizer
+from dspark.outputs import RequestOutput
+
+
+@dataclass
+class Delta:
+    """What one choice gained since its last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per new token, as CompletionOutput.logprobs
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+def usage(outputs: list[RequestOutput], num_prompt_tokens: int) -> dict:
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    body = {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": num_prompt_tokens + completion,
+    }
+    if outputs and "num_drafts" in outputs[0].metrics:
+        keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        spec = {k: sum(int(o.metrics.get(k, 0)) for o in outputs) for k in keys}
+        drafts, accepted = spec["num_drafts"], spec["num_accepted_tokens"]
+        spec["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+        body["speculation"] = spec
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": spec["num_draft_tokens"] - accepted,
+        }
+    return body
+
+
+class _Format:
+    """Shared by both routes: the token text used by logprobs."""
+
+    def __init__(self, tokenizer: Tokenizer, return_token_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.return_token_ids = return_token_ids
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _ids(self, body: dict, token_ids: list[int]) -> dict:
+        if self.return_token_ids:
+            body["token_ids"] = token_ids
+        return body
+
+
+class CompletionFormat(_Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, tokenizer: Tokenizer, return_token_ids: bool, num_logprobs: int | None):
+        super().__init__(tokenizer, return_token_ids)
+        self.num_logprobs = num_logprobs
+        self._offsets: dict[int, int] = {}  # choice -> characters of the tokens already sent
+
+    def choice(self, index: int, delta: Delta) -> dict:
+        body = {
+            "index": index,
+            "text": delta.text,
+            "logprobs": self._logprobs(index, delta),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
+        return self._ids(body, delta.token_ids)
+
+    def delta_choice(self, index: int, delta: Delta, is_first: bool = False) -> dict:
+        return self.choice(index, delta)  # a completions chunk has a choice's shape
+
+    def _logprobs(self, index: int, delta: Delta) -> dict | None:
+        """Legacy completions logprobs: parallel lists over the new tokens; text_offset counts
+        the characters of the choice's earlier tokens (kept per choice across chunks)."""
+        if self.num_logprobs is None or delta.logprobs is None:
+            return None
+        tokens = [self.token_text(t) for t in delta.token_ids]
+        offsets, offset = [], self._offsets.get(index, 0)
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [
+                lp[t] for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+            ],
+            "top_logprobs": [
+                {self.token_text(k): v for k, v in _ranked(lp)} for lp in delta.logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+
+class ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, tokenizer: Tokenizer, return_token_ids: bool, num_logprobs: int | None):
+        super().__init__(tokenizer, return_token_ids)
+        self.num_logprobs = num_logprobs  # top_logprobs; None: logprobs off
+
+    def choice(self, index: int, delta: Delta) -> dict:
+        body = {
+            "index": index,
+            "message": {"role": "assistant", "content": delta.text},
+            "logprobs": self._logprobs(delta),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
+        return self._ids(body, delta.token_ids)
+
+    def delta_choice(self, index: int, delta: Delta, is_first: bool = False) -> dict:
+        message = {"role": "assistant"} if is_first else {}
+        if delta.text or is_first:
+            message["content"] = delta.text
+        body = {
+            "index": index,
+            "delta": message,
+            "logprobs": self._logprobs(delta),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
+        return self._ids(body, delta.token_ids)
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, delta: Delta) -> dict | None:
+        if self.num_logprobs is None or delta.logprobs is None:
+            return None
+        content = []
+        for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=True):
+            entry = self._entry(token_id, lp[token_id])
+            top = _ranked(lp)[: self.num_logprobs]
+            entry["top_logprobs"] = [self._entry(k, v) for k, v in top]
+            content.append(entry)
+        return {"content": content}
+
+
+def _ranked(logprobs: dict[int, float]) -> list[tuple[int, float]]:
+    """Most likely first (the engine's dict holds the top-n and the emitted token)."""
+    return sorted(logprobs.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def envelope(kind: str, request_id: str, created: int, model: str, choices: list[dict]) -> dict:
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }

@@ -1,0 +1,109 @@
+"""Real servers for the server tests: the application under uvicorn on 127.0.0.1 (an ephemeral
+port), in a thread of the test process so a test can also look inside the engine it serves."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+
+from dspark.config import EngineConfig  # noqa: E402
+from dspark.engine.engine import LLMEngine  # noqa: E402
+from dspark.server.app import build_app  # noqa: E402
+from dspark.server.config import ServerConfig  # noqa: E402
+from tests.tiny_models import make_tiny_drafter  # noqa: E402
+
+API_KEY = "test-key"
+MODEL = "tiny"
+
+
+class LiveServer:
+    """uvicorn serving `app` until stop(); `url` is its base URL."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                timeout_graceful_shutdown=5)  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.state.engine_loop.engine
+
+    def start(self, wait_healthy: bool = True) -> LiveServer:
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "uvicorn failed to start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        if wait_healthy:
+            self.wait_for_health(200)
+        return self
+
+    def wait_for_health(self, status: int, timeout: float = 60.0) -> httpx.Response:
+        deadline = time.monotonic() + timeout
+        while True:
+            response = httpx.get(f"{self.url}/health")
+            if response.status_code == status or time.monotonic() > deadline:
+                return response
+            time.sleep(0.02)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine has nothing left and the server routes no request."""
+        deadline = time.monotonic() + timeout
+        loop = self.state.engine_loop
+        while loop.num_in_flight or self.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the server did not become idle"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def engine_config(model_dir, **overrides) -> EngineConfig:
+    kwargs = dict(model=str(model_dir), dtype="float32", device="cpu", num_kv_pages=512,
+                  max_model_len=128)  # fmt: skip
+    return EngineConfig(**(kwargs | overrides))
+
+
+def start_server(config: EngineConfig, **server_overrides) -> LiveServer:
+    server_config = ServerConfig(**({"served_model_name": MODEL} | server_overrides))
+    return LiveServer(build_app(server_config, lambda: LLMEngine(config))).start()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama_dir):
+    """Plain decoding, an API key, max_model_len 128, room for 256 requests at once."""
+    live = start_server(engine_config(tiny_llama_dir), api_key=API_KEY)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
+def server_drafter(tiny_llama_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_llama_dir, tmp_path_factory.mktemp("server_drafter"), (0, 1))
+
+
+@pytest.fixture(scope="session")
+def spec_server(tiny_llama_dir, server_drafter):
+    """The same target with a fixed-K DSpark drafter (K 4)."""
+    spec = {"method": "dspark", "model": str(server_drafter), "num_speculative_tokens": 4}
+    live = start_server(engine_config(tiny_llama_dir, speculative_config=spec), api_key=API_KEY)
+    yield live
+    live.stop()
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}

@@ -219,7 +219,7 @@ async def _first_model(client: httpx.AsyncClient, base_url: str, headers: dict) 
     return response.json()["data"][0]["id"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -228,7 +228,7 @@ def _free_port() -> int:
 @contextmanager
 def started_server(server_args: str, api_key: str | None):
     """`dspark serve` on a free loopback port, until healthy; stopped with SIGTERM after."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",

@@ -171,6 +171,12 @@ class EngineLoop:
         (400 if it refused one, 503 if the server cannot take them now)."""
         self.check_serving()
         num_tokens = sum(len(s.prompt_ids) for s in subs)
+        if len(subs) > self.max_queued_requests or num_tokens > self.max_queued_tokens:
+            raise bad_request(
+                f"this request alone ({len(subs)} requests, {num_tokens} prompt tokens) exceeds "
+                f"the server's queue limits ({self.max_queued_requests} requests, "
+                f"{self.max_queued_tokens} prompt tokens): it could never be admitted"
+            )
         self._check_capacity(len(subs), num_tokens)
         stream = RequestStream([s.request_id for s in subs], self.abort)
         for index, sub in enumerate(subs):

@@ -70,9 +70,26 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param, "invalid_value")
 
 
+# names pydantic puts in an error's location for the branch of a union ("stop.list[str]")
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_field(part) -> bool:
+    return isinstance(part, int) or (
+        part != "body" and part not in _UNION_TAGS and "[" not in part and "-" not in part
+    )
+
+
+def _relevance(error: dict) -> int:
+    """A union field fails once per branch; the branch of the input's own type says most
+    ("at most 16 items" for a list, not "should be a valid string")."""
+    kind = error.get("type", "")
+    return 1 if kind.endswith("_type") or kind.startswith("is_instance") else 0
+
+
 def validation_message(error: dict) -> tuple[str, str | None]:
     """One pydantic error as 'field: what is wrong (got value)' and the dotted field name."""
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in error.get("loc", ()) if _is_field(part)]
     param = ".".join(loc) or None
     message = error.get("msg", "invalid value")
     if "input" in error and error.get("type") not in ("missing", "json_invalid"):
@@ -82,10 +99,11 @@ def validation_message(error: dict) -> tuple[str, str | None]:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = list(exc.errors())
+    errors = sorted(exc.errors(), key=_relevance)
     message, param = validation_message(errors[0]) if errors else ("invalid request", None)
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more)"
+    others = {validation_message(e)[1] for e in errors[1:]} - {param}
+    if others:
+        message += f" (and {len(others)} more field(s): {', '.join(sorted(map(str, others)))})"
     return JSONResponse(error_body(400, message, param, "invalid_value"), status_code=400)
 
 

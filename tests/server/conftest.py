@@ -16,7 +16,7 @@ from dspark.config import EngineConfig  # noqa: E402
 from dspark.engine.engine import LLMEngine  # noqa: E402
 from dspark.server.app import build_app  # noqa: E402
 from dspark.server.config import ServerConfig  # noqa: E402
-from tests.tiny_models import make_tiny_drafter  # noqa: E402
+from tests.tiny_models import make_tiny_drafter, make_tiny_llama  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -48,14 +48,16 @@ class LiveServer:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         if wait_healthy:
-            self.wait_for_health(200)
+            health = self.wait_for_health(200)
+            assert health.status_code == 200, health.text
         return self
 
     def wait_for_health(self, status: int, timeout: float = 60.0) -> httpx.Response:
         deadline = time.monotonic() + timeout
         while True:
             response = httpx.get(f"{self.url}/health")
-            if response.status_code == status or time.monotonic() > deadline:
+            is_dead = response.json().get("status") == "dead"
+            if response.status_code == status or is_dead or time.monotonic() > deadline:
                 return response
             time.sleep(0.02)
 
@@ -81,6 +83,13 @@ def engine_config(model_dir, **overrides) -> EngineConfig:
 def start_server(config: EngineConfig, **server_overrides) -> LiveServer:
     server_config = ServerConfig(**({"served_model_name": MODEL} | server_overrides))
     return LiveServer(build_app(server_config, lambda: LLMEngine(config))).start()
+
+
+@pytest.fixture(scope="session")
+def long_llama_dir(tmp_path_factory, smollm_hf_tokenizer):
+    """The tiny Llama with a 4096-token context: requests that run for seconds."""
+    directory = tmp_path_factory.mktemp("long_llama")
+    return make_tiny_llama(directory, smollm_hf_tokenizer, max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="session")

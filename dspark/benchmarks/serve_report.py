@@ -84,7 +84,7 @@ def format_table(results: dict) -> str:
 
 
 def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
-    """Two panels over the levels: output tokens/s (and goodput), TTFT and TPOT median/p99."""
+    """Two panels over the levels: output tokens/s (and goodput); TTFT, TPOT, ITL median/p99."""
     from matplotlib.figure import Figure
 
     results = json.loads(Path(json_path).read_text())
@@ -104,10 +104,12 @@ def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
         requests = throughput.twinx()
         requests.plot(xs, goodput, marker="s", color="tab:green", label="goodput req/s")
         requests.set_ylabel("goodput req/s (all SLOs met)")
-    for key, marker in (("ttft_ms", "o"), ("tpot_ms", "^")):
+        requests.legend(loc="lower right", fontsize=8)
+    for key, marker in (("ttft_ms", "o"), ("tpot_ms", "^"), ("itl_ms", "s")):
         for stat, style in (("median", "-"), ("p99", "--")):
             ys = [lv["summary"][key][stat] for lv in levels]
-            latency.plot(xs, ys, style, marker=marker, label=f"{key[:4].upper()} {stat}")
+            name = key.removesuffix("_ms").upper()
+            latency.plot(xs, ys, style, marker=marker, label=f"{name} {stat}")
     latency.set(xlabel=results["level_name"], ylabel="ms", yscale="log", title="latency")
     for ax in (throughput, latency):
         ax.set_xticks(xs, labels=[lv["label"] for lv in levels])

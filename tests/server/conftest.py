@@ -107,9 +107,11 @@ def server_drafter(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def spec_server(tiny_llama_dir, server_drafter):
-    """The same target with a fixed-K DSpark drafter (K 4)."""
+    """The same target with a fixed-K DSpark drafter (K 4), and its whole 512-token context
+    (real benchmark prompts fit)."""
     spec = {"method": "dspark", "model": str(server_drafter), "num_speculative_tokens": 4}
-    live = start_server(engine_config(tiny_llama_dir, speculative_config=spec), api_key=API_KEY)
+    config = engine_config(tiny_llama_dir, speculative_config=spec, max_model_len=512)
+    live = start_server(config, api_key=API_KEY)
     yield live
     live.stop()
 

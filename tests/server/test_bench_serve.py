@@ -1,0 +1,72 @@
+"""`dspark bench serve`: the CLI beside the offline `dspark bench`, and real runs against the
+test servers (concurrency levels, Poisson rates) and against a server it starts itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.cli import build_parser, main
+from tests.server.conftest import API_KEY, MODEL
+
+
+def test_bench_serve_is_a_mode_of_bench():
+    from dspark.benchmarks.offline import cmd_bench
+    from dspark.benchmarks.serve_bench import cmd_bench_serve
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--concurrency", "1,4"]).func is cmd_bench
+    args = parser.parse_args(["bench", "serve", "--concurrency", "2", "--num-prompts", "3"])
+    assert args.func is cmd_bench_serve and args.concurrency == "2"
+    with pytest.raises(SystemExit):  # one mode at a time
+        parser.parse_args(["bench", "serve", "--concurrency", "2", "--request-rate", "3"])
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--concurrency", "0"]) == 2
+
+
+def _run(tmp_path, *args: str) -> dict:
+    out = tmp_path / "serve.json"
+    # the short prompts' sources: every prompt fits the tiny model's 512-token context
+    assert main(["bench", "serve", "--num-prompts", "6", "--output-len", "6", "--out", str(out),
+                 "--sources", "gsm8k,vicuna,alpaca", *args]) == 0  # fmt: skip
+    assert out.with_suffix(".png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def test_concurrency_levels_against_the_speculative_server(spec_server, tmp_path, capsys):
+    results = _run(tmp_path, "--base-url", spec_server.url, "--api-key", API_KEY,
+                   "--concurrency", "1,4", "--slo-ttft-ms", "60000")  # fmt: skip
+    assert results["model"] == MODEL and results["level_name"] == "concurrency"
+    for level in results["levels"]:
+        s = level["summary"]
+        assert s["num_completed"] == 6 and s["output_tokens"] == 36, s
+        assert s["ttft_ms"]["median"] > 0 and s["tpot_ms"]["p99"] > 0 and s["itl_ms"]["median"]
+        assert s["goodput_requests_per_s"] == pytest.approx(s["requests_per_s"])
+        assert level["speculation"]["num_drafts"] > 0
+        assert level["speculation"]["mean_acceptance_length"] >= 1
+    table = capsys.readouterr().out
+    assert "C=1" in table and "C=4" in table
+
+
+def test_poisson_rates_on_the_completions_endpoint(spec_server, tmp_path):
+    results = _run(tmp_path, "--base-url", spec_server.url, "--api-key", API_KEY, "--endpoint",
+                   "completions", "--request-rate", "40,inf", "--slo-tpot-ms", "0.001")  # fmt: skip
+    assert [lv["label"] for lv in results["levels"]] == ["40/s", "inf/s"]
+    for level in results["levels"]:
+        assert level["summary"]["num_completed"] == 6
+        assert level["summary"]["goodput_requests_per_s"] == 0  # nobody meets 1 us per token
+
+
+def test_a_bad_key_is_recorded_as_failures(server, tmp_path):
+    results = _run(tmp_path, "--base-url", server.url, "--api-key", "wrong", "--model", MODEL)
+    summary = results["levels"][0]["summary"]
+    assert summary["num_failed"] == 6 and "HTTP 401" in summary["errors"][0]
+    assert results["levels"][0]["speculation"] is None  # a plain server has no such counters
+
+
+def test_bench_serve_starts_dspark_serve_by_default(tiny_llama_dir, tmp_path):
+    server_args = f"{tiny_llama_dir} --device cpu --dtype float32 --max-model-len 256 " \
+                  "--num-kv-pages 64"  # fmt: skip
+    results = _run(tmp_path, "--server-args", server_args, "--concurrency", "2")
+    assert results["base_url"].startswith("http://127.0.0.1:")
+    assert results["levels"][0]["summary"]["num_completed"] == 6

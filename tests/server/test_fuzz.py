@@ -1,0 +1,56 @@
+"""Schema fuzzing of the running server from its own /openapi.json (schemathesis).
+
+Hypothesis draws requests for every operation the schema declares, both valid bodies (the
+declared bounds) and invalid ones (wrong types, values outside the bounds, missing fields);
+each goes to the real server over HTTP. Whatever comes in, the answer is never a 5xx, and
+every error is in the OpenAI envelope. The run is seeded (derandomized), so a failure repeats.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.server.conftest import auth
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from schemathesis.generation import GenerationMode  # noqa: E402
+
+EXAMPLES_PER_MODE = 200  # per generation mode, over all operations
+MIN_CASES_PER_MODE = 150  # hypothesis may stop early once a space is exhausted
+
+
+def _check(case, response) -> None:
+    where = f"{case.method} {case.path} body={case.body!r:.300}"
+    assert response.status_code < 500, f"{where} -> {response.status_code} {response.text[:300]}"
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, (where, error)
+        assert isinstance(error["message"], str) and error["message"], (where, error)
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_no_input_makes_the_server_fail(server, mode, record_property, capsys):
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    cases = []
+
+    @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=schema.as_strategy(generation_mode=mode))
+    def run(case):
+        response = case.call(base_url=server.url, headers=auth(), timeout=60)
+        cases.append((case.method, case.path, response.status_code))
+        _check(case, response)
+
+    run()
+    by_status = Counter(f"{method} {path} {status}" for method, path, status in cases)
+    record_property("fuzz_cases", len(cases))
+    with capsys.disabled():
+        print(f"\n[fuzz {mode.value}] {len(cases)} cases: {dict(sorted(by_status.items()))}")
+    assert len(cases) >= MIN_CASES_PER_MODE
+    if mode == GenerationMode.POSITIVE:  # valid bodies do reach the engine
+        assert any(key.endswith(" 200") and "completions" in key for key in by_status)
+    server.wait_idle()
+    assert server.engine.allocator.num_free == server.engine.allocator.num_usable

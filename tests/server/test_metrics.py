@@ -1,0 +1,70 @@
+"""The /metrics renderer: histograms, and every kind of speculative row in SPEC_METRICS."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("fastapi")
+from dspark.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from dspark.server.engine_loop import EngineStats  # noqa: E402
+from dspark.server.metrics import Histogram, ServerMetrics, spec_families  # noqa: E402
+
+LABELS = {"model_name": "m"}
+
+
+def test_histogram_buckets_are_cumulative_with_inf():
+    h = Histogram((0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 3.0):  # 0.1 lands in le="0.1" (Prometheus buckets are <=)
+        h.observe(value)
+    lines = h.samples("x", LABELS)
+    assert lines == [
+        'x_bucket{model_name="m",le="0.1"} 2.0\n',
+        'x_bucket{model_name="m",le="1.0"} 3.0\n',
+        'x_bucket{model_name="m",le="+Inf"} 4.0\n',
+        'x_sum{model_name="m"} 3.65\n',
+        'x_count{model_name="m"} 4.0\n',
+    ]
+
+
+def test_every_spec_row_kind_renders_and_missing_keys_are_left_out():
+    spec = {
+        "num_drafts": 10,
+        "num_accepted_tokens_per_pos": [7, 3],
+        "mean_acceptance_length": 2.0,
+        "verify_len_counts": [1, 0, 4],  # one window verified 0 drafts, four verified 2
+        "fallbacks": {"no_cost_table": 2},
+    }
+    text = "".join(spec_families(spec, LABELS))
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 10.0' in text
+    assert "# TYPE vllm:spec_decode_num_drafts_total counter" in text
+    assert (
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 3.0'
+        in text
+    )
+    assert 'dspark:spec_decode_mean_acceptance_length{model_name="m"} 2.0' in text
+    assert 'dspark:spec_decode_verify_len_bucket{model_name="m",le="1.0"} 1.0' in text
+    assert 'dspark:spec_decode_verify_len_bucket{model_name="m",le="+Inf"} 5.0' in text
+    assert 'dspark:spec_decode_verify_len_sum{model_name="m"} 8.0' in text
+    assert 'dspark:spec_decode_fallbacks_total{model_name="m",reason="no_cost_table"} 2.0' in text
+    assert "num_draft_tokens" not in text and "verify_budget" not in text  # not reported
+
+
+def test_server_metrics_record_finished_requests():
+    metrics = ServerMetrics('a "quoted" name')
+    completion = CompletionOutput(0, "hey", [5, 6, 7], None, None, finish_reason="length")
+    times = {"arrival_time": 10.0, "first_token_time": 10.5, "finished_time": 11.5}
+    metrics.record(RequestOutput("r", None, [1, 2], [completion], True, times))
+    text = metrics.render(EngineStats(num_running=1, num_kv_pages_used=3, num_kv_pages=12), True)
+    labels = 'model_name="a \\"quoted\\" name"'
+    assert f"vllm:prompt_tokens_total{{{labels}}} 2.0" in text
+    assert f"vllm:generation_tokens_total{{{labels}}} 3.0" in text
+    assert f'vllm:request_success_total{{{labels},finished_reason="length"}} 1.0' in text
+    assert f"vllm:time_to_first_token_seconds_sum{{{labels}}} 0.5" in text
+    assert f"vllm:time_per_output_token_seconds_sum{{{labels}}} 0.5" in text  # 1 s / 2 gaps
+    assert f"vllm:kv_cache_usage_perc{{{labels}}} 0.25" in text
+    # every line is a comment or `name{labels} value`
+    sample = re.compile(r'^[a-z0-9_:]+\{([a-z_]+="([^"\\]|\\.)*",?)*\} -?[0-9.e+-]+$')
+    for line in text.splitlines():
+        assert line.startswith("# ") or sample.match(line), line

@@ -14,7 +14,8 @@ WORK=${WORK:-/root/keep/runs}
 MINUTES=${MINUTES:-9}
 TRAIN_MINUTES=${TRAIN_MINUTES:-6}
 START=$(date +%s)
-COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --no-progress)
+# shellcheck disable=SC2206  # TRAIN_ARGS: extra options for every stage (a smoke run: small counts)
+COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --no-progress ${TRAIN_ARGS:-})
 DSPARK=(python3 -m dspark.cli train --work-dir "$WORK/dspark" "${COMMON[@]}")
 DFLASH=(python3 -m dspark.cli train --work-dir "$WORK/dflash" --data-dir "$WORK/dspark/data"
         --markov-rank 0 "${COMMON[@]}")

@@ -21,7 +21,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=json.loads,
         default=None,
-        help='JSON, e.g. \'{"method": "dspark", "model": "path/to/drafter"}\'',
+        help='JSON, e.g. \'{"method": "dspark"}\' (the drafter shipped for the model) or '
+        '\'{"method": "dspark", "model": "path/to/drafter", "num_speculative_tokens": 3}\'',
     )
 
 

@@ -26,33 +26,50 @@ import time
 from pathlib import Path
 
 from dspark.config import EngineConfig
+from dspark.drafters import SHIPPED, shipped_drafter
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
 from dspark.engine.scheduler import Scheduler
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM, build_model
-from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
+from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import CompletionOutput, RequestOutput
 from dspark.request import PENDING_TOKEN, FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
+from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
 
-def _drafter_layers(config: EngineConfig) -> int:
-    """Layers of the configured drafter (its KV shares the target's pages), 0 without one."""
+def _drafter_dir(config: EngineConfig, source: ModelSource) -> tuple[Path | None, str]:
+    """The configured drafter's directory (None without speculation) and the target's
+    weights hash: speculative_config's "model", else the drafter shipped for these weights."""
+    target_hash = checkpoint_hash(source)
     spec = config.spec()
     if spec is None:
+        return None, target_hash
+    path = Path(spec.model) if spec.model else shipped_drafter(target_hash)
+    if path is None:
+        raise ValueError(
+            f'speculative_config has no "model" and no drafter ships for {source.path} '
+            f"(weights hash {target_hash}; shipped: {sorted(SHIPPED)}): pass the directory "
+            'of a DSpark drafter trained for it as "model" (dspark train makes one)'
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a DSpark drafter (no config.json)")
+    return path, target_hash
+
+
+def _drafter_layers(drafter_dir: Path | None) -> int:
+    """Layers of the drafter (its KV shares the target's pages), 0 without one."""
+    if drafter_dir is None:
         return 0
-    path = Path(spec.model) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{spec.model} is not a DSpark drafter (no config.json)")
-    return int(json.loads(path.read_text()).get("num_layers", 0))
+    return int(json.loads((drafter_dir / "config.json").read_text()).get("num_layers", 0))
 
 
 class LLMEngine:
@@ -69,13 +86,16 @@ class LLMEngine:
             model_config, weights, self.dtype, self.device, backend
         )
         del weights
-        self.kv_plan = plan_kv(config, self.model, self.dtype, self.device, _drafter_layers(config))
+        drafter_dir, target_hash = _drafter_dir(config, source)
+        self.kv_plan = plan_kv(
+            config, self.model, self.dtype, self.device, _drafter_layers(drafter_dir)
+        )
         self.max_model_len = self.kv_plan.max_model_len
         kv_caches = allocate_kv_caches(
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
         )
         self.allocator = PageAllocator(self.kv_plan.num_pages)
-        self.spec = self._build_spec(source, backend)
+        self.spec = self._build_spec(drafter_dir, target_hash, backend)
         self.scheduler = Scheduler(
             self.allocator,
             config.page_size,
@@ -121,28 +141,34 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _build_spec(self, source, backend: str) -> SpecDecoder | None:
-        spec_config = self.config.spec()
-        if spec_config is None:
+    def _build_spec(self, path: Path | None, target_hash: str, backend: str) -> SpecDecoder | None:
+        if path is None:
             return None
-        drafter = DSparkDrafter.load(
-            spec_config.model, self.model, checkpoint_hash(source), backend
-        )
+        spec_config = self.config.spec()
+        drafter = DSparkDrafter.load(path, self.model, target_hash, backend)
         draft_len = drafter.config.draft_len
         k = spec_config.num_speculative_tokens or draft_len
         if k > draft_len:
             raise ValueError(
                 f"num_speculative_tokens {k} exceeds the drafter's draft_len {draft_len} "
-                f"({spec_config.model}); allowed 1..{draft_len}"
+                f"({path}); allowed 1..{draft_len}"
             )
+        temperatures = None
+        if drafter.config.use_confidence:
+            temperatures = load_calibration(path, draft_len)
+            if temperatures is None:
+                logger.warning("speculation: %s has no %s: its confidences are used "
+                               "uncalibrated (T = 1)", path, CALIBRATION_FILE)  # fmt: skip
         kv = allocate_kv_caches(
             self.model_config, self.kv_plan.num_pages, self.config.page_size, self.dtype,
             self.device, num_layers=drafter.config.num_layers,
         )  # fmt: skip
         spec = SpecDecoder(drafter, kv, self.config.page_size, self.device, num_verify=k,
-                           max_rows=self.config.max_num_seqs)  # fmt: skip
-        logger.info("speculation: DSpark drafter %s, K = %d verified of %d drafted",
-                    spec_config.model, k, draft_len)  # fmt: skip
+                           max_rows=self.config.max_num_seqs,
+                           confidence_temperatures=temperatures)  # fmt: skip
+        logger.info("speculation: DSpark drafter %s%s, K = %d verified of %d drafted%s", path,
+                    "" if spec_config.model else " (shipped for this target)", k, draft_len,
+                    ", STS-calibrated confidence" if temperatures else "")  # fmt: skip
         return spec
 
     def get_metrics(self) -> dict:

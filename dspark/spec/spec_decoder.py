@@ -62,6 +62,7 @@ class SpecDecoder:
         device,
         num_verify: int | None = None,  # K verified per window (<= draft_len; default all)
         max_rows: int = 256,  # windows per step at most (the runner's row capacity)
+        confidence_temperatures: list[float] | None = None,  # STS T_1..T_K; None: T = 1
     ) -> None:
         self.drafter = drafter
         self.kv_caches = kv_caches
@@ -70,6 +71,10 @@ class SpecDecoder:
         self.draft_len = drafter.config.draft_len
         self.num_verify = num_verify or self.draft_len
         self.taps = drafter.config.target_layers
+        # calibrated confidence c[k] = sigmoid(logit[k] / T_k) (dspark/spec/calibration.py)
+        self.calibrated = confidence_temperatures is not None
+        temps = confidence_temperatures or [1.0] * self.draft_len
+        self.confidence_temperatures = torch.tensor(temps, dtype=torch.float32, device=device)
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len

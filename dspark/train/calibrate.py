@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from dspark.llm import LLM
+from dspark.spec.calibration import CALIBRATION_FILE, load_calibration  # noqa: F401 (re-export)
 from dspark.train.rollouts import record_confidences, rollout
 
-CALIBRATION_FILE = "calibration.json"
 NUM_BINS = 20
 GRID_MIN, GRID_MAX, GRID_SIZE = 0.05, 20.0, 256
 
@@ -106,24 +106,6 @@ def write_calibration(drafter_dir: Path, report: dict) -> Path:
     path = drafter_dir / CALIBRATION_FILE
     path.write_text(json.dumps(report, indent=1))
     return path
-
-
-def load_calibration(drafter_dir: str | Path, draft_len: int) -> list[float] | None:
-    """The STS temperatures T_1..T_K of a drafter directory, or None if it has no calibration."""
-    path = Path(drafter_dir) / CALIBRATION_FILE
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    temps = data.get("temperatures")
-    if data.get("method") != "sts" or not isinstance(temps, list) or len(temps) != draft_len:
-        raise ValueError(
-            f"{path} is not an STS calibration for draft_len {draft_len} "
-            f"(method {data.get('method')!r}, {len(temps) if isinstance(temps, list) else 0} "
-            "temperatures)"
-        )
-    if not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in temps):
-        raise ValueError(f"{path}: temperatures must be finite and > 0, got {temps}")
-    return [float(t) for t in temps]
 
 
 def format_ece_table(report: dict) -> str:

@@ -27,13 +27,16 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from dspark.benchmarks.prompts import PROMPT_SPLITS, SOURCES, default_prompts_dir, load_prompts
 from dspark.benchmarks.report import git_state
-from dspark.benchmarks.serve_client import RequestRecord, stream_request
 from dspark.benchmarks.serve_report import format_table, plot_results, summarize
+
+if TYPE_CHECKING:  # httpx (the serve extra) is imported where a run needs it: the CLI loads
+    import httpx  # this module to register `bench serve` even without it
+
+    from dspark.benchmarks.serve_client import RequestRecord
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
 HEALTH_TIMEOUT_S = 900.0
@@ -129,6 +132,8 @@ async def run_level(
 ) -> tuple[list[RequestRecord], float]:
     """Send every payload, arrivals Poisson at `rate` (inf: at once), at most `concurrency` in
     flight; returns the records in payload order and the wall time."""
+    from dspark.benchmarks.serve_client import stream_request
+
     gate = asyncio.Semaphore(concurrency or len(payloads))
     arrivals = random.Random(seed)
 
@@ -148,6 +153,8 @@ async def run_level(
 
 async def read_spec_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
     """vLLM's speculative counters from /metrics (summed over label sets); {} if there are none."""
+    import httpx
+
     try:
         text = (await client.get(f"{base_url}/metrics")).text
     except httpx.HTTPError:
@@ -170,6 +177,8 @@ def _acceptance(before: dict, after: dict) -> dict | None:
 
 
 async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
+    import httpx
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(None, connect=30.0)
@@ -255,6 +264,8 @@ def started_server(server_args: str, api_key: str | None):
 
 
 def wait_healthy(base_url: str, process: subprocess.Popen | None = None) -> None:
+    import httpx
+
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
@@ -271,6 +282,10 @@ def wait_healthy(base_url: str, process: subprocess.Popen | None = None) -> None
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from dspark.benchmarks.report import write_results
 
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise ValueError("dspark bench serve needs httpx: pip install 'dspark[serve]'") from None
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")
     _levels(args)  # refuse bad levels before starting anything

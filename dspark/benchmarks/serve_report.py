@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dspark.benchmarks.serve_client import RequestRecord
+if TYPE_CHECKING:
+    from dspark.benchmarks.serve_client import RequestRecord
 
 SLO_NAMES = ("ttft", "tpot", "e2e")
 

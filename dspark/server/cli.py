@@ -65,8 +65,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "--speculative-config",
         type=json.loads,
         default=None,
-        help="JSON, the keys of LLM(speculative_config=...): "
-        '\'{"method": "dspark", "model": "path/to/drafter"}\'',
+        help='JSON, the keys of LLM(speculative_config=...): \'{"method": "dspark"}\' (the '
+        'drafter shipped for the model) or \'{"method": "dspark", "model": "path/to/drafter"}\'',
     )
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (loopback only)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}")

@@ -12,6 +12,10 @@ and blocks on the command queue while idle. On the event loop, `submit` register
 unrouted; outputs are routed by request id until each request's final output, which is also
 where the server's metrics see every request, aborted ones included.
 
+The tokenizer is the one thing both threads touch: prompts are encoded (with default settings,
+so nothing in it is reconfigured) on the event loop while the engine thread decodes outputs;
+each call into the Rust tokenizer holds the GIL, so the two never interleave inside it.
+
 Admission control lives on the event loop: a submission is refused with 503 when the requests
 (or prompt tokens) waiting for the scheduler, plus those queued but not yet added, would pass
 the configured limits. A group of sub-requests (n choices, several prompts) is added atomically:

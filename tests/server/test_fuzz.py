@@ -12,14 +12,23 @@ from collections import Counter
 
 import pytest
 
-from tests.server.conftest import auth
+from tests.server.conftest import API_KEY, auth, engine_config, start_server
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.generation import GenerationMode  # noqa: E402
 
-EXAMPLES_PER_MODE = 200  # per generation mode, over all operations
-MIN_CASES_PER_MODE = 150  # hypothesis may stop early once a space is exhausted
+EXAMPLES_PER_MODE = 300  # per generation mode, over all operations
+MIN_CASES_PER_MODE = 250  # hypothesis may stop early once a space is exhausted
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_llama_dir):
+    """A 64-token context keeps each valid case short (max_tokens <= 63), so hundreds run in
+    seconds; the server is otherwise the plain test server."""
+    live = start_server(engine_config(tiny_llama_dir, max_model_len=64), api_key=API_KEY)
+    yield live
+    live.stop()
 
 
 def _check(case, response) -> None:
@@ -32,7 +41,8 @@ def _check(case, response) -> None:
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_no_input_makes_the_server_fail(server, mode, record_property, capsys):
+def test_no_input_makes_the_server_fail(fuzz_server, mode, record_property, capsys):
+    server = fuzz_server
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     cases = []
 

@@ -111,15 +111,34 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return options
 
 
+# the type a file's value must have (the flags' own types check the command line)
+OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+                "kv_cache_memory_gb": float, "num_kv_pages": int, "seed": int, "port": int,
+                "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
+                "shutdown_timeout_s": float, "disable_access_log": bool}  # fmt: skip
+
+
+def _from_file(name: str, value: Any) -> Any:
+    kind = OPTION_TYPES.get(name, str)
+    if name == "speculative_config" and isinstance(value, (dict, str)):
+        return json.loads(value) if isinstance(value, str) else value
+    if value is None or isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"config file option {name}: expected {kind.__name__}, got {value!r}")
+
+
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Flag if given, else the file's value, else the default."""
     from_file = read_config_file(args.config) if args.config else {}
     resolved = {}
     for name, default in (ENGINE_OPTIONS | SERVER_OPTIONS).items():
         flag = getattr(args, name, None)
-        resolved[name] = flag if flag is not None else from_file.get(name, default)
-    if isinstance(resolved["speculative_config"], str):
-        resolved["speculative_config"] = json.loads(resolved["speculative_config"])
+        if flag is not None:
+            resolved[name] = flag
+        else:
+            resolved[name] = _from_file(name, from_file[name]) if name in from_file else default
     return resolved
 
 

@@ -1,0 +1,42 @@
+"""`dspark serve`'s options: flags over the --config YAML file over defaults, checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.cli import build_parser, main
+from dspark.server.cli import build_configs, resolve_options
+
+
+def _options(tmp_path, yaml_text: str, *flags: str) -> dict:
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml_text)
+    return resolve_options(build_parser().parse_args(["serve", "--config", str(path), *flags]))
+
+
+def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path):
+    options = _options(
+        tmp_path,
+        "model: some/model\nmax-model-len: 4096\nport: 9000\napi_key: from-file\n"
+        "speculative-config: {method: dspark, num_speculative_tokens: 3}\n",
+        "--port", "9100",
+    )  # fmt: skip
+    assert options["model"] == "some/model" and options["max_model_len"] == 4096
+    assert options["port"] == 9100 and options["api_key"] == "from-file"
+    assert options["speculative_config"] == {"method": "dspark", "num_speculative_tokens": 3}
+    assert options["host"] == "127.0.0.1" and options["max_num_seqs"] == 256  # defaults
+    engine, server = build_configs(options)
+    assert engine.max_model_len == 4096 and server.served_model_name == "some/model"
+
+
+def test_bad_files_and_values_are_refused_with_the_reason(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['max_len'\]; allowed: \["):
+        _options(tmp_path, "max_len: 10\n")
+    with pytest.raises(ValueError, match="max_model_len: expected int, got '4096'"):
+        _options(tmp_path, "max-model-len: '4096'\n")
+    with pytest.raises(ValueError, match="expected a mapping of options"):
+        _options(tmp_path, "- model\n")
+    with pytest.raises(ValueError, match="max_queued_requests must be >= 1, got 0"):
+        build_configs(_options(tmp_path, "max-queued-requests: 0\n"))
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "port must be in 0..65535, got 70000" in capsys.readouterr().err

@@ -193,15 +193,11 @@ class EngineLoop:
         except asyncio.CancelledError:  # the client left while the engine was adding it
             stream.close()
             raise
-        except ValueError as e:
-            self._unroute(subs)
+        except ValueError as e:  # refused by the engine (already unrouted on acknowledgement)
             raise bad_request(str(e)) from None
-        except Exception:
-            self._unroute(subs)
-            raise
         return stream
 
-    def _unroute(self, subs: list[SubRequest]) -> None:
+    def _unroute(self, subs: tuple[SubRequest, ...]) -> None:
         for sub in subs:
             self._routes.pop(sub.request_id, None)
 
@@ -221,16 +217,18 @@ class EngineLoop:
         await asyncio.to_thread(self._thread.join)
         self._fail_all("the server shut down")
 
-    def _acknowledge(self, acks: list[tuple[asyncio.Future, BaseException | None]], stats):
+    def _acknowledge(self, acks: list[tuple[_Add, BaseException | None]], stats) -> None:
         self.stats = stats
-        for done, error in acks:
-            self._pending.pop(done, None)
-            if done.done():  # cancelled by its client meanwhile
+        for command, error in acks:
+            self._pending.pop(command.done, None)
+            if error is not None:
+                self._unroute(command.subs)  # even when its submitter left meanwhile
+            if command.done.done():  # cancelled by its client meanwhile
                 continue
             if error is None:
-                done.set_result(None)
+                command.done.set_result(None)
             else:
-                done.set_exception(error)
+                command.done.set_exception(error)
 
     def _deliver(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         self.stats = stats
@@ -297,7 +295,7 @@ class EngineLoop:
         acks, keep_running = [], True
         for command in commands:
             if isinstance(command, _Add):
-                acks.append((command.done, self._add(engine, command.subs)))
+                acks.append((command, self._add(engine, command.subs)))
             elif isinstance(command, _Abort):
                 for request_id in command.request_ids:
                     engine.abort_request(request_id)

@@ -55,9 +55,9 @@ def test_the_captured_step_function_runs_eagerly_on_pad_windows(tiny_vocab_dir, 
     # them; here eagerly on the CPU, so its code path is exercised without CUDA
     from dspark import LLM
     from tests.spec.test_spec_engine import K as DRAFT_LEN
-    from tests.spec.test_spec_engine import _make_drafter
+    from tests.tiny_models import make_tiny_drafter
 
-    drafter = _make_drafter(tiny_vocab_dir, tmp_path / "drafter", taps=(0,))
+    drafter = make_tiny_drafter(tiny_vocab_dir, tmp_path / "drafter", taps=(0,))
     llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=32,
               max_num_seqs=4, speculative_config={"model": str(drafter)})  # fmt: skip
     runner = llm.engine.runner

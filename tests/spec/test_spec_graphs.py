@@ -10,14 +10,15 @@ from __future__ import annotations
 import pytest
 
 from dspark import LLM, SamplingParams
-from tests.spec.test_spec_engine import PROMPTS12, _make_drafter, _outputs
+from tests.spec.test_spec_engine import PROMPTS12, _outputs
+from tests.tiny_models import make_tiny_drafter
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def vocab_drafter(tiny_vocab_dir, tmp_path_factory):
-    return _make_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_graphs"), taps=(0,))
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_graphs"), taps=(0,))
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@
 - `make_tiny_vocab_model(dir)`: a 1-layer Llama over a 12-token word-level vocabulary, for
   distribution tests where every token's probability is measurable.
 - `make_tiny_drafter(target_dir, dir, taps)`: a random DSpark drafter for one of those targets.
-The two targets are written by transformers (config.json + model.safetensors), so they exercise the same
-loading path as a downloaded checkpoint, and transformers can serve as the logits oracle.
+The two targets are written by transformers (config.json + model.safetensors), so they exercise
+the same loading path as a downloaded checkpoint, and transformers can serve as the logits oracle.
 """
 
 from __future__ import annotations

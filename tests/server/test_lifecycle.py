@@ -183,7 +183,8 @@ def test_a_failing_request_ends_with_error_and_the_others_finish(server, monkeyp
 
 def test_dspark_serve_finishes_in_flight_requests_on_sigterm(long_llama_dir, tmp_path):
     """The CLI end to end: options from a YAML file (a flag overrides one), SIGTERM while a
-    stream runs: the stream completes, new connections are refused, the application shuts down cleanly."""
+    stream runs: the stream completes, new connections are refused, the application shuts
+    down cleanly."""
     (tmp_path / "serve.yaml").write_text(
         f"model: {long_llama_dir}\ndevice: cpu\ndtype: float32\nmax-model-len: 2048\n"
         "num_kv_pages: 256\napi-key: from-file\nserved-model-name: yaml-name\nport: 1\n"

@@ -109,6 +109,8 @@ class ModelRunner:
         """
         b, ps = self.buffers, self.page_size
         b.wait_for_upload()
+        # every window K + 1 tokens wide when the step can replay a speculative graph
+        window_width = self.spec_runner.window_width(plan) if self.spec_runner else None
         ids, positions, slots, cu, seq_lens, logits_idx = [], [], [], [0], [], []
         fed_dst, fed_src = [], []  # input tokens still on the device (async scheduling)
         for i, row in enumerate(plan.rows):
@@ -126,8 +128,12 @@ class ModelRunner:
                     logits_idx.append(cu[-1])
             else:
                 if row.num_draft:  # [anchor, drafts]: the drafts are scattered in on the device
-                    ids += [req.token_ids[start]] + [0] * row.num_draft
-                    logits_idx += range(cu[-1], cu[-1] + row.num_tokens)  # all scored
+                    # a window shorter than window_width gets tail tokens past its verify_len:
+                    # scored, never accepted, their KV on the request's own reserved pages
+                    # (the scheduler reserves a whole block) and rewritten before it is read
+                    end = start + (window_width or row.num_tokens)
+                    ids += [req.token_ids[start]] + [0] * (end - start - 1)
+                    logits_idx += range(cu[-1], cu[-1] + end - start)  # all scored
                 else:
                     ids += req.token_ids[start:end]
                     assert PENDING_TOKEN not in req.token_ids[start:end], (
@@ -268,7 +274,7 @@ class ModelRunner:
             step.tokens = self._tokensto_host(tokens)
             step.logprobs = to_host(lp)
         if spec_out is not None:
-            self.spec_runner.queue_results(step, plan, window_rows, spec_out)
+            self.spec_runner.queue_results(step, plan, layout, window_rows, spec_out)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()

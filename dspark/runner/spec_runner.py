@@ -1,9 +1,15 @@
 """The speculative half of the runner: windows staged, the speculative step run (a captured
 graph or eagerly), its results queued to the host and assigned to plan rows.
 
-A step whose rows are all full windows of a captured size replays SpecGraphs (pad windows on the
-scratch page after the live ones); any other step with windows (mixed with plain rows, windows
-shortened near max_tokens) runs the same SpecDecoder.step eagerly, and the reason is counted.
+A step whose rows are all windows, at most a captured size of them, replays SpecGraphs (pad
+windows on the scratch page after the live ones). Such a step lays every window out K + 1
+tokens wide, also a window shortened near max_tokens (its verify_len caps what it accepts), so
+that requests finishing at different steps do not send the batch to the eager path. Any other
+step with windows (mixed with plain rows) runs the same SpecDecoder.step eagerly, and the
+reason is counted.
+
+  K = 3, windows of verify_len [3, 1]: target tokens [a0 x x x | a1 x . .], cu [0, 4, 8];
+  the second window's last two tokens are scored but never accepted.
 """
 
 from __future__ import annotations
@@ -40,17 +46,30 @@ class SpecRunner:
         self.spec, self.buffers, self.run_model = spec, buffers, run_model
         self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
         width = 1 + spec.num_verify
-        capacity = buffers.input_ids.shape[0]
-        sizes = [g for g in graph_sizes if g * width <= capacity]
+        self.capacity = buffers.input_ids.shape[0]
+        sizes = [g for g in graph_sizes if g * width <= self.capacity]
         self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes) if sizes else None
+        # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
+        self.uniform_windows = self.graphs is not None
+
+    def window_width(self, plan: StepPlan) -> int | None:
+        """K + 1 if every row of the step is a window laid out at full width, else None."""
+        width = 1 + self.spec.num_verify
+        if not self.uniform_windows or not all(r.num_draft for r in plan.rows):
+            return None
+        if len(plan.rows) * width > self.capacity:  # the token buffers' size
+            return None
+        return width
 
     def graph_size(self, plan: StepPlan) -> int | None:
         """The captured size a fixed-K speculative step pads to, or None (eager, counted)."""
         if self.graphs is None:
             return None
-        if not all(r.num_draft == self.spec.num_verify for r in plan.rows):
-            self.stats["eager_spec_steps_not_all_full_windows"] += 1
+        if self.window_width(plan) is None:
+            self.stats["eager_spec_steps_not_all_windows"] += 1
             return None
+        if any(r.num_draft < self.spec.num_verify for r in plan.rows):
+            self.stats["spec_graph_steps_with_short_windows"] += 1
         i = bisect.bisect_left(self.graphs.sizes, len(plan.rows))
         if i == len(self.graphs.sizes):
             self.stats["eager_spec_steps_batch_too_large"] += 1
@@ -76,11 +95,12 @@ class SpecRunner:
                 seed=req.seed,
             ))  # fmt: skip
         mode = SamplingMode.of(rows, self.vocab_size)
-        if graph_size is not None:  # every plan row is a full window: pad rows follow them
-            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)])
+        width = self.window_width(plan)
+        if graph_size is not None:  # every plan row is a window: pad rows follow them
+            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)], window_width=width)
             self.stats["spec_graph_steps"] += 1
             return self.graphs.replay(graph_size, mode)
-        self.spec.stage(rows, len(rows))
+        self.spec.stage(rows, len(rows), window_width=width)
         self.stats["eager_spec_steps"] += 1
         b, dev = self.buffers, self.device
         all_windows = window_rows == list(range(layout.num_rows))
@@ -109,7 +129,12 @@ class SpecRunner:
     # ---- results ----------------------------------------------------------------------------
 
     def queue_results(
-        self, step: InFlightStep, plan: StepPlan, window_rows: list[int], out: SpecStepOutput
+        self,
+        step: InFlightStep,
+        plan: StepPlan,
+        layout: StepLayout,
+        window_rows: list[int],
+        out: SpecStepOutput,
     ) -> None:
         """Queue the host copies of the windows' results (live rows only) behind the step."""
         R = len(window_rows)
@@ -118,7 +143,9 @@ class SpecRunner:
         step.verified = to_host((out.tokens[:R], out.num_accepted[:R]))
         if self.spec.observers and out.confidence_logits is not None:
             step.confidence = to_host(out.confidence_logits[:R].float())
-        step.window_logprobs = to_host(self._window_logprobs(plan, out, step.verify_len))
+        cu = layout.cu_num_tokens_cpu
+        widths = [cu[i + 1] - cu[i] for i in window_rows]  # window tokens in window_logits
+        step.window_logprobs = to_host(self._window_logprobs(plan, out, step.verify_len, widths))
 
     def assign(self, step: InFlightStep, results: list[SampledTokens | None]) -> None:
         """After the step's sync: each window row's emitted tokens (and logprobs) into results;
@@ -144,22 +171,31 @@ class SpecRunner:
             results[i] = SampledTokens(toks, logprobs)
             row0 += 1 + step.verify_len[j]
 
-    def _window_logprobs(self, plan: StepPlan, out: SpecStepOutput, verify_len: list[int]):
-        """The target's logprobs of each emitted window token: emitted token i of a window is
-        scored by window row i (the anchor's row scores the first). None if nobody asked."""
+    def _window_logprobs(
+        self, plan: StepPlan, out: SpecStepOutput, verify_len: list[int], widths: list[int]
+    ):
+        """The target's logprobs of each emittable window token, packed 1 + verify_len per
+        window: emitted token i of a window is scored by window row i (the anchor's row scores
+        the first). Window j's rows start at sum(widths[:j]) in window_logits. None if nobody
+        asked.
+
+          verify_len [2, 1], widths [4, 4] (K = 3): logit rows [0 1 2 | 4 5], owners [0 0 0 1 1]
+        """
         wants = [r.request.sampling_params.logprobs for r in plan.rows if r.num_draft]
         if all(n is None for n in wants):
             return None
         lens = [1 + n for n in verify_len]
-        total = sum(lens)  # the live window tokens (a padded graph step has more rows after)
+        total = sum(lens)
         dev = self.device
         owner = torch.repeat_interleave(
             torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev), output_size=total
         )
-        start = torch.tensor([sum(lens[:j]) for j in range(len(lens))], device=dev)
-        offset = torch.arange(total, device=dev) - start[owner]
+        packed = torch.tensor([sum(lens[:j]) for j in range(len(lens))], device=dev)
+        start = torch.tensor([sum(widths[:j]) for j in range(len(widths))], device=dev)
+        offset = torch.arange(total, device=dev) - packed[owner]
         tokens = out.tokens[owner, offset]  # [Tw] the token each window row would emit
-        return top_logprobs(out.window_logits[:total], tokens, max(n or 0 for n in wants))
+        logits = out.window_logits[start[owner] + offset]
+        return top_logprobs(logits, tokens, max(n or 0 for n in wants))
 
     # ---- graph capture ----------------------------------------------------------------------
 

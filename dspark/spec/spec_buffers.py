@@ -15,6 +15,10 @@ the windows start at tokens 0 and 3 of the target layout):
   draft_dst [R, K]:      [[1, 2, 0], [4, 5, 6]]      target token index of draft k, or the
                                                      anchor's own index when k >= verify_len
   verify_len:            [2, 3]
+  window_len:            [3, 4]                      the windows' tokens in the target layout:
+                                                     verify_len + 1, or K + 1 for every row of a
+                                                     step laid out for a captured graph (a short
+                                                     window then has unverified tail tokens)
 
 A pad row (j >= the live count) is a dummy identity on the scratch page: anchor 0 at position
 0, greedy, seed 0, block slots on the scratch page, draft_dst inside its own pad window.
@@ -80,6 +84,7 @@ class SpecBuffers:
             ("anchors", max_rows, torch.int64),
             ("anchor_pos", max_rows, torch.int64),
             ("verify_len", max_rows, torch.int64),
+            ("window_len", max_rows, torch.int64),
             ("block_positions", max_rows * K, torch.int64),
             ("block_slots", max_rows * K, torch.int64),
             ("block_seq_lens", max_rows, torch.int32),
@@ -102,7 +107,12 @@ class SpecBuffers:
         return getattr(self, f"{name}_cpu").numpy()
 
     def write(
-        self, rows: list[WindowRow], num_rows: int, pad_token_offset: int, pad_verify_len: int
+        self,
+        rows: list[WindowRow],
+        num_rows: int,
+        pad_token_offset: int,
+        pad_verify_len: int,
+        window_width: int | None = None,  # tokens of every window; None: its verify_len + 1
     ) -> None:
         """Stage the live rows, then pad rows up to num_rows (their windows of pad_verify_len
         + 1 tokens start at pad_token_offset in the target layout)."""
@@ -120,6 +130,7 @@ class SpecBuffers:
             slots[j] = pages[block_pos[j] // ps] * ps + block_pos[j] % ps
         verify_len = np.full(num_rows, pad_verify_len, dtype=np.int64)
         verify_len[:n] = [r.verify_len for r in rows]
+        window_len = verify_len + 1 if window_width is None else np.full(num_rows, window_width)
         offsets = np.empty(num_rows, dtype=np.int64)
         offsets[:n] = [r.token_offset for r in rows]
         offsets[n:] = pad_token_offset + (pad_verify_len + 1) * np.arange(num_rows - n)
@@ -128,6 +139,7 @@ class SpecBuffers:
         self.np("anchors")[:num_rows] = [r.anchor for r in rows] + [0] * pad
         self.np("anchor_pos")[:num_rows] = anchor_pos
         self.np("verify_len")[:num_rows] = verify_len
+        self.np("window_len")[:num_rows] = window_len
         self.np("block_positions")[: num_rows * K] = block_pos.reshape(-1)
         self.np("block_slots")[: num_rows * K] = slots.reshape(-1)
         self.np("block_seq_lens")[:num_rows] = anchor_pos + K

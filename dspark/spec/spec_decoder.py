@@ -82,10 +82,16 @@ class SpecDecoder:
         # [R, K] on the host), live windows in plan order: calibration records through this
         self.observers: list[Callable[[list[int], list[int], torch.Tensor | None], None]] = []
 
-    def stage(self, rows: list[WindowRow], num_rows: int, pad_token_offset: int = 0) -> None:
+    def stage(
+        self,
+        rows: list[WindowRow],
+        num_rows: int,
+        pad_token_offset: int = 0,
+        window_width: int | None = None,  # tokens per window in the layout; None: verify_len + 1
+    ) -> None:
         """Write the windows (and pad rows of num_verify drafts up to num_rows) into the
         persistent buffers."""
-        self.buffers.write(rows, num_rows, pad_token_offset, self.num_verify)
+        self.buffers.write(rows, num_rows, pad_token_offset, self.num_verify, window_width)
         self.buffers.upload(num_rows)
 
     def step(
@@ -153,8 +159,8 @@ class SpecDecoder:
     ) -> VerifyOutput:
         b, R, dev = self.buffers, num_rows, self.device
         verify_len = b.verify_len[:R]
-        cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
-        cu[1:] = (verify_len + 1).cumsum(0)
+        cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)  # window starts in window_logits
+        cu[1:] = b.window_len[:R].cumsum(0)
         if st.all_greedy:
             return verify_greedy(window_logits, block.tokens, verify_len, cu)
         # owner row of each window token (shape-static: no host sync, capturable)

@@ -48,7 +48,7 @@ class VerifyInput:
     draft_probs: torch.Tensor  # [R, K, V] float32, the distribution each draft was drawn from
     draft_tokens: torch.Tensor  # [R, K] int64
     verify_len: torch.Tensor  # [R] int64, 0 .. K
-    cu_num_tokens: torch.Tensor  # [R + 1] int64, windows of 1 + verify_len tokens
+    cu_num_tokens: torch.Tensor  # [R + 1] int64 window starts (a window has >= 1 + verify_len)
     anchor_positions: torch.Tensor  # [R] int64, position of each window's anchor
     seeds: torch.Tensor  # [R] int64
     is_greedy: torch.Tensor  # [R] bool

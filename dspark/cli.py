@@ -88,6 +88,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dspark.llm import LLM
+    from dspark.spec.profile import format_table, profile_cost_table, refusal
+
+    spec = dict(args.speculative_config or {"method": "dspark"})
+    if "cost_table" in spec:
+        raise ValueError("dspark profile measures a new table: leave cost_table out")
+    batches = [int(x) for x in args.batch.split(",")] if args.batch else None
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs if batches is None else max(batches),
+              kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec)  # fmt: skip
+    if batches is None:  # the captured ladder (on the CPU: powers of two to max_num_seqs)
+        graphs = llm.engine.runner.spec_runner.graphs
+        batches = (
+            graphs.sizes if graphs else [1 << i for i in range(args.max_num_seqs.bit_length())]
+        )
+    table = profile_cost_table(llm, batches, steps=args.steps, warmup=args.warmup)
+    print(format_table(table, llm.engine.spec.num_verify))
+    why = refusal(table)
+    if why:
+        print(f"dspark profile: not writing {args.out}: {why}", file=sys.stderr)
+        return 1
+    Path(args.out).write_text(table.to_json())
+    print(f'wrote {args.out}: pass it as speculative_config\'s "cost_table"')
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -98,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    prof = sub.add_parser("profile", help="measure the cost table of speculative steps")
+    _add_engine_args(prof)
+    prof.add_argument("--batch", default=None, help="comma-separated G (default: the graph ladder)")
+    prof.add_argument("--steps", type=int, default=8, help="timed steps per cell (median)")
+    prof.add_argument("--warmup", type=int, default=3, help="untimed steps before each cell")
+    prof.add_argument("--out", default="cost_table.json")
+    prof.set_defaults(func=cmd_profile)
     from dspark.benchmarks.offline import add_bench_parser
     from dspark.benchmarks.serve_bench import add_serve_bench_parser
     from dspark.server.cli import add_serve_parser

@@ -41,6 +41,8 @@ from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
+from dspark.spec.cost_table import load_cost_table, make_fingerprint
+from dspark.spec.drafting_policy import DraftingPolicy
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,8 @@ class LLMEngine:
             graph_ladder(config.max_num_seqs) if use_graphs else None,
             spec=self.spec,
         )
+        self._drafter_dir, self._target_hash = drafter_dir, target_hash
+        self.policy = self._build_policy()
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids
@@ -171,6 +175,41 @@ class LLMEngine:
                     ", STS-calibrated confidence" if temperatures else "")  # fmt: skip
         return spec
 
+    def cost_fingerprint(self) -> dict:
+        """What a cost table measured on this engine must record (DSPARK.md 7)."""
+        graphs = self.runner.spec_runner.graphs
+        return make_fingerprint(
+            self.device, self._target_hash, checkpoint_hash(ModelSource(self._drafter_dir)),
+            self.spec.num_verify, str(self.dtype).removeprefix("torch."),
+            graphs.sizes if graphs else [], self.config.page_size,
+        )  # fmt: skip
+
+    def _build_policy(self) -> DraftingPolicy | None:
+        """The drafting policy when speculation has a cost table and a confidence head; a
+        table that does not authenticate fails closed to drafting every step (fixed K), with
+        the reason logged and counted."""
+        spec_config = self.config.spec()
+        if self.spec is None or spec_config.cost_table is None:
+            return None
+        spec = self.spec
+        if not spec.drafter.config.use_confidence:
+            reason = "the drafter has no confidence head"
+            table = None
+        else:
+            table, reason = load_cost_table(spec_config.cost_table, self.cost_fingerprint())
+        temps = spec.confidence_temperatures[: spec.num_verify]
+        policy = DraftingPolicy(table, temps, spec.num_verify, spec_config.min_gain)
+        if table is None or policy.table is None:
+            reason = reason or "it has no G with both a plain and a full-block cell"
+            logger.warning("speculation: cost table %s not used (%s): every step drafts the full "
+                           "block (fixed K)", spec_config.cost_table, reason)  # fmt: skip
+            policy.counters[f"cost_table_refused: {reason}"] += 1
+        else:
+            logger.info("speculation: drafting decided per step from cost table %s (G %s)",
+                        spec_config.cost_table, policy.sizes)  # fmt: skip
+            self.runner.spec_runner.confidence_sinks.append(policy.observe)
+        return policy
+
     def get_metrics(self) -> dict:
         """Speculative counters with vLLM's definitions (empty without speculation)."""
         if self.spec is None:
@@ -179,6 +218,8 @@ class LLMEngine:
         drafts = m.get("num_drafts", 0)
         m["mean_acceptance_length"] = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else 0
         m["num_accepted_tokens_per_pos"] = list(self.spec.accepted_per_position)
+        if self.policy is not None:
+            m["drafting_policy"] = dict(self.policy.counters)
         return m
 
     # ---- requests -------------------------------------------------------------------------
@@ -266,6 +307,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.async_scheduling:
             return self._step_async()
+        if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
+            running = [r.request_id for r in self.scheduler.running]
+            self.scheduler.drafting = self.policy.decide(running).drafting
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._collect_aborted()
@@ -331,6 +375,8 @@ class LLMEngine:
         detok = self._detokenizers[req.request_id]
         if req.is_finished:
             detok.flush()
+            if self.policy is not None:
+                self.policy.forget(req.request_id)
             self._requests.pop(req.request_id, None)
             self._detokenizers.pop(req.request_id, None)
         logprobs = None

@@ -88,6 +88,8 @@ class Scheduler:
         self.allocator = allocator
         self.draft_len = draft_len
         self.max_verify = draft_len if max_verify is None else max_verify
+        # False: the next schedule() gives no request a window (the drafting policy's choice)
+        self.drafting = True
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -148,7 +150,7 @@ class Scheduler:
         """
         sp = req.sampling_params
         is_decoding = req.num_tokens - req.num_computed_tokens == 1
-        if self.draft_len == 0 or not is_decoding or not sp.use_speculation:
+        if not self.drafting or self.draft_len == 0 or not is_decoding or not sp.use_speculation:
             return 0
         if req.num_output_tokens < sp.min_tokens:
             return 0  # the min_tokens ban runs on plain steps

@@ -51,6 +51,9 @@ class SpecRunner:
         self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes) if sizes else None
         # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
         self.uniform_windows = self.graphs is not None
+        # called after each speculative step's sync with the windows' request ids and raw
+        # confidence logits [R, K] (host): the drafting policy's lagged survivals
+        self.confidence_sinks: list[Callable[[list[str], torch.Tensor], None]] = []
 
     def window_width(self, plan: StepPlan) -> int | None:
         """K + 1 if every row of the step is a window laid out at full width, else None."""
@@ -141,7 +144,8 @@ class SpecRunner:
         step.window_rows = window_rows
         step.verify_len = [plan.rows[i].num_draft for i in window_rows]
         step.verified = to_host((out.tokens[:R], out.num_accepted[:R]))
-        if self.spec.observers and out.confidence_logits is not None:
+        wants_confidence = self.spec.observers or self.confidence_sinks
+        if wants_confidence and out.confidence_logits is not None:
             step.confidence = to_host(out.confidence_logits[:R].float())
         cu = layout.cu_num_tokens_cpu
         widths = [cu[i + 1] - cu[i] for i in window_rows]  # window tokens in window_logits
@@ -153,6 +157,10 @@ class SpecRunner:
         plan = step.plan
         emitted, accepted = (x.tolist() for x in step.verified)
         self.spec.record(step.verify_len, accepted, step.confidence)
+        if step.confidence is not None:
+            ids = [plan.rows[i].request.request_id for i in step.window_rows]
+            for sink in self.confidence_sinks:
+                sink(ids, step.confidence)
         wlp = None
         if step.window_logprobs is not None:
             wlp = [x.tolist() for x in step.window_logprobs]

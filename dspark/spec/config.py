@@ -1,6 +1,7 @@
 """`speculative_config`: one object, as in vLLM.
 
-    {"method": "dspark", "model": PATH, "num_speculative_tokens": K}
+    {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
+     "cost_table": PATH, "min_gain": 0.02}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("dspark",)
-KEYS = ("method", "model", "num_speculative_tokens")
+KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class SpecConfig:
     model: str | None = None  # None: the shipped drafter of the target (dspark.drafters)
     num_speculative_tokens: int | None = None  # None: the checkpoint's draft_len
     method: str = "dspark"
+    # `dspark profile`'s table: with it, each step drafts only when the measured whole-step
+    # times say it pays (spec/drafting_policy.py); None: every step drafts (fixed K)
+    cost_table: str | None = None
+    min_gain: float = 0.02  # what another mode must beat the current one by (squared)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -45,4 +50,14 @@ class SpecConfig:
         k = d.get("num_speculative_tokens")
         if k is not None and (not isinstance(k, int) or k < 1):
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-        return cls(model=model, num_speculative_tokens=k, method=method)
+        table = d.get("cost_table")
+        if table is not None and not (isinstance(table, (str, os.PathLike)) and os.fspath(table)):
+            raise ValueError(f'speculative_config "cost_table" must be a file path, got {table!r}')
+        gain = d.get("min_gain", 0.02)
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 <= gain < 1:
+            raise ValueError(
+                f'speculative_config "min_gain" must be a number in [0, 1), got {gain!r}'
+            )
+        table = None if table is None else os.fspath(table)
+        return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
+                   min_gain=float(gain))  # fmt: skip

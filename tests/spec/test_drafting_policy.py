@@ -1,0 +1,162 @@
+"""The per-step drafting choice (plain decoding vs the full block) from the cost table, and
+`dspark profile` that measures the table, on the CPU with a tiny target and drafter."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.cli import main as cli_main
+from dspark.spec.cost_table import CostTable, parse_table
+from dspark.spec.drafting_policy import Decision, DraftingPolicy
+from dspark.spec.profile import profile_cost_table
+from tests.tiny_models import make_tiny_drafter
+
+K = 7
+TABLE = CostTable({}, {1: {1: 1.0, 8: 1.5}, 64: {64: 1.0, 512: 2.4}})
+
+
+def _policy(table=TABLE, dwell=2):
+    return DraftingPolicy(table, torch.ones(K), K, min_gain=0.02, min_dwell_steps=dwell)
+
+
+def _ids(n):
+    return [f"r{i}" for i in range(n)]
+
+
+def test_unknown_requests_count_as_fully_confident():
+    p = _policy(dwell=0)
+    # 64 rows, a = 1: full block 64 * 8 / 2.4 = 213 tokens/s against plain 64 / 1.0
+    assert p.decide(_ids(64)).drafting
+
+
+def test_drafting_goes_off_under_load_and_back_on_when_it_falls():
+    p = _policy(dwell=2)
+    p.observe(_ids(64), torch.zeros(64, K))  # c = 0.5: survivals 0.5, 0.25, ... sum ~ 0.99
+    assert p.decide(_ids(64)).reason == "dwell"  # the start counts as a switch
+    p.decide(_ids(64))
+    d = p.decide(_ids(64))  # 64 * 1.99 / 2.4 = 53 < 64 / 1.0 * 1.02^2
+    assert (d.drafting, d.reason) == (False, "no drafting")
+    assert p.decide(_ids(64)) == Decision(False, "dwell")  # held for min_dwell_steps
+    assert p.decide(_ids(64)) == Decision(False, "no drafting")
+    d = p.decide(_ids(1))  # G = 1: 1.99 / 1.5 = 1.33 beats 1.0 by more than 1.02^2
+    assert (d.drafting, d.reason) == (True, "full block")
+    assert p.counters["drafting_switches"] == 2
+    assert p.counters["steps_not_drafting"] == 3
+
+
+def test_hysteresis_needs_the_squared_gain_to_switch():
+    # plain 1.0, full 1.99 / 1.0 * x: a full block just 3% better than plain while drafting is
+    # off does not turn it on (it needs 1.02^2 = 4.04%), 5% does
+    for full, expect in ((1.99 / 1.03, False), (1.99 / 1.05, True)):
+        p = DraftingPolicy(CostTable({}, {1: {1: 1.0, 8: full}}), torch.ones(K), K, 0.02, 0)
+        p.drafting = False
+        p.observe(["r0"], torch.zeros(1, K))
+        assert p.decide(["r0"]).drafting is expect
+
+
+def test_no_table_always_drafts_and_trimmed_cells_are_not_runnable():
+    p = _policy(table=None)
+    assert p.decide(_ids(64)).reason == "no table" and p.decide(_ids(3)).drafting
+    assert _policy(table=CostTable({}, {4: {4: 1.0, 12: 1.3}})).table is None  # V=12 is trimmed
+    p = _policy(dwell=0)
+    assert p.decide(_ids(65)).reason == "batch beyond the table"
+
+
+def test_forgotten_requests_are_fully_confident_again():
+    p = _policy(dwell=0)
+    p.observe(_ids(64), torch.full((64, K), -10.0))
+    assert not p.decide(_ids(64)).drafting
+    for rid in _ids(64):
+        p.forget(rid)
+    assert p.decide(_ids(64)).drafting
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_p"), taps=(0,))
+
+
+KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=4, max_model_len=256)
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9], [9], [4, 4, 4, 4]]
+
+
+def _spec(drafter, **extra):
+    return {"model": str(drafter), "num_speculative_tokens": 3, **extra}
+
+
+def test_profile_measures_both_cells_with_the_live_fingerprint(tiny_vocab_dir, drafter):
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    table = profile_cost_table(llm, [1, 4], steps=5, warmup=1, prompt_len=8)
+    assert table.fingerprint == llm.engine.cost_fingerprint()
+    assert set(table.cells) == {1, 4}
+    assert set(table.cells[4]) == {4, 16} and all(t > 0 for t in table.cells[4].values())
+    e = llm.engine
+    assert not e.has_unfinished_requests() and e.allocator.num_free == e.allocator.num_usable
+    with pytest.raises(ValueError, match="steps must be >= 5"):
+        profile_cost_table(llm, [1], steps=3)
+
+
+def _write_table(path, llm, plain, full):
+    cells = {g: {g: plain, g * 4: full} for g in (1, 2, 4)}
+    path.write_text(CostTable(llm.engine.cost_fingerprint(), cells).to_json())
+    return path
+
+
+def test_engine_stops_drafting_when_the_table_says_so(tiny_vocab_dir, drafter, tmp_path):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS, params, use_tqdm=False)
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    # a full block dearer than K + 1 plain steps: never worth drafting once the dwell is over
+    costly = _write_table(tmp_path / "costly.json", probe, 1e-3, 5e-3)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(costly)),
+              **KW)  # fmt: skip
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    counters = llm.get_metrics()["drafting_policy"]
+    assert counters["steps_not_drafting"] > counters["steps_drafting"] > 0, counters
+    # a full block as cheap as a plain step: always drafting
+    cheap = _write_table(tmp_path / "cheap.json", probe, 1e-3, 1e-3)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(cheap)),
+              **KW)  # fmt: skip
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.get_metrics()["drafting_policy"].get("steps_not_drafting", 0) == 0
+
+
+def test_a_table_of_another_engine_fails_closed(tiny_vocab_dir, drafter, tmp_path, caplog):
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    path = _write_table(tmp_path / "t.json", probe, 1e-3, 5e-3)
+    raw = json.loads(path.read_text())
+    raw["fingerprint"]["gpu"] = "NVIDIA H200"
+    path.write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="dspark.engine.engine"):
+        llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(path)),
+                  **KW)  # fmt: skip
+    assert "fingerprint mismatch on gpu" in caplog.text and "fixed K" in caplog.text
+    llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    counters = llm.get_metrics()["drafting_policy"]
+    assert counters.get("steps_not_drafting", 0) == 0
+    assert any(k.startswith("cost_table_refused: fingerprint mismatch on gpu") for k in counters)
+    assert counters["decision_no_table"] > 0
+
+
+def test_profile_cli_writes_a_table_the_engine_accepts(tiny_vocab_dir, drafter, tmp_path):
+    out = tmp_path / "cost.json"
+    spec = json.dumps(_spec(drafter))
+    rc = cli_main(["profile", "--model", str(tiny_vocab_dir), "--device", "cpu", "--dtype",
+                   "float32", "--max-model-len", "256", "--batch", "1,2", "--steps", "5",
+                   "--warmup", "1", "--speculative-config", spec, "--out", str(out)])  # fmt: skip
+    if rc == 1:  # refused: the tiny model's steps were too alike to choose between
+        assert not out.exists()
+        return
+    assert rc == 0
+    table = parse_table(out.read_text())
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(out)), **KW)
+    assert llm.engine.policy.table is not None and sorted(table.cells) == [1, 2]

@@ -88,15 +88,14 @@ class ModelRunner:
         self.graphs = None
         self.spec_runner = None
         if spec is not None:
-            # Fixed-K windows replay captured speculative steps. Plain decode steps (every row
-            # opted out or near its end) run eagerly: the decode graphs do not produce the
-            # drafter's tap features yet.
+            # Fixed-K windows replay captured speculative steps; plain decode steps (drafting
+            # off, every row opted out) replay decode graphs that also feed the drafter's
+            # context, so drafting can resume on an up-to-date cache.
             ladder = self.graph_sizes if capture_graphs else []
             self.spec_runner = SpecRunner(
                 spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder
             )
-            self.graph_sizes = []
-        elif self.graph_sizes and capture_graphs:
+        if self.graph_sizes and capture_graphs:
             self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
 
     # ---- staging --------------------------------------------------------------------------
@@ -157,7 +156,11 @@ class ModelRunner:
         b.np("logits_indices")[:n] = logits_idx
         graph_size = self._graph_size(plan)
         width = 1
-        if graph_size is None and self.spec_runner is not None:
+        if (
+            graph_size is None
+            and self.spec_runner is not None
+            and any(r.num_draft for r in plan.rows)
+        ):
             graph_size = self.spec_runner.graph_size(plan)
             width = 1 + self.spec.num_verify
         if graph_size is not None:  # pad to the captured size; every token is scored
@@ -198,9 +201,9 @@ class ModelRunner:
 
     def _graph_size(self, plan: StepPlan) -> int | None:
         """The captured size a pure-decode step pads to, or None (eager, reason counted)."""
-        if not self.graph_sizes:
-            return None
-        if not all(r.num_tokens == 1 and r.do_sample and not r.num_draft for r in plan.rows):
+        if not self.graph_sizes or any(r.num_draft for r in plan.rows):
+            return None  # (a step with windows is the speculative runner's to count)
+        if not all(r.num_tokens == 1 and r.do_sample for r in plan.rows):
             self.stats["eager_steps_not_decode"] += 1
             return None
         i = bisect.bisect_left(self.graph_sizes, len(plan.rows))
@@ -210,7 +213,14 @@ class ModelRunner:
         return self.graph_sizes[i]
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
-        return self._run_model(layout).logits
+        """A plain step's logits; with speculation, its tokens also join the drafter's context
+        (pad rows write to the scratch page)."""
+        if self.spec is None:
+            return self._run_model(layout).logits
+        out = self._run_model(layout, self.spec.taps)
+        b, t = self.buffers, layout.num_tokens
+        self.spec.append_context(out.hidden_states, b.positions[:t], b.slot_mapping[:t])
+        return out.logits
 
     def _run_model(self, layout: StepLayout, hidden_layers: tuple[int, ...] = ()):
         b = self.buffers
@@ -246,13 +256,9 @@ class ModelRunner:
         elif graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(graph_size)
             self.stats["graph_steps"] += 1
-        else:
-            out = self._run_model(layout, self.spec.taps if self.spec else ())
-            logits = out.logits
+        else:  # (plain rows feed the drafter's context too)
+            logits = self._forward(layout)
             self.stats["eager_steps"] += 1
-            if self.spec is not None:  # plain rows feed the drafter's context too
-                b, t = self.buffers, layout.num_tokens
-                self.spec.append_context(out.hidden_states, b.positions[:t], b.slot_mapping[:t])
         plain, logit_row = [], 0
         for i, row in enumerate(plan.rows):
             if row.num_draft:

@@ -44,3 +44,30 @@ def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
             stats = llm.engine.runner.stats
             assert stats["spec_graph_steps"] > 0, dict(stats)
     assert runs[True] == runs[False]
+
+
+def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, vocab_drafter):
+    """Drafting switched off and on every few steps (as the drafting policy does): plain steps
+    replay decode graphs that append the drafter's context, so the drafts after them, and so
+    the acceptance counters, equal the eager run's."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
+                  max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
+                  speculative_config={"model": str(vocab_drafter)})  # fmt: skip
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS12):
+            engine.add_request(str(i), prompt, params)
+        done, step = {}, 0
+        while engine.has_unfinished_requests():
+            engine.scheduler.drafting = (step // 3) % 2 == 0
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        runs[graphs] = (done, engine.get_metrics()["num_accepted_tokens"])
+        if graphs:
+            stats = engine.runner.stats
+            assert stats["graph_steps"] > 0 and stats["spec_graph_steps"] > 0, dict(stats)
+    assert runs[True] == runs[False]

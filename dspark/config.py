@@ -37,6 +37,7 @@ class EngineConfig:
     # GPU's); off, or with speculation for now, every step waits for its own results
     async_scheduling: bool = True
     seed: int = 0  # draws the seeds of requests that set none
+    log_stats_interval_s: float = 10.0  # the periodic stats log line (engine/stats_log.py); 0: off
     # {"method": "dspark", "model": PATH, "num_speculative_tokens": K}; None: no speculation
     speculative_config: dict | None = field(default=None, hash=False)
 

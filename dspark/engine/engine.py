@@ -31,6 +31,7 @@ from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
 from dspark.engine.scheduler import Scheduler
+from dspark.engine.stats_log import StatsLogger
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
@@ -122,6 +123,7 @@ class LLMEngine:
             spec=self.spec,
         )
         self._drafter_dir, self._target_hash = drafter_dir, target_hash
+        self.stats_log = StatsLogger(config.log_stats_interval_s)
         self.policy = self._build_policy()
         self.eos_token_id = (
             model_config.eos_token_ids[0]
@@ -218,8 +220,18 @@ class LLMEngine:
         drafts = m.get("num_drafts", 0)
         m["mean_acceptance_length"] = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else 0
         m["num_accepted_tokens_per_pos"] = list(self.spec.accepted_per_position)
+        m["verify_len_counts"] = list(self.spec.verify_len_counts)
+        m["predicted_survival_per_pos"] = list(self.spec.predicted_survival)
+        m["realised_survival_per_pos"] = list(self.spec.realised_survival)
+        m["drafting"] = int(self.scheduler.drafting)
+        stats = self.runner.stats
+        fallbacks = {k.removeprefix("eager_spec_steps_"): n for k, n in stats.items()
+                     if k.startswith("eager_spec_steps_")}  # fmt: skip
         if self.policy is not None:
             m["drafting_policy"] = dict(self.policy.counters)
+            if self.policy.counters["decision_no_table"]:
+                fallbacks["no_cost_table"] = self.policy.counters["decision_no_table"]
+        m["fallbacks"] = fallbacks
         return m
 
     # ---- requests -------------------------------------------------------------------------
@@ -350,6 +362,11 @@ class LLMEngine:
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)
         now = time.monotonic()
+        stats = self.stats_log
+        stats.prompt_tokens += sum(max(0, min(r.end, r.request.num_prompt_tokens) - r.start)
+                                   for r in plan.rows)  # fmt: skip
+        stats.generation_tokens += sum(count for _, _, count in emitted)
+        stats.maybe_log(self)
         outputs = []
         for req, first, count in emitted:
             if req.first_token_time is None:

@@ -144,8 +144,7 @@ class SpecRunner:
         step.window_rows = window_rows
         step.verify_len = [plan.rows[i].num_draft for i in window_rows]
         step.verified = to_host((out.tokens[:R], out.num_accepted[:R]))
-        wants_confidence = self.spec.observers or self.confidence_sinks
-        if wants_confidence and out.confidence_logits is not None:
+        if out.confidence_logits is not None:  # (R x K floats: the metrics' survivals too)
             step.confidence = to_host(out.confidence_logits[:R].float())
         cu = layout.cu_num_tokens_cpu
         widths = [cu[i + 1] - cu[i] for i in window_rows]  # window tokens in window_logits

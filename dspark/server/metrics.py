@@ -66,6 +66,14 @@ SPEC_METRICS = (
                "Drafted positions verified per window."),
     SpecMetric("fallbacks", "dspark:spec_decode_fallbacks", "by_label",
                "Steps that fell back (no graph, no cost table, ...), by reason.", "reason"),
+    SpecMetric("drafting", "dspark:spec_decode_drafting", "gauge",
+               "1 while steps draft, 0 while the drafting policy has drafting off."),
+    SpecMetric("predicted_survival_per_pos", "dspark:spec_decode_predicted_survival_per_pos",
+               "per_position", "Calibrated survival predicted, summed over full-block windows.",
+               "position"),
+    SpecMetric("realised_survival_per_pos", "dspark:spec_decode_realised_survival_per_pos",
+               "per_position", "Full-block windows whose drafts 1..position were all accepted.",
+               "position"),
 )  # fmt: skip
 
 

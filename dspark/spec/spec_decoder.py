@@ -78,6 +78,11 @@ class SpecDecoder:
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len
+        self.verify_len_counts = [0] * (self.num_verify + 1)  # windows by verify_len
+        # calibration in production: over full-block windows, the calibrated survival each
+        # position was predicted (summed) next to how often it was realised (drafts 1..k kept)
+        self.predicted_survival = [0.0] * self.num_verify
+        self.realised_survival = [0] * self.num_verify
         # called once per verified step with (verify_len, num_accepted, raw confidence logits
         # [R, K] on the host), live windows in plan order: calibration records through this
         self.observers: list[Callable[[list[int], list[int], torch.Tensor | None], None]] = []
@@ -196,7 +201,24 @@ class SpecDecoder:
             observe(verify_len, num_accepted, confidence_logits)
         self.metrics["num_drafts"] += len(verify_len)
         self.metrics["num_draft_tokens"] += sum(verify_len)
+        self.metrics["num_verified_tokens"] += len(verify_len) + sum(verify_len)
         self.metrics["num_accepted_tokens"] += sum(num_accepted)
         for n in num_accepted:
             for k in range(n):
                 self.accepted_per_position[k] += 1
+        for v in verify_len:
+            self.verify_len_counts[v] += 1
+        if confidence_logits is not None:
+            self._record_survival(verify_len, num_accepted, confidence_logits)
+
+    def _record_survival(self, verify_len, num_accepted, confidence_logits) -> None:
+        K = self.num_verify
+        full = [j for j, v in enumerate(verify_len) if v == K]
+        if not full:
+            return
+        temps = self.confidence_temperatures[:K].cpu()
+        a = torch.sigmoid(confidence_logits[full, :K].float() / temps).cumprod(dim=-1).sum(0)
+        self.metrics["num_survival_windows"] += len(full)
+        for k in range(K):
+            self.predicted_survival[k] += float(a[k])
+            self.realised_survival[k] += sum(num_accepted[j] > k for j in full)

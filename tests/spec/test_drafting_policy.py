@@ -160,3 +160,29 @@ def test_profile_cli_writes_a_table_the_engine_accepts(tiny_vocab_dir, drafter, 
     table = parse_table(out.read_text())
     llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(out)), **KW)
     assert llm.engine.policy.table is not None and sorted(table.cells) == [1, 2]
+
+
+def test_speculation_metrics_add_up(tiny_vocab_dir, drafter):
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    m = llm.get_metrics()
+    assert sum(m["verify_len_counts"]) == m["num_drafts"] > 0
+    assert sum(i * n for i, n in enumerate(m["verify_len_counts"])) == m["num_draft_tokens"]
+    assert m["num_verified_tokens"] == m["num_drafts"] + m["num_draft_tokens"]
+    windows = m["num_survival_windows"]
+    assert 0 < windows <= m["num_drafts"] and m["drafting"] == 1
+    pred, real = m["predicted_survival_per_pos"], m["realised_survival_per_pos"]
+    assert all(0 <= p <= windows for p in pred) and pred == sorted(pred, reverse=True)
+    assert all(r <= a for r, a in zip(real, m["num_accepted_tokens_per_pos"], strict=False))
+    assert real == sorted(real, reverse=True) and m["fallbacks"] == {}
+
+
+def test_periodic_stats_line(tiny_vocab_dir, drafter, caplog):
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), log_stats_interval_s=1e-9,
+              **KW)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="dspark.engine.stats"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "dspark.engine.stats"]
+    assert lines and all(line.startswith("dspark stats: running ") for line in lines)
+    assert any("acceptance length" in line and "drafting on" in line for line in lines)
+    assert any("prompt " in line and "generation " in line and "KV " in line for line in lines)

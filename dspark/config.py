@@ -34,7 +34,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
     # schedule and launch step N+1 before reading step N's tokens back (host work overlaps the
-    # GPU's); off, or with speculation for now, every step waits for its own results
+    # GPU's); off, or for a step that drafts, the step waits for its own results
     async_scheduling: bool = True
     seed: int = 0  # draws the seeds of requests that set none
     log_stats_interval_s: float = 10.0  # the periodic stats log line (engine/stats_log.py); 0: off

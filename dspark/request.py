@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 from dspark.sampling_params import SamplingParams
@@ -10,6 +11,8 @@ from dspark.sampling_params import SamplingParams
 # A sampled token whose value is still on the device (async scheduling): the scheduler counts it,
 # the runner feeds it to the next step from the device, the step's results replace it.
 PENDING_TOKEN = -1
+
+_serials = itertools.count()  # one per Request object: ids may be reused once a request ends
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +62,7 @@ class Request:
     num_accepted_tokens: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
+    serial: int = field(default_factory=lambda: next(_serials), init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

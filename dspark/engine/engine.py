@@ -5,7 +5,8 @@ step():  plan = scheduler.schedule()      # who runs, how many tokens, which pag
          sampled = runner.execute(plan)   # one forward + sampling, one host sync
          return self._update(plan, sampled)  # write tokens, detokenize, stop, free
 
-Async scheduling (the default without speculation) overlaps the host's work with the GPU's:
+Async scheduling (the default; with speculation, while drafting is off) overlaps the host's
+work with the GPU's:
 step N+1 is scheduled and launched before step N's tokens are read back, its decode rows taking
 their input tokens from step N's output on the device; then step N is collected and its tokens
 written, detokenized and checked for stops while the GPU runs N+1:
@@ -15,6 +16,10 @@ written, detokenized and checked for stops while the GPU runs N+1:
 
 A request that stops at step N (EOS, stop string) already has a row in N+1; that row's token
 is dropped. Outputs therefore reach the caller one step after their token was computed.
+
+A step that drafts runs synchronously: its windows need their anchors on the host, and what
+they emit is known only after verification. When drafting resumes, the in-flight plain step is
+finished before the drafting step is scheduled.
 """
 
 from __future__ import annotations
@@ -134,8 +139,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
         self._aborted: list[Request] = []
-        # speculation needs each window's anchor on the host: it runs synchronously for now
-        self.async_scheduling = config.async_scheduling and self.spec is None
+        # with speculation, steps run asynchronously only while drafting is off (see step())
+        self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
@@ -317,17 +322,22 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.async_scheduling:
-            return self._step_async()
         if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
             running = [r.request_id for r in self.scheduler.running]
             self.scheduler.drafting = self.policy.decide(running).drafting
+        drafting = self.spec is not None and self.scheduler.drafting
+        if self.async_scheduling and not drafting:
+            return self._step_async()
+        # synchronous: a step that drafts needs every anchor on the host, and its windows'
+        # tokens are known only after verification (so nothing is scheduled behind it)
+        outputs = self._finish(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return self._collect_aborted()
+            return outputs + self._collect_aborted()
         self.scheduler.advance(plan)
         sampled = self.runner.execute(plan)
-        return self._update(plan, sampled) + self._collect_aborted()
+        return outputs + self._update(plan, sampled) + self._collect_aborted()
 
     def _step_async(self) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

@@ -109,9 +109,10 @@ class InputBuffers:
         self.feed_dst_cpu, self.feed_dst = pair(max_num_rows, torch.int64)
         self.feed_src_cpu, self.feed_src = pair(max_num_rows, torch.int64)
         self._pointers = self.data_ptrs()
-        # what each block-table row holds: (request id, its preemption count, pages), so a row
-        # is rewritten only when its request or page count changed (pages only ever grow while
-        # a request runs; a preemption rebuilds them and bumps the count)
+        # what each block-table row holds: (request serial, its preemption count, pages), so a
+        # row is rewritten only when its request or page count changed (pages only ever grow
+        # while a request runs; a preemption rebuilds them and bumps the count). The serial,
+        # not the id: a finished request's id may come back with other pages.
         self._block_row_keys: list[tuple | None] = [None] * max_num_rows
         self._uploaded = UploadFence(device)
 

@@ -144,7 +144,7 @@ class ModelRunner:
                 slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
             cu.append(cu[-1] + end - start)
             seq_lens.append(end)
-            b.write_block_row(i, (req.request_id, req.num_preemptions, len(pages)), pages)
+            b.write_block_row(i, (req.serial, req.num_preemptions, len(pages)), pages)
         b.np("feed_dst")[: len(fed_dst)] = fed_dst
         b.np("feed_src")[: len(fed_src)] = fed_src
         t, num_rows, n = cu[-1], len(plan.rows), len(logits_idx)

@@ -1,0 +1,100 @@
+"""A speculative engine schedules asynchronously while drafting is off and synchronously while it
+drafts; switching between the two every few steps changes no output (CPU, tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from tests.tiny_models import make_tiny_drafter
+
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
+           [6, 2, 8], [10, 11], [7, 7, 1, 2]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_a"), taps=(0,))
+
+
+def _engine(model_dir, drafter, async_scheduling, **kw):
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", async_scheduling=async_scheduling,
+              speculative_config={"model": str(drafter), "num_speculative_tokens": 3},
+              **kw)  # fmt: skip
+    return llm.engine
+
+
+def _run(engine, params, period=3):
+    """Drafting on for `period` steps, off for `period`, ...; every finished output."""
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done, step, launched_ahead = {}, 0, 0
+    while engine.has_unfinished_requests():
+        engine.scheduler.drafting = (step // period) % 2 == 0
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.logprobs)
+        launched_ahead += engine._in_flight is not None
+        step += 1
+    return done, launched_ahead
+
+
+def _params(engine):
+    """Stops placed on tokens the requests really produce (from a greedy run)."""
+    probe = {str(i): p for i, p in enumerate(PROMPTS)}
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = {}
+    for rid, prompt in probe.items():
+        engine.add_request(rid, prompt, greedy)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ids[out.request_id] = out.outputs[0].token_ids
+    return [
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ids["0"][4]]),
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ids["1"][1]], min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=13, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=5, seed=5, max_tokens=20, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, use_speculation=False),
+        SamplingParams(temperature=0, max_tokens=19, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(num_kv_pages=256, max_num_batched_tokens=16, max_num_seqs=8),
+     dict(num_kv_pages=7, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8)],
+    ids=["chunked", "preemption"],
+)  # fmt: skip
+def test_async_plain_steps_between_drafting_steps_change_nothing(tiny_vocab_dir, drafter, kw):
+    sync = _engine(tiny_vocab_dir, drafter, False, **kw)
+    params = _params(sync)
+    expected, ahead = _run(sync, params)
+    assert ahead == 0
+    fast = _engine(tiny_vocab_dir, drafter, True, **kw)
+    got, ahead = _run(fast, params)
+    assert ahead > 0  # plain steps were launched before the previous one was read back
+    assert got.keys() == expected.keys()
+    for rid in expected:
+        g, e = got[rid], expected[rid]
+        assert g[:3] == e[:3], rid
+        assert (g[3] is None) == (e[3] is None)
+        for lg, le in zip(g[3] or [], e[3] or [], strict=True):
+            assert lg.keys() == le.keys()
+            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
+    assert fast.spec.metrics["num_drafts"] > 0
+    assert fast.allocator.num_free == fast.allocator.num_usable
+    if kw["num_kv_pages"] == 7:
+        assert fast.scheduler.num_preemptions > 0
+
+
+def test_greedy_equals_plain_decoding_across_mode_switches(tiny_vocab_dir, drafter):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (11, 25, 7, 16, 30, 9, 12, 20)]  # fmt: skip
+    plain = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=256)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    got, _ = _run(_engine(tiny_vocab_dir, drafter, True, num_kv_pages=256), params, period=2)
+    assert [got[str(i)][0] for i in range(len(PROMPTS))] == want

@@ -4,6 +4,7 @@ drafts; switching between the two every few steps changes no output (CPU, tiny m
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dspark import LLM, SamplingParams
 from tests.tiny_models import make_tiny_drafter
@@ -98,3 +99,32 @@ def test_greedy_equals_plain_decoding_across_mode_switches(tiny_vocab_dir, draft
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     got, _ = _run(_engine(tiny_vocab_dir, drafter, True, num_kv_pages=256), params, period=2)
     assert [got[str(i)][0] for i in range(len(PROMPTS))] == want
+
+
+def test_sampling_across_mode_switches_keeps_the_target_distribution(tiny_vocab_dir, drafter):
+    """Tokens 2 and 3 of 4,000 seeded requests while drafting flips every step (async plain
+    steps between synchronous drafting ones): their joint law is the target's (chi-square)."""
+    from tests.helpers import chi2_critical_001
+    from tests.spec.test_spec_engine import _exact_pair_distribution
+
+    n, prompt = 4000, [2, 3, 4]
+    engine = _engine(tiny_vocab_dir, drafter, True, num_kv_pages=2048, max_num_seqs=64)
+    for s in range(n):
+        engine.add_request(str(s), prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=3,
+                                                          ignore_eos=True))  # fmt: skip
+    outs, step = {}, 0
+    while engine.has_unfinished_requests():
+        engine.scheduler.drafting = step % 2 == 0
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        step += 1
+    assert engine.spec.metrics["num_accepted_tokens"] > 0
+    pairs = torch.tensor([o[1] * 12 + o[2] for o in outs.values()])
+    counts = torch.bincount(pairs, minlength=144).float()
+    expected = _exact_pair_distribution(engine.model, prompt, 1.0, 1.0) * n
+    assert counts[expected == 0].sum() == 0
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    assert stat < chi2_critical_001(int(keep.sum()) - 1), stat

@@ -222,6 +222,9 @@ def _spec_delta(before: dict, after: dict) -> dict:
     d["mean_acceptance_length"] = (
         1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
     )
+    if "drafting_policy" in after:  # steps with and without drafting at this level
+        b, a = before.get("drafting_policy", {}), after["drafting_policy"]
+        d["drafting_policy"] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}
     return d
 
 

@@ -25,3 +25,18 @@ def full_logits(model, token_ids: list[int], page_size: int = 16, hidden_layers=
 def chi2_critical_001(dof: int) -> float:
     """Chi-square critical value at significance 0.001 (Wilson-Hilferty, z = 3.09)."""
     return dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def assert_matches_distribution(counts, expected) -> None:
+    """Chi-square goodness of fit at the 0.1% level: observed counts [N] against expected counts
+    [N] (same total). Outcomes the law forbids must never occur; cells expected below 5 are
+    pooled into one."""
+    assert counts[expected == 0].sum() == 0, "an outcome of probability 0 occurred"
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    dof = int(keep.sum()) - 1
+    crit = chi2_critical_001(dof)
+    assert stat < crit, (stat, dof, crit)

@@ -74,6 +74,8 @@ def add_train_parsers(subparsers) -> None:
     g.add_argument("--total-steps", type=int, default=0, help="0: fill --train-minutes")
     g.add_argument("--train-minutes", type=float, default=16.0, help="budget when steps are 0")
     g.add_argument("--save-every", type=int, default=500)
+    g.add_argument("--init-from", default=None,
+                   help="start from this drafter's weights (e.g. the shipped one)")  # fmt: skip
     g = t.add_argument_group("calibrate and evaluate")
     g.add_argument("--calib-prompts-per-source", type=int, default=64)
     g.add_argument("--calib-temperature", type=float, default=1.0)
@@ -120,6 +122,7 @@ def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
             anchors_per_seq=args.anchors_per_seq, max_seq_len=args.max_seq_len, lr=args.lr,
             warmup_steps=args.warmup_steps, total_steps=args.total_steps,
             train_minutes=args.train_minutes, save_every=args.save_every, seed=args.seed,
+            init_from=args.init_from,
         ),
         calib_prompts_per_source=args.calib_prompts_per_source,
         calib_temperature=args.calib_temperature,

@@ -36,7 +36,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
+from dspark.models.dspark_drafter import (
+    CONFIG_FILE,
+    DrafterConfig,
+    DSparkDrafter,
+    read_weights,
+    target_identity,
+)
 from dspark.models.llama import LlamaForCausalLM
 from dspark.train.anchors import Sequence, build_blocks
 from dspark.train.dataset import BatchOrder
@@ -71,6 +77,9 @@ class TrainConfig:
     log_every: int = 25
     seed: int = 0
     loss: LossWeights = field(default_factory=LossWeights)
+    # a drafter directory to start from (its weights; the same architecture and target), e.g.
+    # the shipped drafter, to train further with a new schedule; None: a fresh initialisation
+    init_from: str | None = None
 
     @property
     def use_confidence(self) -> bool:
@@ -116,6 +125,9 @@ def build_drafter(
     )  # fmt: skip
     torch.manual_seed(config.seed)
     drafter = DSparkDrafter(drafter_config, target, weights_hash, backend="torch")
+    if config.init_from is not None:
+        _load_initial_weights(drafter, Path(config.init_from))
+        return drafter.to(target.embed_tokens.weight.device).train()
     with torch.no_grad():
         # MASK starts as a typical token embedding; the Markov bias starts at zero (W2 = 0),
         # so the untrained drafter is a plain DFlash drafter and W1 learns through W2
@@ -124,6 +136,21 @@ def build_drafter(
         if drafter.markov_out is not None:
             drafter.markov_out.weight.zero_()
     return drafter.to(target.embed_tokens.weight.device).train()
+
+
+def _load_initial_weights(drafter: DSparkDrafter, directory: Path) -> None:
+    """Start from a saved drafter: its architecture must be this run's, tensor for tensor."""
+    saved = DrafterConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+    live = drafter.config
+    for name in ("target", "draft_len", "target_layers", "num_layers", "markov_rank",
+                 "use_confidence"):  # fmt: skip
+        if getattr(saved, name) != getattr(live, name):
+            raise ValueError(
+                f"--init-from {directory}: its {name} is {getattr(saved, name)!r}, this run's "
+                f"is {getattr(live, name)!r}"
+            )
+    weights = {k: v.float() for k, v in read_weights(directory).items()}
+    drafter.load_state_dict(weights)
 
 
 class Trainer:

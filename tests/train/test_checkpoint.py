@@ -75,3 +75,20 @@ def test_default_taps_spread_over_depth():
     assert default_taps(30) == (1, 10, 19, 28)  # DSPARK.md 3.1's example for SmolLM2
     assert default_taps(2) == (0, 1)
     assert default_taps(12) == (1, 4, 7, 10)
+
+
+def test_training_can_start_from_a_saved_drafter(tmp_path):
+    target = _target(tmp_path)
+    first = build_drafter(target, HASH, TrainConfig(draft_len=4, markov_rank=8))
+    with torch.no_grad():
+        for p in first.parameters():
+            p.add_(torch.randn_like(p))
+    export_drafter(first, tmp_path / "d")
+    again = build_drafter(target, HASH, TrainConfig(draft_len=4, markov_rank=8,
+                                                    init_from=str(tmp_path / "d")))  # fmt: skip
+    for name, value in first.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], value.to(torch.bfloat16).float())
+    assert again.training and all(p.dtype == torch.float32 for p in again.parameters())
+    with pytest.raises(ValueError, match="its markov_rank is 8, this run's is 16"):
+        build_drafter(target, HASH, TrainConfig(draft_len=4, markov_rank=16,
+                                                init_from=str(tmp_path / "d")))  # fmt: skip

@@ -2,6 +2,7 @@
 # Train the shipped SmolLM2 drafter and its DFlash ablation on one GPU, in calls of <= 10 minutes.
 #
 #   MINUTES=9 bash bench/train_default_drafter.sh      # run it again until it prints "all done"
+#   TRAIN_MINUTES=16 INIT_FROM=dspark/drafters/smollm2_135m_instruct MINUTES=9 bash ...  # further
 #
 # Every call does what is left within MINUTES: regenerate the data, train DSpark (its step count
 # sized to TRAIN_MINUTES of solo GPU time) and, beside it on the same GPU as soon as that count is
@@ -16,7 +17,9 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-6}
 START=$(date +%s)
 # shellcheck disable=SC2206  # TRAIN_ARGS: extra options for every stage (a smoke run: small counts)
 COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --no-progress ${TRAIN_ARGS:-})
-DSPARK=(python3 -m dspark.cli train --work-dir "$WORK/dspark" "${COMMON[@]}")
+# INIT_FROM: start DSpark from a saved drafter (e.g. dspark/drafters/smollm2_135m_instruct)
+DSPARK=(python3 -m dspark.cli train --work-dir "$WORK/dspark" "${COMMON[@]}"
+        ${INIT_FROM:+--init-from "$INIT_FROM"})
 DFLASH=(python3 -m dspark.cli train --work-dir "$WORK/dflash" --data-dir "$WORK/dspark/data"
         --markov-rank 0 "${COMMON[@]}")
 

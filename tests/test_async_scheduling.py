@@ -8,6 +8,8 @@ and stop token ids, stop strings, min_tokens, max_tokens, preemption, abort.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from dspark import LLM, SamplingParams
@@ -100,3 +102,22 @@ def test_abort_while_the_next_step_is_in_flight(tiny_llama_dir):
     )
     assert keep.outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_async_equals_sync_on_random_tight_batches(tiny_vocab_dir, seed):
+    """Random prompts, lengths and frequent stop tokens on a KV cache of 6 pages (preemptions,
+    requests stopping while the next step is in flight): async and sync give the same tokens."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(12) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
+    params = [SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i,
+                             max_tokens=rng.randrange(1, 30),
+                             stop_token_ids=[rng.randrange(12) for _ in range(3)])
+              for i in range(10)]  # fmt: skip
+    kw = dict(num_kv_pages=6, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8)
+    runs = {}
+    for mode in (False, True):
+        llm = _llm(tiny_vocab_dir, mode, **kw)
+        runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+    assert runs[True] == runs[False]

@@ -92,7 +92,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dspark.llm import LLM
-    from dspark.spec.profile import format_table, profile_cost_table, refusal
+    from dspark.spec.cost_table import flatness_reason
+    from dspark.spec.profile import format_table, profile_cost_table
 
     spec = dict(args.speculative_config or {"method": "dspark"})
     if "cost_table" in spec:
@@ -108,7 +109,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         )
     table = profile_cost_table(llm, batches, steps=args.steps, warmup=args.warmup)
     print(format_table(table, llm.engine.spec.num_verify))
-    why = refusal(table)
+    why = flatness_reason(table)
     if why:
         print(f"dspark profile: not writing {args.out}: {why}", file=sys.stderr)
         return 1

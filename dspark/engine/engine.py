@@ -54,13 +54,13 @@ from dspark.spec.spec_decoder import SpecDecoder
 logger = logging.getLogger(__name__)
 
 
-def _drafter_dir(config: EngineConfig, source: ModelSource) -> tuple[Path | None, str]:
-    """The configured drafter's directory (None without speculation) and the target's
-    weights hash: speculative_config's "model", else the drafter shipped for these weights."""
-    target_hash = checkpoint_hash(source)
+def _drafter_dir(config: EngineConfig, source: ModelSource) -> tuple[Path | None, str | None]:
+    """The configured drafter's directory and the target's weights hash (both None without
+    speculation): speculative_config's "model", else the drafter shipped for these weights."""
     spec = config.spec()
     if spec is None:
-        return None, target_hash
+        return None, None
+    target_hash = checkpoint_hash(source)
     path = Path(spec.model) if spec.model else shipped_drafter(target_hash)
     if path is None:
         raise ValueError(
@@ -152,7 +152,9 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _build_spec(self, path: Path | None, target_hash: str, backend: str) -> SpecDecoder | None:
+    def _build_spec(
+        self, path: Path | None, target_hash: str | None, backend: str
+    ) -> SpecDecoder | None:
         if path is None:
             return None
         spec_config = self.config.spec()
@@ -372,11 +374,7 @@ class LLMEngine:
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)
         now = time.monotonic()
-        stats = self.stats_log
-        stats.prompt_tokens += sum(max(0, min(r.end, r.request.num_prompt_tokens) - r.start)
-                                   for r in plan.rows)  # fmt: skip
-        stats.generation_tokens += sum(count for _, _, count in emitted)
-        stats.maybe_log(self)
+        self.stats_log.maybe_log(self)
         outputs = []
         for req, first, count in emitted:
             if req.first_token_time is None:

@@ -90,6 +90,9 @@ class Scheduler:
         self.max_verify = draft_len if max_verify is None else max_verify
         # False: the next schedule() gives no request a window (the drafting policy's choice)
         self.drafting = True
+        # totals since start (the stats line reads their increments)
+        self.num_prompt_tokens_computed = 0  # prompt tokens prefilled (again after preemption)
+        self.num_generated_tokens = 0  # output tokens emitted
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -205,6 +208,8 @@ class Scheduler:
             if row.num_draft:
                 continue
             req = row.request
+            if row.start < req.num_prompt_tokens:  # a prefill chunk
+                self.num_prompt_tokens_computed += min(row.end, req.num_prompt_tokens) - row.start
             req.num_computed_tokens = row.end
             if row.do_sample:
                 req.token_ids.append(PENDING_TOKEN)
@@ -251,6 +256,7 @@ class Scheduler:
                     self.finish(req, *reason)
                     break
             emitted.append((req, first, count))
+            self.num_generated_tokens += count
         return emitted
 
     def _token_stop(

@@ -3,9 +3,9 @@
   dspark stats: running 64, waiting 12, KV 41.3% used, prompt 1,820 tok/s, generation
   35,114 tok/s, acceptance length 2.07, drafting off
 
-Rates are over the interval since the previous line; the acceptance length is over that
-interval's verified windows. One line at most every `interval_s` seconds, from step(), only
-while there is work (an idle engine logs nothing).
+Rates are over the interval since the previous line, from the scheduler's token totals; the
+acceptance length is over that interval's verified windows. One line at most every
+`interval_s` seconds, from step(), only while there is work (an idle engine logs nothing).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ class StatsLogger:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._last = time.monotonic()
-        self.prompt_tokens = 0  # since the last line
-        self.generation_tokens = 0
-        self._windows = self._emitted = 0  # speculative counters at the last line
+        # the counters' values at the last line
+        self._prompt_tokens = self._generated_tokens = self._windows = self._emitted = 0
 
     def maybe_log(self, engine) -> None:
         now = time.monotonic()
@@ -31,10 +30,12 @@ class StatsLogger:
             return
         sched, alloc = engine.scheduler, engine.allocator
         kv_used = 1 - alloc.num_free / alloc.num_usable
+        prompt = sched.num_prompt_tokens_computed - self._prompt_tokens
+        generated = sched.num_generated_tokens - self._generated_tokens
         parts = [
             f"running {len(sched.running)}", f"waiting {len(sched.waiting)}",
-            f"KV {100 * kv_used:.1f}% used", f"prompt {self.prompt_tokens / elapsed:,.0f} tok/s",
-            f"generation {self.generation_tokens / elapsed:,.0f} tok/s",
+            f"KV {100 * kv_used:.1f}% used", f"prompt {prompt / elapsed:,.0f} tok/s",
+            f"generation {generated / elapsed:,.0f} tok/s",
         ]  # fmt: skip
         if engine.spec is not None:
             m = engine.spec.metrics
@@ -45,4 +46,6 @@ class StatsLogger:
             parts.append(f"drafting {'on' if sched.drafting else 'off'}")
             self._windows, self._emitted = windows, emitted
         logger.info("dspark stats: %s", ", ".join(parts))
-        self._last, self.prompt_tokens, self.generation_tokens = now, 0, 0
+        self._last = now
+        self._prompt_tokens = sched.num_prompt_tokens_computed
+        self._generated_tokens = sched.num_generated_tokens

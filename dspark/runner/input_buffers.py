@@ -59,6 +59,9 @@ class StepLayout:
     cu_num_tokens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
     num_fed: int = 0  # input tokens fed from the previous step's output on the device
+    # every row a window of this many tokens (a step laid out for a speculative graph; short
+    # windows padded, see SpecRunner); None: each window is its verify_len + 1
+    window_width: int | None = None
 
 
 def staging_pair(shape, dtype: torch.dtype, device: torch.device):

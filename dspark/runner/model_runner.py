@@ -161,7 +161,7 @@ class ModelRunner:
             and self.spec_runner is not None
             and any(r.num_draft for r in plan.rows)
         ):
-            graph_size = self.spec_runner.graph_size(plan)
+            graph_size = self.spec_runner.graph_size(plan, window_width)
             width = 1 + self.spec.num_verify
         if graph_size is not None:  # pad to the captured size; every token is scored
             pad = graph_size - num_rows
@@ -171,7 +171,8 @@ class ModelRunner:
             seq_lens += [width] * pad
             t, num_rows = t + pad * width, graph_size
             n = t
-        layout = StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens), num_fed=len(fed_dst))
+        layout = StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens), num_fed=len(fed_dst),
+                            window_width=window_width)  # fmt: skip
         return layout, graph_size
 
     @torch.inference_mode()

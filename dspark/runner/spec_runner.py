@@ -15,6 +15,7 @@ reason is counted.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -64,11 +65,12 @@ class SpecRunner:
             return None
         return width
 
-    def graph_size(self, plan: StepPlan) -> int | None:
-        """The captured size a fixed-K speculative step pads to, or None (eager, counted)."""
+    def graph_size(self, plan: StepPlan, window_width: int | None) -> int | None:
+        """The captured size a fixed-K speculative step (laid out with window_width, from
+        window_width(plan)) pads to, or None (eager, the reason counted)."""
         if self.graphs is None:
             return None
-        if self.window_width(plan) is None:
+        if window_width is None:
             self.stats["eager_spec_steps_not_all_windows"] += 1
             return None
         if any(r.num_draft < self.spec.num_verify for r in plan.rows):
@@ -98,7 +100,7 @@ class SpecRunner:
                 seed=req.seed,
             ))  # fmt: skip
         mode = SamplingMode.of(rows, self.vocab_size)
-        width = self.window_width(plan)
+        width = layout.window_width
         if graph_size is not None:  # every plan row is a window: pad rows follow them
             self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)], window_width=width)
             self.stats["spec_graph_steps"] += 1
@@ -197,8 +199,8 @@ class SpecRunner:
         owner = torch.repeat_interleave(
             torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev), output_size=total
         )
-        packed = torch.tensor([sum(lens[:j]) for j in range(len(lens))], device=dev)
-        start = torch.tensor([sum(widths[:j]) for j in range(len(widths))], device=dev)
+        packed = torch.tensor([0, *itertools.accumulate(lens[:-1])], device=dev)
+        start = torch.tensor([0, *itertools.accumulate(widths[:-1])], device=dev)
         offset = torch.arange(total, device=dev) - packed[owner]
         tokens = out.tokens[owner, offset]  # [Tw] the token each window row would emit
         logits = out.window_logits[start[owner] + offset]

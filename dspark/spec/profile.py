@@ -18,7 +18,7 @@ import time
 
 from dspark.llm import LLM
 from dspark.sampling_params import SamplingParams
-from dspark.spec.cost_table import CostTable, flatness_reason, full_block_tokens
+from dspark.spec.cost_table import CostTable, full_block_tokens
 
 
 def _median_step(llm: LLM, steps: int, warmup: int) -> float:
@@ -84,8 +84,3 @@ def format_table(table: CostTable, draft_len: int) -> str:
         plain, full = row[g], row[full_block_tokens(g, draft_len)]
         rows.append(f"{g:>5} {plain * 1e3:>10.3f} {full * 1e3:>9.3f} {full / plain:>14.2f}")
     return "\n".join(rows)
-
-
-def refusal(table: CostTable) -> str | None:
-    """Why this table must not be written (flat: nothing to choose), or None."""
-    return flatness_reason(table)

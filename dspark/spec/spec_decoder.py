@@ -75,6 +75,7 @@ class SpecDecoder:
         self.calibrated = confidence_temperatures is not None
         temps = confidence_temperatures or [1.0] * self.draft_len
         self.confidence_temperatures = torch.tensor(temps, dtype=torch.float32, device=device)
+        self._temperatures_host = torch.tensor(temps[: self.num_verify], dtype=torch.float32)
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len
@@ -216,9 +217,11 @@ class SpecDecoder:
         full = [j for j, v in enumerate(verify_len) if v == K]
         if not full:
             return
-        temps = self.confidence_temperatures[:K].cpu()
-        a = torch.sigmoid(confidence_logits[full, :K].float() / temps).cumprod(dim=-1).sum(0)
+        logits = confidence_logits[full, :K].float()
+        predicted = torch.sigmoid(logits / self._temperatures_host).cumprod(dim=-1).sum(0)
+        accepted = torch.tensor([num_accepted[j] for j in full])
+        realised = (accepted[:, None] > torch.arange(K)[None, :]).sum(0)  # drafts 1..k kept
         self.metrics["num_survival_windows"] += len(full)
-        for k in range(K):
-            self.predicted_survival[k] += float(a[k])
-            self.realised_survival[k] += sum(num_accepted[j] > k for j in full)
+        for k, (p, r) in enumerate(zip(predicted.tolist(), realised.tolist(), strict=True)):
+            self.predicted_survival[k] += p
+            self.realised_survival[k] += r

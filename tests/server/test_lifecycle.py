@@ -188,6 +188,7 @@ def test_dspark_serve_finishes_in_flight_requests_on_sigterm(long_llama_dir, tmp
     (tmp_path / "serve.yaml").write_text(
         f"model: {long_llama_dir}\ndevice: cpu\ndtype: float32\nmax-model-len: 2048\n"
         "num_kv_pages: 256\napi-key: from-file\nserved-model-name: yaml-name\nport: 1\n"
+        "shutdown-timeout-s: 300\n"  # the 1,500-token stream must finish on a loaded CPU too
     )
     port = free_port()
     process = subprocess.Popen(

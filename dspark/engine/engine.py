@@ -166,19 +166,24 @@ class LLMEngine:
                 f"num_speculative_tokens {k} exceeds the drafter's draft_len {draft_len} "
                 f"({path}); allowed 1..{draft_len}"
             )
-        temperatures = None
+        temperatures = greedy_temperatures = None
         if drafter.config.use_confidence:
             temperatures = load_calibration(path, draft_len)
+            greedy_temperatures = load_calibration(path, draft_len, greedy=True)
             if temperatures is None:
                 logger.warning("speculation: %s has no %s: its confidences are used "
                                "uncalibrated (T = 1)", path, CALIBRATION_FILE)  # fmt: skip
+            elif greedy_temperatures is None:
+                logger.info("speculation: %s has no greedy calibration: greedy requests use "
+                            "the sampled fit", CALIBRATION_FILE)  # fmt: skip
         kv = allocate_kv_caches(
             self.model_config, self.kv_plan.num_pages, self.config.page_size, self.dtype,
             self.device, num_layers=drafter.config.num_layers,
         )  # fmt: skip
         spec = SpecDecoder(drafter, kv, self.config.page_size, self.device, num_verify=k,
                            max_rows=self.config.max_num_seqs,
-                           confidence_temperatures=temperatures)  # fmt: skip
+                           confidence_temperatures=temperatures,
+                           greedy_confidence_temperatures=greedy_temperatures)  # fmt: skip
         logger.info("speculation: DSpark drafter %s%s, K = %d verified of %d drafted%s", path,
                     "" if spec_config.model else " (shipped for this target)", k, draft_len,
                     ", STS-calibrated confidence" if temperatures else "")  # fmt: skip
@@ -206,8 +211,9 @@ class LLMEngine:
             table = None
         else:
             table, reason = load_cost_table(spec_config.cost_table, self.cost_fingerprint())
-        temps = spec.confidence_temperatures[: spec.num_verify]
-        policy = DraftingPolicy(table, temps, spec.num_verify, spec_config.min_gain)
+        policy = DraftingPolicy(
+            table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain
+        )
         if table is None or policy.table is None:
             reason = reason or "it has no G with both a plain and a full-block cell"
             logger.warning("speculation: cost table %s not used (%s): every step drafts the full "

@@ -52,9 +52,9 @@ class SpecRunner:
         self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes) if sizes else None
         # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
         self.uniform_windows = self.graphs is not None
-        # called after each speculative step's sync with the windows' request ids and raw
-        # confidence logits [R, K] (host): the drafting policy's lagged survivals
-        self.confidence_sinks: list[Callable[[list[str], torch.Tensor], None]] = []
+        # called after each speculative step's sync with the windows' request ids, raw
+        # confidence logits [R, K] (host) and greedy flags: the drafting policy's survivals
+        self.confidence_sinks: list[Callable[[list[str], torch.Tensor, list[bool]], None]] = []
 
     def window_width(self, plan: StepPlan) -> int | None:
         """K + 1 if every row of the step is a window laid out at full width, else None."""
@@ -157,11 +157,12 @@ class SpecRunner:
         the counters and observers see the step."""
         plan = step.plan
         emitted, accepted = (x.tolist() for x in step.verified)
-        self.spec.record(step.verify_len, accepted, step.confidence)
+        greedy = [plan.rows[i].request.sampling_params.is_greedy for i in step.window_rows]
+        self.spec.record(step.verify_len, accepted, step.confidence, greedy)
         if step.confidence is not None:
             ids = [plan.rows[i].request.request_id for i in step.window_rows]
             for sink in self.confidence_sinks:
-                sink(ids, step.confidence)
+                sink(ids, step.confidence, greedy)
         wlp = None
         if step.window_logprobs is not None:
             wlp = [x.tolist() for x in step.window_logprobs]

@@ -10,16 +10,20 @@ the two cells of the step's graph size G that the engine can run today:
 
 with a[r, j] the calibrated survivals of each running request's last verified block (at least
 one step old: the drafts they describe are already verified, so the choice cannot depend on the
-tokens it admits; DSPARK.md 6.3). A request with no survivals yet (just admitted, preempted,
-never drafted) counts as fully confident: a = 1. While drafting is off nothing refreshes the
-survivals, so each request keeps the last ones it had: under steady load the choice is steady.
+tokens it admits; DSPARK.md 6.3), computed with the greedy calibration for greedy requests. Only
+each request's sum over j is kept. A request with no survivals yet (just admitted, preempted,
+never drafted), or whose survivals are older than stale_after_steps steps, counts as fully
+confident: a = 1, a sum of K. While drafting is off nothing refreshes the survivals, so under
+steady load the choice is steady; load that falls (a smaller G, where the full block costs
+relatively less), new requests and stale rows bring drafting back.
 
-Flapping is prevented twice over (lagged.choose_cell): the other mode must beat the incumbent by
-(1 + min_gain)^2, and after a switch the mode is held for min_dwell_steps steps. Example, G = 64,
-K = 7, plain 1.0 ms, full 2.4 ms, survivals summing to 1.0 per row: plain 64 / 1.0 = 64 tokens/ms,
-full 64 * 2.0 / 2.4 = 53 tokens/ms, so drafting goes off (64 > 53 * 1.02^2); it comes back only
-when the full block's estimate beats plain by 4%, e.g. when load falls to G = 1 (1.0 vs 1.5 ms:
-2.0 / 1.5 = 1.33 against 1.0 tokens/ms).
+Flapping is prevented twice over. The other mode must beat the incumbent by (1 + min_gain)^2
+(lagged.choose_drafting), and once drafting is off it stays off for at least min_dwell_steps
+steps. Switching drafting off is not delayed: a drafting step costs several plain steps at high
+load, so one step of fresh confidences is enough to stop. Example, G = 64, K = 7, plain 1.1 ms,
+full 4.3 ms, survivals summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, full 64 * 2.3 /
+4.3 = 34 tokens/ms, so drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request gives
+0.87 against 1.15 tokens/ms, and drafting comes back once the dwell has passed.
 
 Trimmed cells (1 < V / G < K + 1) need ragged verify graphs and are not considered yet; a table
 that has them is used for its plain and full-block cells only.
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.spec.cost_table import CostTable, full_block_tokens
-from dspark.spec.lagged import choose_cell, survival
+from dspark.spec.lagged import choose_drafting, survival
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,16 @@ class DraftingPolicy:
     def __init__(
         self,
         table: CostTable | None,  # None: always draft (fixed K), the reason counted
-        temperatures: torch.Tensor,  # [K] STS temperatures (host)
+        temperatures: dict[bool, torch.Tensor],  # greedy? -> [K] STS temperatures (host)
         draft_len: int,  # K verified per full block
         min_gain: float = 0.02,
-        min_dwell_steps: int = 8,
+        min_dwell_steps: int = 8,  # plain steps before drafting may resume
+        stale_after_steps: int = 512,  # survivals older than this count as fully confident
     ) -> None:
         self.draft_len = draft_len
-        self.temperatures = temperatures.float().cpu()
+        self.temperatures = {g: t.float().cpu()[:draft_len] for g, t in temperatures.items()}
         self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
+        self.stale_after_steps = stale_after_steps
         self.table = None
         if table is not None:  # the cells the engine can run: plain and the full block
             cells = {}
@@ -68,19 +74,24 @@ class DraftingPolicy:
         self.sizes = sorted(self.table.cells) if self.table else []
         self.drafting = True
         self._steps_in_mode = 0
-        self._survival: dict[str, torch.Tensor] = {}  # request id -> [K], the last block's
+        self._step = 0  # decisions made: the clock of staleness
+        # request id -> (sum of its last block's K survivals, the step it was observed at)
+        self._survival_sums: dict[str, tuple[float, int]] = {}
         self.counters: Counter[str] = Counter()
 
     # ---- what the step saw ------------------------------------------------------------------
 
-    def observe(self, request_ids: list[str], confidence_logits: torch.Tensor) -> None:
+    def observe(
+        self, request_ids: list[str], confidence_logits: torch.Tensor, greedy: list[bool]
+    ) -> None:
         """After a speculative step's sync: each window's raw confidences [R, K] (host)."""
-        a = survival(confidence_logits[:, : self.draft_len].float(), self.temperatures)
-        for rid, row in zip(request_ids, a, strict=True):
-            self._survival[rid] = row
+        temps = torch.stack([self.temperatures[g] for g in greedy])
+        sums = survival(confidence_logits[:, : self.draft_len].float(), temps).sum(-1)
+        for rid, total in zip(request_ids, sums.tolist(), strict=True):
+            self._survival_sums[rid] = (total, self._step)
 
     def forget(self, request_id: str) -> None:
-        self._survival.pop(request_id, None)
+        self._survival_sums.pop(request_id, None)
 
     # ---- the choice -------------------------------------------------------------------------
 
@@ -91,6 +102,7 @@ class DraftingPolicy:
             self.counters["drafting_switches"] += 1
             self.drafting, self._steps_in_mode = decision.drafting, 0
         self._steps_in_mode += 1
+        self._step += 1
         self.counters[f"steps_{'drafting' if decision.drafting else 'not_drafting'}"] += 1
         self.counters[f"decision_{decision.reason.replace(' ', '_')}"] += 1
         return decision
@@ -100,13 +112,21 @@ class DraftingPolicy:
             return Decision(True, "no table")
         if not request_ids:
             return Decision(self.drafting, "idle")
-        if self._steps_in_mode < self.min_dwell_steps:
-            return Decision(self.drafting, "dwell")
+        if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
+            return Decision(False, "dwell")
         i = bisect.bisect_left(self.sizes, len(request_ids))
         if i == len(self.sizes):
             return Decision(True, "batch beyond the table")
-        ones = torch.ones(self.draft_len)
-        a = torch.stack([self._survival.get(rid, ones) for rid in request_ids])
-        choice = choose_cell(a, self.sizes[i], self.table, self.draft_len, self.min_gain,
-                             drafting_now=self.drafting)  # fmt: skip
+        choice = choose_drafting(len(request_ids), self.survival_sum(request_ids), self.sizes[i],
+                                 self.table, self.draft_len, self.min_gain,
+                                 drafting_now=self.drafting)  # fmt: skip
         return Decision(choice.geometry.drafts, choice.reason)
+
+    def survival_sum(self, request_ids: list[str]) -> float:
+        """Sum of the requests' lagged survivals; missing or stale rows count K (a = 1)."""
+        fresh_since = self._step - self.stale_after_steps
+        total = 0.0
+        for rid in request_ids:
+            seen = self._survival_sums.get(rid)
+            total += seen[0] if seen is not None and seen[1] >= fresh_since else self.draft_len
+        return total

@@ -44,8 +44,9 @@ def cell_geometry(g: int, v: int, num_live: int) -> CellGeometry:
 
 
 def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """[R, K] raw logits, [K] STS temperatures -> [R, K] non-increasing survivals."""
-    return torch.sigmoid(confidence_logits / temperatures[None, :]).cumprod(dim=-1)
+    """[R, K] raw logits, STS temperatures [K] (or [R, K], per row) -> [R, K] non-increasing
+    survivals."""
+    return torch.sigmoid(confidence_logits / temperatures).cumprod(dim=-1)
 
 
 def expected_tokens(a: torch.Tensor, num_drafts: int) -> float:
@@ -78,12 +79,43 @@ def choose_cell(
     estimates cannot flip the mode every step).
     """
     num_live = lagged_survival.shape[0]
+
+    def expected(num_drafts: int) -> float:
+        return expected_tokens(lagged_survival, num_drafts)
+
+    return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now)
+
+
+def choose_drafting(
+    num_live: int,
+    survival_sum: float,  # sum over the live rows of their K lagged survivals
+    g: int,
+    table: CostTable,
+    draft_len: int,
+    min_gain: float = 0.02,
+    drafting_now: bool = True,
+) -> CellChoice:
+    """choose_cell restricted to G's plain and full-block cells, from the survivals' sum.
+
+    The full block verifies every drafted position (D = G K >= R K candidates), so its expected
+    tokens are R + the sum of all survivals; plain decoding's are R. The per-row survivals are
+    not needed, which keeps the choice O(R) on the host.
+    """
     row = table.cells[g]
+    cells = {v: row[v] for v in (g, g * (draft_len + 1)) if v in row}
+
+    def expected(num_drafts: int) -> float:
+        return num_live + (survival_sum if num_drafts > 0 else 0.0)
+
+    return _best_cell(g, cells, num_live, draft_len, expected, min_gain, drafting_now)
+
+
+def _best_cell(g, row, num_live, draft_len, expected, min_gain, drafting_now) -> CellChoice:
+    """Argmax of expected(num_drafts) / seconds over the cells in `row` (V -> seconds)."""
     full = g * (draft_len + 1)
 
     def theta(v: int) -> float:
-        geo = cell_geometry(g, v, num_live)
-        return expected_tokens(lagged_survival, geo.num_drafts) / row[v]
+        return expected(cell_geometry(g, v, num_live).num_drafts) / row[v]
 
     incumbent = full if drafting_now or g not in row else g
     floor = theta(incumbent)

@@ -63,6 +63,7 @@ class SpecDecoder:
         num_verify: int | None = None,  # K verified per window (<= draft_len; default all)
         max_rows: int = 256,  # windows per step at most (the runner's row capacity)
         confidence_temperatures: list[float] | None = None,  # STS T_1..T_K; None: T = 1
+        greedy_confidence_temperatures: list[float] | None = None,  # for greedy rows
     ) -> None:
         self.drafter = drafter
         self.kv_caches = kv_caches
@@ -75,7 +76,13 @@ class SpecDecoder:
         self.calibrated = confidence_temperatures is not None
         temps = confidence_temperatures or [1.0] * self.draft_len
         self.confidence_temperatures = torch.tensor(temps, dtype=torch.float32, device=device)
-        self._temperatures_host = torch.tensor(temps[: self.num_verify], dtype=torch.float32)
+        # the host's survivals (metrics, drafting policy) per row: greedy rows use the greedy
+        # fit where the calibration has one (dspark/spec/calibration.py)
+        self.survival_temperatures = {
+            False: torch.tensor(temps[: self.num_verify], dtype=torch.float32),
+            True: torch.tensor((greedy_confidence_temperatures or temps)[: self.num_verify],
+                               dtype=torch.float32),
+        }  # fmt: skip
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len
@@ -195,6 +202,7 @@ class SpecDecoder:
         verify_len: list[int],
         num_accepted: list[int],
         confidence_logits: torch.Tensor | None = None,  # [R, K] raw, host copy (observers only)
+        greedy: list[bool] | None = None,  # per window: its request samples greedily
     ) -> None:
         """vLLM's counters: drafts (windows), drafted tokens, accepted tokens, per position;
         then every observer sees the step's windows (after the step's host sync)."""
@@ -210,15 +218,24 @@ class SpecDecoder:
         for v in verify_len:
             self.verify_len_counts[v] += 1
         if confidence_logits is not None:
-            self._record_survival(verify_len, num_accepted, confidence_logits)
+            greedy = greedy or [False] * len(verify_len)
+            self._record_survival(verify_len, num_accepted, confidence_logits, greedy)
 
-    def _record_survival(self, verify_len, num_accepted, confidence_logits) -> None:
+    def row_temperatures(self, greedy: list[bool]) -> torch.Tensor:
+        """[R, K] host: each row's STS temperatures, by how its request samples."""
+        temps = self.survival_temperatures
+        if all(greedy) or not any(greedy):
+            return temps[bool(greedy and greedy[0])].expand(len(greedy), -1)
+        return torch.stack([temps[g] for g in greedy])
+
+    def _record_survival(self, verify_len, num_accepted, confidence_logits, greedy) -> None:
         K = self.num_verify
         full = [j for j, v in enumerate(verify_len) if v == K]
         if not full:
             return
         logits = confidence_logits[full, :K].float()
-        predicted = torch.sigmoid(logits / self._temperatures_host).cumprod(dim=-1).sum(0)
+        temps = self.row_temperatures([greedy[j] for j in full])
+        predicted = torch.sigmoid(logits / temps).cumprod(dim=-1).sum(0)
         accepted = torch.tensor([num_accepted[j] for j in full])
         realised = (accepted[:, None] > torch.arange(K)[None, :]).sum(0)  # drafts 1..k kept
         self.metrics["num_survival_windows"] += len(full)

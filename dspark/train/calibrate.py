@@ -14,7 +14,11 @@ calibration.json, beside the drafter's config.json (read with load_calibration):
   {"method": "sts", "draft_len": K, "temperatures": [T_1 .. T_K],
    "ece_before": [K values], "ece_after": [K values], "num_blocks": N,
    "sampling_temperature": the temperature the rollouts sampled at,
-   "num_bins": 20, "grid": {"min": 0.05, "max": 20.0, "size": 256}}
+   "num_bins": 20, "grid": {"min": 0.05, "max": 20.0, "size": 256},
+   "greedy": {the same fields, fitted on greedy rollouts of the same prompts}}
+
+The greedy section is what the engine uses for requests with temperature 0 (a greedy request
+keeps more drafts than a sampled one for the same raw confidence: dspark/spec/calibration.py).
 """
 
 from __future__ import annotations
@@ -109,24 +113,37 @@ def write_calibration(drafter_dir: Path, report: dict) -> Path:
 
 
 def format_ece_table(report: dict) -> str:
-    rows = ["position  T_k     ECE before  ECE after"]
-    for k, (t, b, a) in enumerate(
-        zip(report["temperatures"], report["ece_before"], report["ece_after"], strict=True)
-    ):
-        rows.append(f"{k + 1:>8}  {t:6.3f}  {100 * b:9.2f}%  {100 * a:8.2f}%")
+    sections = [("", report)] + ([("greedy ", report["greedy"])] if "greedy" in report else [])
+    rows = []
+    for name, r in sections:
+        rows.append(f"{name}(rollouts at temperature {r['sampling_temperature']:g})")
+        rows.append("position  T_k     ECE before  ECE after")
+        for k, (t, b, a) in enumerate(
+            zip(r["temperatures"], r["ece_before"], r["ece_after"], strict=True)
+        ):
+            rows.append(f"{k + 1:>8}  {t:6.3f}  {100 * b:9.2f}%  {100 * a:8.2f}%")
     return "\n".join(rows)
 
 
 def calibrate_drafter(
     llm: LLM, drafter_dir: Path, texts: list[str], sampling_temperature: float = 1.0,
-    max_tokens: int = 256, seed: int = 0, progress: bool = True,
+    max_tokens: int = 256, seed: int = 0, progress: bool = True, greedy: bool = True,
 ) -> dict:  # fmt: skip
-    """The calibrate stage: full-block rollouts on `texts`, STS, calibration.json written."""
-    with record_confidences(llm) as recorder:
-        rollout(llm, texts, sampling_temperature, max_tokens, seed, progress)
-    logits, labels = recorder.blocks()
-    report = calibration_report(logits, labels, sampling_temperature)
-    report["num_prompts"] = len(texts)
-    report["num_censored_rows"] = recorder.num_censored
+    """The calibrate stage: full-block rollouts on `texts`, STS, calibration.json written; with
+    `greedy` (and a sampling temperature above 0) also greedy rollouts for the greedy section."""
+
+    def fit(temperature: float) -> dict:
+        with record_confidences(llm) as recorder:
+            rollout(llm, texts, temperature, max_tokens, seed, progress)
+        logits, labels = recorder.blocks()
+        report = calibration_report(logits, labels, temperature)
+        report["num_prompts"] = len(texts)
+        report["num_censored_rows"] = recorder.num_censored
+        return report
+
+    report = fit(sampling_temperature)
+    if greedy and sampling_temperature > 0:
+        section = fit(0.0)
+        report["greedy"] = {k: v for k, v in section.items() if k != "method"}
     write_calibration(drafter_dir, report)
     return report

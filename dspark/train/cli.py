@@ -95,6 +95,8 @@ def add_train_parsers(subparsers) -> None:
     c.add_argument("--prompts-dir", type=Path, default=None, help="default: ../shared/data")
     c.add_argument("--prompts-per-source", type=int, default=64)
     c.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    c.add_argument("--no-greedy", action="store_true",
+                   help="skip the greedy rollouts (calibration.json's greedy section)")  # fmt: skip
     c.add_argument("--max-tokens", type=int, default=256)
     _add_engine_args(c)
     c.set_defaults(func=cmd_calibrate)
@@ -169,7 +171,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               speculative_config={"method": "dspark", "model": str(args.drafter)},
               **_engine_kwargs(args))  # fmt: skip
     report = calibrate_drafter(llm, args.drafter, texts, args.temperature, args.max_tokens,
-                               args.seed, not args.no_progress)  # fmt: skip
+                               args.seed, not args.no_progress,
+                               greedy=not args.no_greedy)  # fmt: skip
     print(f"STS calibration on {report['num_blocks']} full blocks ({len(texts)} prompts), "
           f"written to {args.drafter / 'calibration.json'}:")  # fmt: skip
     print(format_ece_table(report))

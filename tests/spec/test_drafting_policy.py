@@ -20,8 +20,11 @@ K = 7
 TABLE = CostTable({}, {1: {1: 1.0, 8: 1.5}, 64: {64: 1.0, 512: 2.4}})
 
 
-def _policy(table=TABLE, dwell=2):
-    return DraftingPolicy(table, torch.ones(K), K, min_gain=0.02, min_dwell_steps=dwell)
+ONES = {False: torch.ones(K), True: torch.ones(K)}  # uncalibrated, greedy or not
+
+
+def _policy(table=TABLE, dwell=2, **kw):
+    return DraftingPolicy(table, ONES, K, min_gain=0.02, min_dwell_steps=dwell, **kw)
 
 
 def _ids(n):
@@ -34,28 +37,45 @@ def test_unknown_requests_count_as_fully_confident():
     assert p.decide(_ids(64)).drafting
 
 
-def test_drafting_goes_off_under_load_and_back_on_when_it_falls():
+def test_drafting_goes_off_under_load_at_once_and_back_on_after_the_dwell():
     p = _policy(dwell=2)
-    p.observe(_ids(64), torch.zeros(64, K))  # c = 0.5: survivals 0.5, 0.25, ... sum ~ 0.99
-    assert p.decide(_ids(64)).reason == "dwell"  # the start counts as a switch
-    p.decide(_ids(64))
-    d = p.decide(_ids(64))  # 64 * 1.99 / 2.4 = 53 < 64 / 1.0 * 1.02^2
+    p.observe(_ids(64), torch.zeros(64, K), [False] * 64)  # c = 0.5: sum 0.5 + 0.25 .. ~ 0.99
+    d = p.decide(_ids(64))  # 64 * 1.99 / 2.4 = 53 < 64 / 1.0 / 1.02^2: off, no dwell first
     assert (d.drafting, d.reason) == (False, "no drafting")
-    assert p.decide(_ids(64)) == Decision(False, "dwell")  # held for min_dwell_steps
+    assert p.decide(_ids(1)) == Decision(False, "dwell")  # held off for min_dwell_steps
     assert p.decide(_ids(64)) == Decision(False, "no drafting")
     d = p.decide(_ids(1))  # G = 1: 1.99 / 1.5 = 1.33 beats 1.0 by more than 1.02^2
     assert (d.drafting, d.reason) == (True, "full block")
-    assert p.counters["drafting_switches"] == 2
-    assert p.counters["steps_not_drafting"] == 3
+    assert p.decide(_ids(64)) == Decision(False, "no drafting")  # and off again at once
+    assert p.counters["drafting_switches"] == 3
+    assert p.counters["steps_not_drafting"] == 4
+
+
+def test_stale_survivals_count_as_fully_confident():
+    p = _policy(dwell=0, stale_after_steps=3)
+    p.observe(_ids(64), torch.zeros(64, K), [False] * 64)
+    assert [p.decide(_ids(64)).drafting for _ in range(4)] == [False] * 4
+    # observed at step 0; at step 4 they are older than 3 steps: a = 1 again
+    assert p.decide(_ids(64)) == Decision(True, "full block")
+    assert p.survival_sum(_ids(2)) == 2 * K
+
+
+def test_greedy_rows_use_the_greedy_temperatures():
+    temps = {False: torch.ones(K), True: torch.full((K,), 1e-3)}  # greedy: c -> 1 for logit 1
+    p = DraftingPolicy(TABLE, temps, K)
+    p.observe(["s", "g"], torch.ones(2, K), [False, True])
+    sampled = torch.sigmoid(torch.ones(K)).cumprod(0).sum().item()
+    assert p.survival_sum(["s"]) == pytest.approx(sampled)
+    assert p.survival_sum(["g"]) == pytest.approx(K)
 
 
 def test_hysteresis_needs_the_squared_gain_to_switch():
     # plain 1.0, full 1.99 / 1.0 * x: a full block just 3% better than plain while drafting is
     # off does not turn it on (it needs 1.02^2 = 4.04%), 5% does
     for full, expect in ((1.99 / 1.03, False), (1.99 / 1.05, True)):
-        p = DraftingPolicy(CostTable({}, {1: {1: 1.0, 8: full}}), torch.ones(K), K, 0.02, 0)
+        p = DraftingPolicy(CostTable({}, {1: {1: 1.0, 8: full}}), ONES, K, 0.02, 0)
         p.drafting = False
-        p.observe(["r0"], torch.zeros(1, K))
+        p.observe(["r0"], torch.zeros(1, K), [False])
         assert p.decide(["r0"]).drafting is expect
 
 
@@ -69,7 +89,7 @@ def test_no_table_always_drafts_and_trimmed_cells_are_not_runnable():
 
 def test_forgotten_requests_are_fully_confident_again():
     p = _policy(dwell=0)
-    p.observe(_ids(64), torch.full((64, K), -10.0))
+    p.observe(_ids(64), torch.full((64, K), -10.0), [True] * 64)
     assert not p.decide(_ids(64)).drafting
     for rid in _ids(64):
         p.forget(rid)

@@ -74,5 +74,15 @@ def test_calibration_file_round_trip_and_refusals(tmp_path):
     (tmp_path / "calibration.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="finite and > 0"):
         load_calibration(tmp_path, 3)
+    assert load_calibration(tmp_path / "none", 3, greedy=True) is None
+    (tmp_path / "calibration.json").write_text(json.dumps(report))
+    assert load_calibration(tmp_path, 3, greedy=True) is None  # no greedy section
+    greedy = {k: v for k, v in report.items() if k != "method"} | {"temperatures": [2.0] * 3}
+    (tmp_path / "calibration.json").write_text(json.dumps(report | {"greedy": greedy}))
+    assert load_calibration(tmp_path, 3, greedy=True) == [2.0] * 3
+    assert load_calibration(tmp_path, 3) == report["temperatures"]
+    (tmp_path / "calibration.json").write_text(json.dumps(report | {"greedy": [1.0]}))
+    with pytest.raises(ValueError, match='"greedy" must be an object'):
+        load_calibration(tmp_path, 3, greedy=True)
     with pytest.raises(ValueError, match="no full-block verify steps"):
         calibration_report(torch.zeros(0, 3), torch.zeros(0, 3), 1.0)

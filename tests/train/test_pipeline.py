@@ -9,6 +9,7 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.cli import main
+from dspark.spec.calibration import load_calibration
 from dspark.train.data import (
     REGENERATE_DONE_FILE,
     SplitConfig,
@@ -95,6 +96,9 @@ def test_train_calibrate_evaluate_outputs(run):
     assert json.loads((run.work_dir / "train" / "train.json").read_text())["steps"] == 3
     cal = json.loads((drafter / "calibration.json").read_text())
     assert cal["method"] == "sts" and len(cal["temperatures"]) == K and cal["num_blocks"] > 0
+    greedy = cal["greedy"]  # fitted on greedy rollouts of the same prompts
+    assert greedy["sampling_temperature"] == 0.0 and greedy["num_blocks"] > 0
+    assert load_calibration(drafter, K, greedy=True) == greedy["temperatures"]
     results = json.loads((run.work_dir / EVAL_FILE).read_text())
     for temp in ("T=0", "T=1"):
         per_source = results[temp]
@@ -157,6 +161,7 @@ def test_cli_calibrate_and_train_arguments(run, tiny_llama_dir, capsys):
                "--no-progress"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "ECE before" in out and "calibration.json" in out
+    assert "greedy (rollouts at temperature 0)" in out
     rc = main(["train", "--work-dir", str(run.work_dir), "--stage", "regenerate", "--redo"])
     assert rc == 2 and "--redo applies to --stage calibrate or evaluate" in capsys.readouterr().err
     from dspark.cli import build_parser

@@ -10,7 +10,10 @@ steady state with speculation at fixed K, then measured on the live buffers of a
   draft_us    the drafting part alone (block forward, Markov loop, draft scatter), captured
   target_us   the target forward over G * (K + 1) tokens with the tap layers, captured
   rest_us     graph_us - draft_us - target_us: context append + rejection sampling
-and, with speculation off, the plain decode step (decode_step_us, decode_graph_us). With a
+and, with speculation off, the plain decode step (decode_step_us, decode_graph_us), and the
+plain step of the speculative engine with drafting off (spec_plain_step_us, spec_plain_graph_us:
+the decode graph that also appends the drafter's context, what the drafting policy runs at high
+load). With a
 random drafter nothing is accepted: these are costs, and acceptance comes from a trained one.
 break_even_tau = graph_us / decode_graph_us: the mean tokens per window (acceptance length)
 at which the speculative step pays for itself.
@@ -152,8 +155,15 @@ def main() -> None:
     for k in [int(x) for x in args.k.split(",")]:
         spec_cfg = {"method": "dspark", "model": args.drafter, "num_speculative_tokens": k}
         llm = LLM(args.model, speculative_config=spec_cfg, **common)
+        llm.engine.scheduler.drafting = False  # (no cost table: nothing turns it back on)
+        spec_plain = {}
+        for r in profile_decode(llm, batches, args.prompt_len, args.steps):
+            spec_plain[r["batch"]] = {"spec_plain_step_us": r["decode_step_us"],
+                                      "spec_plain_graph_us": r["decode_graph_us"]}  # fmt: skip
+        llm.engine.scheduler.drafting = True
         for row in profile_spec(llm, batches, args.prompt_len, args.steps):
             row.update(decode[row["batch"]])
+            row.update(spec_plain[row["batch"]])
             row["break_even_tau"] = row["graph_us"] / row["decode_graph_us"]
             results.append(row)
         del llm
@@ -163,11 +173,14 @@ def main() -> None:
         with open(args.out, "w") as f:  # after every K: a run cut short keeps what it measured
             json.dump(out, f, indent=1)
     print(f"{'K':>2} {'G':>4} {'step':>7} {'graph':>7} {'draft':>7} {'target':>7} {'rest':>6} "
-          f"{'decode':>7} {'tau*':>5}")  # fmt: skip
+          f"{'decode':>7} {'tau*':>5} {'dec step':>8} {'off step':>8} "
+          f"{'off graph':>9}")  # fmt: skip
     for r in results:
         print(f"{r['k']:>2} {r['batch']:>4} {r['step_us']:>7.0f} {r['graph_us']:>7.0f} "
               f"{r['draft_us']:>7.0f} {r['target_us']:>7.0f} {r['rest_us']:>6.0f} "
-              f"{r['decode_graph_us']:>7.0f} {r['break_even_tau']:>5.2f}")  # fmt: skip
+              f"{r['decode_graph_us']:>7.0f} {r['break_even_tau']:>5.2f} "
+              f"{r['decode_step_us']:>8.0f} {r['spec_plain_step_us']:>8.0f} "
+              f"{r['spec_plain_graph_us']:>9.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

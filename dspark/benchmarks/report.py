@@ -1,4 +1,4 @@
-"""The bench's record: environment, dspark/HF ratios, the JSON file and the terminal table."""
+"""The bench's record: environment, dspark/HF and arm ratios, the JSON file, terminal tables."""
 
 from __future__ import annotations
 
@@ -25,9 +25,44 @@ def ratios(concurrency: tuple[int, ...], dspark: dict | None, hf: dict | None) -
     rows = []
     for c in concurrency:
         d, h = dspark_tok.get(c), hf_tok.get(c)
-        ratio = d / h if d is not None and h is not None else None
-        rows.append({"concurrency": c, "dspark_tok_s": d, "hf_tok_s": h, "ratio": ratio})
+        rows.append({"concurrency": c, "dspark_tok_s": d, "hf_tok_s": h, "ratio": _div(d, h)})
     return rows
+
+
+def arm_ratios(concurrency: tuple[int, ...], arms: dict[str, dict]) -> list[dict]:
+    """Per level: each arm's output tokens/s, over the first arm's (the baseline) and over the
+    best other arm's; None where an arm did not run, or (vs_best_other) there is no other arm.
+
+    e.g. {"concurrency": 4, "output_tokens_per_s": {"plain": 100.0, "k7": 150.0},
+          "vs_first": {"plain": 1.0, "k7": 1.5}, "vs_best_other": {"plain": 0.67, "k7": 1.5}}
+    """
+    by_level = {
+        name: {lv["concurrency"]: lv["output_tokens_per_s"] for lv in measured_levels(arm)}
+        for name, arm in arms.items()
+    }
+    baseline = next(iter(arms))
+    rows = []
+    for c in concurrency:
+        tok_s = {name: levels.get(c) for name, levels in by_level.items()}
+        best_other = {name: _best_other(tok_s, name) for name in tok_s}
+        rows.append(
+            {
+                "concurrency": c,
+                "output_tokens_per_s": tok_s,
+                "vs_first": {name: _div(x, tok_s[baseline]) for name, x in tok_s.items()},
+                "vs_best_other": {name: _div(x, best_other[name]) for name, x in tok_s.items()},
+            }
+        )
+    return rows
+
+
+def _best_other(tok_s: dict[str, float | None], name: str) -> float | None:
+    others = [x for other, x in tok_s.items() if other != name and x is not None]
+    return max(others, default=None)
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None else None
 
 
 def measured_levels(engine_results: dict | None) -> list[dict]:
@@ -105,4 +140,19 @@ def format_table(results: dict) -> str:
             f"{c:>5} {_fmt(row['dspark_tok_s'], '.1f'):>13} {hf_text:>10} "
             f"{_fmt(row['ratio'], '.2f'):>6} {lat[0]:>17} {lat[1]:>17}"
         )
+    return "\n".join(lines)
+
+
+def format_arms_table(results: dict) -> str:
+    """C | each arm's tok/s | each other arm / the first arm (the baseline)."""
+    names = list(results["arms"])
+    first = names[0]
+    headers = [f"{name} tok/s" for name in names] + [f"{name}/{first}" for name in names[1:]]
+    widths = [max(len(h), 8) for h in headers]
+    lines = [f"{'C':>5} " + " ".join(f"{h:>{w}}" for h, w in zip(headers, widths, strict=True))]
+    for row in results["arm_ratios"]:
+        cells = [_fmt(row["output_tokens_per_s"][name], ".1f") for name in names]
+        cells += [_fmt(row["vs_first"][name], ".2f") for name in names[1:]]
+        text = " ".join(f"{cell:>{w}}" for cell, w in zip(cells, widths, strict=True))
+        lines.append(f"{row['concurrency']:>5} {text}")
     return "\n".join(lines)

@@ -149,7 +149,8 @@ def apply_rotary(
         kv_cache[0] if store else k, kv_cache[1] if store else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_H=triton.next_power_of_2(max(num_heads, 1)),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=store, num_warps=1,
         enable_fp_fusion=False,
     )  # fmt: skip
@@ -173,3 +174,21 @@ def rotary_qkv(
     k = qkv[:, q_size : q_size + kv_size].unflatten(1, (num_kv_heads, head_dim))  # [T, nkv, hd]
     v = qkv[:, q_size + kv_size :].unflatten(1, (num_kv_heads, head_dim))  # [T, nkv, hd]
     apply_rotary(q, k, positions, inv_freq, v, kv_cache, slot_mapping)
+
+
+def rotary_kv(
+    kv: torch.Tensor,  # [T, 2 nkv hd], a k/v projection's output (rows may be strided)
+    positions: torch.Tensor,  # [T] int32 or int64
+    inv_freq: torch.Tensor,  # [hd/2] float32
+    num_kv_heads: int,
+    head_dim: int,
+    kv_cache: torch.Tensor,  # [2, num_pages, page_size, nkv, hd] contiguous
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Rotate k IN PLACE and write k and v to the cache, one launch: keys and values of tokens
+    that are never queries (the DSpark drafter's context). rotary_qkv with no query heads."""
+    kv_size = num_kv_heads * head_dim
+    assert kv.dim() == 2 and kv.shape[1] == 2 * kv_size, (kv.shape, kv_size)
+    k = kv[:, :kv_size].unflatten(1, (num_kv_heads, head_dim))  # [T, nkv, hd] view
+    v = kv[:, kv_size:].unflatten(1, (num_kv_heads, head_dim))
+    apply_rotary(k[:, :0], k, positions, inv_freq, v, kv_cache, slot_mapping)

@@ -54,7 +54,14 @@ class Attention(nn.Module):
         T = x.shape[0]
         w = self.qkv_proj.weight[self.q_size :]
         b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
-        k, v = F.linear(x, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        kv = F.linear(x, w, b)  # [T, 2 kv_size]
+        if self.use_triton:  # rotates k in place and stores k, v: one launch
+            from dspark.kernels.rotary_triton import rotary_kv
+
+            rotary_kv(kv, positions, self.rotary.inv_freq, self.num_kv_heads, self.head_dim,
+                      kv_cache, slot_mapping)  # fmt: skip
+            return
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         _, k = self.rotary(positions, k, k)

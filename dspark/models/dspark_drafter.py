@@ -165,7 +165,7 @@ class DSparkDrafter(nn.Module):
         self.target_config = tc
         d = tc.hidden_size
         self.fc = nn.Linear(len(config.target_layers) * d, d, bias=False)
-        self.context_norm = RMSNorm(d, tc.rms_norm_eps)
+        self.context_norm = RMSNorm(d, tc.rms_norm_eps, backend == "triton")
         self.mask_embedding = nn.Parameter(torch.zeros(d))
         rotary = RotaryEmbedding(tc)
         self.layers = nn.ModuleList(

@@ -61,3 +61,27 @@ def test_engine_greedy_triton_backend_equals_torch(tiny_llama_dir, device):
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
     assert got["triton"] == got["torch"]
+
+
+def test_speculative_engine_triton_backend_equals_torch(tiny_vocab_dir, tmp_path, device):
+    """The drafter's triton path (context keys rotated and stored in one launch, the context
+    norm in Triton) drafts what the torch path drafts: same tokens, same acceptance."""
+    from dspark import LLM, SamplingParams
+    from tests.tiny_models import make_tiny_drafter
+
+    drafter = make_tiny_drafter(tiny_vocab_dir, tmp_path / "drafter", taps=(0,))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"model": str(drafter), "num_speculative_tokens": 3}
+    got, caches = {}, {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device=device.type, num_kv_pages=64,
+                  attention_backend=backend, use_cuda_graphs=False,
+                  speculative_config=spec)  # fmt: skip
+        outputs = llm.generate([[2, 3, 4], [5, 6, 7, 8, 9]], params, use_tqdm=False)
+        metrics = llm.get_metrics()
+        got[backend] = ([o.outputs[0].token_ids for o in outputs],
+                        metrics["num_accepted_tokens_per_pos"], metrics["num_drafts"])  # fmt: skip
+        caches[backend] = [kv.clone() for kv in llm.engine.spec.kv_caches]
+    assert got["triton"] == got["torch"] and got["torch"][2] > 0
+    for triton_kv, torch_kv in zip(caches["triton"], caches["torch"], strict=True):
+        torch.testing.assert_close(triton_kv, torch_kv)  # the drafter's context keys/values

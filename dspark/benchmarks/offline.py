@@ -308,6 +308,14 @@ def _spec_delta(before: dict, after: dict) -> dict:
     d["mean_acceptance_length"] = (
         1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
     )
+    windows = after.get("num_survival_windows", 0) - before.get("num_survival_windows", 0)
+    if windows:  # calibration at this level: mean predicted vs realised survival per position
+        for key in ("predicted_survival_per_pos", "realised_survival_per_pos"):
+            b = before.get(key) or [0] * len(after[key])
+            d[key.replace("_per_pos", "_mean")] = [
+                (x - y) / windows for x, y in zip(after[key], b, strict=True)
+            ]
+        d["num_survival_windows"] = windows
     if "drafting_policy" in after:  # steps with and without drafting at this level
         b, a = before.get("drafting_policy", {}), after["drafting_policy"]
         d["drafting_policy"] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}

@@ -139,8 +139,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
         self._aborted: list[Request] = []
-        # with speculation, steps run asynchronously only while drafting is off (see step())
+        # with speculation, drafting steps run asynchronously only with async_spec_steps too
         self.async_scheduling = config.async_scheduling
+        self.async_spec_steps = config.async_spec_steps
         self._in_flight: InFlightStep | None = None
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
@@ -328,10 +329,9 @@ class LLMEngine:
             running = [r.request_id for r in self.scheduler.running]
             self.scheduler.drafting = self.policy.decide(running).drafting
         drafting = self.spec is not None and self.scheduler.drafting
-        if self.async_scheduling and not drafting:
-            return self._step_async()
-        # synchronous: a step that drafts needs every anchor on the host, and its windows'
-        # tokens are known only after verification (so nothing is scheduled behind it)
+        if self.async_scheduling and (not drafting or self.async_spec_steps):
+            return self._step_async(drafting)
+        # synchronous: the step waits for its own results before the next one is scheduled
         outputs = self._finish(self._in_flight) if self._in_flight is not None else []
         self._in_flight = None
         plan = self.scheduler.schedule()
@@ -341,19 +341,41 @@ class LLMEngine:
         sampled = self.runner.execute(plan)
         return outputs + self._update(plan, sampled) + self._collect_aborted()
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""
         previous, self._in_flight = self._in_flight, None
         outputs = []
+        if previous is not None and (reason := self._ahead_blocker(previous, drafting)):
+            self.runner.stats[f"spec_steps_not_ahead_{reason}"] += 1
+            outputs, previous = self._finish(previous), None
         plan = self.scheduler.schedule()
         if not plan.is_empty:
-            if previous is not None and not self._can_launch_ahead(plan, previous):
-                outputs, previous = self._finish(previous), None
+            if previous is not None and not previous.window_rows:
+                if not self._can_launch_ahead(plan, previous):
+                    outputs, previous = self._finish(previous), None
+            elif previous is not None:
+                self.runner.stats["spec_steps_launched_ahead"] += 1
             self.scheduler.advance(plan)
-            self._in_flight = self.runner.launch(plan)
+            step = self.runner.launch(plan)
+            if step.window_rows and not step.is_uniform:  # nothing launches behind it
+                assert previous is None, "a step of windows launched ahead is uniform"
+                outputs += self._finish(step)
+            else:
+                self._in_flight = step
         if previous is not None:
             outputs += self._finish(previous)
         return outputs + self._collect_aborted()
+
+    def _ahead_blocker(self, previous: InFlightStep, drafting: bool) -> str | None:
+        """Why the next step may not be scheduled before `previous` is collected (None: it
+        may). A plain step may be followed by plain steps (_can_launch_ahead judges the plan);
+        a step of windows only by full windows, of the requests whose anchors are known or
+        come out of its verification (Scheduler.ahead_blocker)."""
+        if not previous.window_rows:
+            return "after_plain_step" if drafting else None  # (anchors needed on the host)
+        if not drafting:
+            return "drafting_off"
+        return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         return self._update(step.plan, self.runner.collect(step))

@@ -329,7 +329,7 @@ class LLMEngine:
             running = [r.request_id for r in self.scheduler.running]
             self.scheduler.drafting = self.policy.decide(running).drafting
         drafting = self.spec is not None and self.scheduler.drafting
-        if self.async_scheduling and (not drafting or self.async_spec_steps):
+        if self.async_scheduling and (not drafting or self._drafts_async()):
             return self._step_async(drafting)
         # synchronous: the step waits for its own results before the next one is scheduled
         outputs = self._finish(self._in_flight) if self._in_flight is not None else []
@@ -365,6 +365,12 @@ class LLMEngine:
         if previous is not None:
             outputs += self._finish(previous)
         return outputs + self._collect_aborted()
+
+    def _drafts_async(self) -> bool:
+        """Drafting steps run asynchronously only when their windows can be laid out K + 1
+        wide (uniform windows: on with speculative graphs), the one layout a step launched
+        ahead writes its continuations into."""
+        return self.async_spec_steps and self.runner.spec_runner.uniform_windows
 
     def _ahead_blocker(self, previous: InFlightStep, drafting: bool) -> str | None:
         """Why the next step may not be scheduled before `previous` is collected (None: it

@@ -114,6 +114,8 @@ class Scheduler:
         # totals since start (the stats line reads their increments)
         self.num_prompt_tokens_computed = 0  # prompt tokens prefilled (again after preemption)
         self.num_generated_tokens = 0  # output tokens emitted
+        # windows put off by a step scheduled ahead, until the in-flight count is known
+        self.num_windows_deferred = 0
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -139,11 +141,13 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted by an earlier row this step
                 continue
             if req.num_windows_in_flight:  # scheduled ahead: ahead_blocker() found no obstacle
-                num_draft = self._num_draft(req, budget, self._most_tokens(req))
                 most = self._most_tokens(req) + self.draft_len  # + the drafter block
-                if num_draft > 0 and self._reserve(req, most, preempt=False):
+                if self._continues(req) and self._reserve(req, most, preempt=False):
+                    num_draft = min(self.max_verify, budget - 1)
                     rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
                     budget -= 1 + num_draft
+                else:
+                    self.num_windows_deferred += 1
                 continue
             if req.token_ids[-1] == PENDING_TOKEN and self._reaches_length(req):
                 continue  # its pending token is its last: it ends once the value arrives
@@ -176,13 +180,15 @@ class Scheduler:
         """Why the next step may not be scheduled while the in-flight step's windows are
         unresolved (None: nothing; max_rows: the most windows one step can lay out).
 
-        Scheduled ahead, every running request must get a full window whatever the in-flight
-        step emits, exactly the window the synchronous engine would give it: nobody waiting
-        who could be admitted (admission needs a prefill row; a request that stops in the
-        in-flight step frees its seat one step later than it would synchronously), no plain row, no window that max_tokens, max_model_len
-        or the token budget could shorten, and the pages for the most every request can reach
-        free now (preempting on a worst-case guess would preempt where the synchronous engine
-        does not).
+        Scheduled ahead, every row is a window the synchronous engine would give its request
+        too: nobody waiting who could be admitted (admission needs a prefill row; a request
+        that stops in the in-flight step frees its seat one step later than it would
+        synchronously), no plain row, a token budget no window can exhaust, and the pages for
+        the most every request can reach free now (preempting on a worst-case guess would
+        preempt where the synchronous engine does not). A request in flight whose next window
+        could be shortened by max_tokens or max_model_len, depending on what the in-flight one
+        emits, is deferred instead: it gets that window one step later, once its count is
+        known (its windows, so its tokens, are the same; only their step changes).
         """
         if self.waiting and len(self.running) < self.max_num_seqs:
             return "waiting_requests"
@@ -192,15 +198,18 @@ class Scheduler:
             return "token_budget"
         pages = 0
         for req in self.running:
-            most = self._most_tokens(req)
-            if not req.num_windows_in_flight and req.num_tokens - req.num_computed_tokens != 1:
-                return "plain_rows"  # still prefilling
-            if req.token_ids[-1] == PENDING_TOKEN:
+            if req.num_windows_in_flight and not self._continues(req):
+                continue  # deferred
+            if not req.num_windows_in_flight and self._num_draft(req, self.max_verify + 1) == 0:
                 return "plain_rows"
-            if self._num_draft(req, self.max_num_batched_tokens, most) < self.max_verify:
-                return "near_length_limit" if self._is_windowed(req) else "plain_rows"
-            pages += pages_for(most + self.draft_len, self.page_size) - len(req.page_ids)
+            most = self._most_tokens(req) + self.draft_len  # + the drafter block
+            pages += pages_for(most, self.page_size) - len(req.page_ids)
         return "kv_pages" if pages > self.allocator.num_free else None
+
+    def _continues(self, req: Request) -> bool:
+        """Does the in-flight req get a full window next whatever its in-flight one emits?"""
+        most = self._most_tokens(req)
+        return self._num_draft(req, self.max_num_batched_tokens, most) == self.max_verify
 
     def _most_tokens(self, req: Request) -> int:
         """The most tokens req can have when its next window runs: one anchor past all that

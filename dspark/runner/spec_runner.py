@@ -82,11 +82,11 @@ def write_continuations(
     the anchor token, the window's positions, KV slots and length, and the drafter block's
     anchor, positions, slots and length (SpecBuffers.write's anchor-derived fields).
 
-      width 4, draft_len 3, page_size 4, rows [1], anchor_pos [5], block_table[1] = [7, 2, ..]
-      input_ids[4] = anchor             positions[4:8] = [5 6 7 8]
-      slot_mapping[4:8] = [29 30 31 8]  seq_lens[1] = 9      (page 7 offsets 1..3, page 2 offset 0)
-      anchor_pos[1] = 5  block_positions[3:6] = [5 6 7]  block_slots[3:6] = [29 30 31]
-      block_seq_lens[1] = 8
+      width 4, draft_len 3, page_size 4, rows [1], anchor_pos [1], block_table[1] = [7, 2, ..]
+      input_ids[4] = anchor             positions[4:8] = [1 2 3 4]
+      slot_mapping[4:8] = [29 30 31 8]  seq_lens[1] = 5      (page 7 offsets 1..3, page 2 offset 0)
+      anchor_pos[1] = 1  block_positions[3:6] = [1 2 3]  block_slots[3:6] = [29 30 31]
+      block_seq_lens[1] = 4
     """
     b, sb, ps, K = buffers, spec_buffers, spec_buffers.page_size, spec_buffers.K
     dev = rows.device

@@ -5,8 +5,7 @@ step():  plan = scheduler.schedule()      # who runs, how many tokens, which pag
          sampled = runner.execute(plan)   # one forward + sampling, one host sync
          return self._update(plan, sampled)  # write tokens, detokenize, stop, free
 
-Async scheduling (the default; with speculation, while drafting is off) overlaps the host's
-work with the GPU's:
+Async scheduling (the default) overlaps the host's work with the GPU's:
 step N+1 is scheduled and launched before step N's tokens are read back, its decode rows taking
 their input tokens from step N's output on the device; then step N is collected and its tokens
 written, detokenized and checked for stops while the GPU runs N+1:
@@ -17,9 +16,21 @@ written, detokenized and checked for stops while the GPU runs N+1:
 A request that stops at step N (EOS, stop string) already has a row in N+1; that row's token
 is dropped. Outputs therefore reach the caller one step after their token was computed.
 
-A step that drafts runs synchronously: its windows need their anchors on the host, and what
-they emit is known only after verification. When drafting resumes, the in-flight plain step is
-finished before the drafting step is scheduled.
+Drafting steps run the same way (async_spec_steps, on by default) when their windows are laid
+out K + 1 wide (uniform windows: on with speculative CUDA graphs): a drafting step N+1 is
+launched behind a drafting step N still in flight. Its rows are windows of two kinds: a
+continuation, whose anchor is the last token its request's window in N emits, at position
+anchor_pos + num_accepted + 1, both known only on the device (the runner writes them into
+N+1's inputs there, spec_runner.write_continuations), or a request whose anchor is on the host.
+The host reserves pages for the most N can emit. Anything the host needs N's count for finishes
+N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a plain step in
+flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens),
+a waiting request that could be admitted, a token budget the windows could exhaust, too few
+free pages for the worst case (Scheduler.ahead_blocker). A request in flight whose next window
+max_tokens or max_model_len could shorten skips one step (deferred) instead. Every window is
+the one the synchronous engine would give its request, so outputs are the same token for token.
+A drafting step of any other layout (mixed with plain rows, packed windows) waits for its own
+results, and the in-flight step is finished before it is scheduled.
 """
 
 from __future__ import annotations
@@ -240,6 +251,13 @@ class LLMEngine:
             if self.policy.counters["decision_no_table"]:
                 fallbacks["no_cost_table"] = self.policy.counters["decision_no_table"]
         m["fallbacks"] = fallbacks
+        m["async_spec_steps"] = {
+            "launched_ahead": stats["spec_steps_launched_ahead"],
+            "continuation_windows": stats["continuation_windows"],
+            "windows_deferred": self.scheduler.num_windows_deferred,
+            "not_ahead": {k.removeprefix("spec_steps_not_ahead_"): n for k, n in stats.items()
+                          if k.startswith("spec_steps_not_ahead_")},
+        }  # fmt: skip
         return m
 
     # ---- requests -------------------------------------------------------------------------

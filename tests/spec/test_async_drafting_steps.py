@@ -53,8 +53,9 @@ def _params(sync: LLM) -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ids[0][9]]),
         SamplingParams(temperature=0, max_tokens=30, stop=texts[1][10:13] or "e"),
         SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),  # ends inside a block
-        SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=27, ignore_eos=True,
-                       logprobs=2),  # fmt: skip
+        SamplingParams(
+            temperature=0.9, top_p=0.8, seed=3, max_tokens=27, ignore_eos=True, logprobs=2
+        ),  # fmt: skip
         SamplingParams(temperature=0, max_tokens=22, logprobs=1, ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=5, seed=5, max_tokens=25),
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, use_speculation=False),

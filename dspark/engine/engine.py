@@ -371,7 +371,8 @@ class LLMEngine:
             if previous is not None and not previous.window_rows:
                 if not self._can_launch_ahead(plan, previous):
                     outputs, previous = self._finish(previous), None
-            elif previous is not None:
+            elif previous is not None:  # behind a step of windows: windows only
+                assert all(r.num_draft for r in plan.rows), "ahead_blocker let a plain row by"
                 self.runner.stats["spec_steps_launched_ahead"] += 1
             self.scheduler.advance(plan)
             step = self.runner.launch(plan)

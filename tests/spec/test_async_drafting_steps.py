@@ -156,3 +156,40 @@ def test_write_continuations_worked_example():
     # the rows around it are untouched
     assert b.positions[:4].tolist() == [-1] * 4 and b.positions[8:12].tolist() == [-1] * 4
     assert b.np("block_table")[0].tolist() == [SCRATCH_PAGE] * 4
+
+
+def test_scheduler_continuation_rows_and_deferral():
+    """K = 2, draft_len 3, page_size 4: a window in flight at anchor 6 (7 tokens) gets a
+    continuation whose start is the latest anchor (6 + 3 = 9) and pages for 7 + 3 + 3 = 13
+    tokens; its update reads where the request stands after the in-flight window's update."""
+    from dspark.engine.kv_cache import PageAllocator
+    from dspark.engine.scheduler import SampledTokens, Scheduler
+    from dspark.request import Request
+
+    s = Scheduler(PageAllocator(16), 4, 4, 64, 64, draft_len=3, max_verify=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    req = Request("a", [3, 4, 5, 6, 7, 8], params, 0, eos_token_id=1, arrival_time=0.0)
+    s.add(req)
+    first = s.schedule()  # the prefill
+    s.advance(first)
+    s.update(first, [SampledTokens((9,))])
+    n = s.schedule()  # a window [9, 2 drafts] at anchor 6
+    (row,) = n.rows
+    assert (row.start, row.num_draft, row.is_continuation) == (6, 2, False)
+    s.advance(n)
+    assert req.num_windows_in_flight == 1 and s.ahead_blocker(max_rows=8) is None
+    ahead = s.schedule()  # behind it
+    (cont,) = ahead.rows
+    assert (cont.start, cont.num_draft, cont.is_continuation) == (9, 2, True)
+    assert len(req.page_ids) == 4  # 13 tokens
+    s.advance(ahead)
+    s.update(n, [SampledTokens((10, 11))])  # one draft accepted, anchor now at 8
+    assert (req.num_computed_tokens, req.num_tokens) == (8, 9)
+    s.update(ahead, [SampledTokens((12, 13, 14))])  # both accepted: anchor at 11
+    assert (req.num_computed_tokens, req.num_tokens) == (11, 12)
+    assert req.output_token_ids == [9, 10, 11, 12, 13, 14] and req.num_windows_in_flight == 0
+    # near max_tokens the request in flight is deferred rather than continued
+    req.sampling_params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+    s.advance(s.schedule())
+    assert s.ahead_blocker(max_rows=8) is None and s.schedule().is_empty
+    assert s.num_windows_deferred == 1

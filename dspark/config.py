@@ -34,8 +34,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
     # schedule and launch step N+1 before reading step N's tokens back (host work overlaps the
-    # GPU's); off, or for a step that drafts, the step waits for its own results
+    # GPU's); off, every step waits for its own results
     async_scheduling: bool = True
+    # with async_scheduling: a drafting step N+1 of full windows may launch behind a drafting
+    # step N still in flight, its anchors taken from N's verification on the device (engine.py);
+    # off, a step that drafts waits for its own results. Off by default until the captured-graph
+    # path has been checked against eager on a GPU (it is tested on the CPU, eagerly)
+    async_spec_steps: bool = False
     seed: int = 0  # draws the seeds of requests that set none
     log_stats_interval_s: float = 10.0  # the periodic stats log line (engine/stats_log.py); 0: off
     # {"method": "dspark", "model": PATH, "num_speculative_tokens": K}; None: no speculation

@@ -55,6 +55,10 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # windows of this request launched and not yet applied by update() (0 or 1 between steps;
+    # 1 while a speculative step launched ahead sits behind the one in flight): while > 0 its
+    # token_ids and num_computed_tokens stop at that window's anchor
+    num_windows_in_flight: int = 0
     # this request's speculation, with vLLM's counter definitions: windows verified, drafted
     # positions sent to the target, and the drafts it accepted
     num_drafts: int = 0

@@ -5,8 +5,7 @@ step():  plan = scheduler.schedule()      # who runs, how many tokens, which pag
          sampled = runner.execute(plan)   # one forward + sampling, one host sync
          return self._update(plan, sampled)  # write tokens, detokenize, stop, free
 
-Async scheduling (the default; with speculation, while drafting is off) overlaps the host's
-work with the GPU's:
+Async scheduling (the default) overlaps the host's work with the GPU's:
 step N+1 is scheduled and launched before step N's tokens are read back, its decode rows taking
 their input tokens from step N's output on the device; then step N is collected and its tokens
 written, detokenized and checked for stops while the GPU runs N+1:
@@ -17,9 +16,22 @@ written, detokenized and checked for stops while the GPU runs N+1:
 A request that stops at step N (EOS, stop string) already has a row in N+1; that row's token
 is dropped. Outputs therefore reach the caller one step after their token was computed.
 
-A step that drafts runs synchronously: its windows need their anchors on the host, and what
-they emit is known only after verification. When drafting resumes, the in-flight plain step is
-finished before the drafting step is scheduled.
+Drafting steps run the same way (async_spec_steps; off by default until its captured-graph path
+is checked on a GPU) when their windows are laid
+out K + 1 wide (uniform windows: on with speculative CUDA graphs): a drafting step N+1 is
+launched behind a drafting step N still in flight. Its rows are windows of two kinds: a
+continuation, whose anchor is the last token its request's window in N emits, at position
+anchor_pos + num_accepted + 1, both known only on the device (the runner writes them into
+N+1's inputs there, spec_runner.write_continuations), or a request whose anchor is on the host.
+The host reserves pages for the most N can emit. Anything the host needs N's count for finishes
+N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a plain step in
+flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens),
+a waiting request that could be admitted, a token budget the windows could exhaust, too few
+free pages for the worst case (Scheduler.ahead_blocker). A request in flight whose next window
+max_tokens or max_model_len could shorten skips one step (deferred) instead. Every window is
+the one the synchronous engine would give its request, so outputs are the same token for token.
+A drafting step of any other layout (mixed with plain rows, packed windows) waits for its own
+results, and the in-flight step is finished before it is scheduled.
 """
 
 from __future__ import annotations
@@ -139,8 +151,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
         self._aborted: list[Request] = []
-        # with speculation, steps run asynchronously only while drafting is off (see step())
+        # with speculation, drafting steps run asynchronously only with async_spec_steps too
         self.async_scheduling = config.async_scheduling
+        self.async_spec_steps = config.async_spec_steps
         self._in_flight: InFlightStep | None = None
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
@@ -242,9 +255,17 @@ class LLMEngine:
                      if k.startswith("eager_spec_steps_")}  # fmt: skip
         if self.policy is not None:
             m["drafting_policy"] = dict(self.policy.counters)
+            m["survival_correction"] = self.policy.correction  # realised / predicted drafts
             if self.policy.counters["decision_no_table"]:
                 fallbacks["no_cost_table"] = self.policy.counters["decision_no_table"]
         m["fallbacks"] = fallbacks
+        m["async_spec_steps"] = {
+            "launched_ahead": stats["spec_steps_launched_ahead"],
+            "continuation_windows": stats["continuation_windows"],
+            "windows_deferred": self.scheduler.num_windows_deferred,
+            "not_ahead": {k.removeprefix("spec_steps_not_ahead_"): n for k, n in stats.items()
+                          if k.startswith("spec_steps_not_ahead_")},
+        }  # fmt: skip
         return m
 
     # ---- requests -------------------------------------------------------------------------
@@ -334,10 +355,9 @@ class LLMEngine:
             running = [r.request_id for r in self.scheduler.running]
             self.scheduler.drafting = self.policy.decide(running).drafting
         drafting = self.spec is not None and self.scheduler.drafting
-        if self.async_scheduling and not drafting:
-            return self._step_async()
-        # synchronous: a step that drafts needs every anchor on the host, and its windows'
-        # tokens are known only after verification (so nothing is scheduled behind it)
+        if self.async_scheduling and (not drafting or self._drafts_async()):
+            return self._step_async(drafting)
+        # synchronous: the step waits for its own results before the next one is scheduled
         outputs = self._finish(self._in_flight) if self._in_flight is not None else []
         self._in_flight = None
         plan = self.scheduler.schedule()
@@ -347,19 +367,48 @@ class LLMEngine:
         sampled = self.runner.execute(plan)
         return outputs + self._update(plan, sampled) + self._collect_aborted()
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""
         previous, self._in_flight = self._in_flight, None
         outputs = []
+        if previous is not None and (reason := self._ahead_blocker(previous, drafting)):
+            self.runner.stats[f"spec_steps_not_ahead_{reason}"] += 1
+            outputs, previous = self._finish(previous), None
         plan = self.scheduler.schedule()
         if not plan.is_empty:
-            if previous is not None and not self._can_launch_ahead(plan, previous):
-                outputs, previous = self._finish(previous), None
+            if previous is not None and not previous.window_rows:
+                if not self._can_launch_ahead(plan, previous):
+                    outputs, previous = self._finish(previous), None
+            elif previous is not None:  # behind a step of windows: windows only
+                assert all(r.num_draft for r in plan.rows), "ahead_blocker let a plain row by"
+                self.runner.stats["spec_steps_launched_ahead"] += 1
             self.scheduler.advance(plan)
-            self._in_flight = self.runner.launch(plan)
+            step = self.runner.launch(plan)
+            if step.window_rows and not step.is_uniform:  # nothing launches behind it
+                assert previous is None, "a step of windows launched ahead is uniform"
+                outputs += self._finish(step)
+            else:
+                self._in_flight = step
         if previous is not None:
             outputs += self._finish(previous)
         return outputs + self._collect_aborted()
+
+    def _drafts_async(self) -> bool:
+        """Drafting steps run asynchronously only when their windows can be laid out K + 1
+        wide (uniform windows: on with speculative graphs), the one layout a step launched
+        ahead writes its continuations into."""
+        return self.async_spec_steps and self.runner.spec_runner.uniform_windows
+
+    def _ahead_blocker(self, previous: InFlightStep, drafting: bool) -> str | None:
+        """Why the next step may not be scheduled before `previous` is collected (None: it
+        may). A plain step may be followed by plain steps (_can_launch_ahead judges the plan);
+        a step of windows only by full windows, of the requests whose anchors are known or
+        come out of its verification (Scheduler.ahead_blocker)."""
+        if not previous.window_rows:
+            return "after_plain_step" if drafting else None  # (anchors needed on the host)
+        if not drafting:
+            return "drafting_off"
+        return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         return self._update(step.plan, self.runner.collect(step))

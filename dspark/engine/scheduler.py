@@ -15,6 +15,17 @@ Policy (vLLM-style, one token budget per step):
    max_num_seqs and free pages allow; a request that does not fit stops admission (FIFO).
 When a running request needs a page and none is free, the most recently admitted running
 request is preempted: its pages are freed and it will recompute its prompt + outputs later.
+
+Speculative steps scheduled ahead (async scheduling of drafting steps): a window row emits a
+number of tokens only verification knows, so between advance and update its request has
+`num_windows_in_flight` = 1 and its token_ids and num_computed_tokens stop at the window's
+anchor. The engine schedules step N+1 while N's windows are in flight only when
+`ahead_blocker()` finds nothing in the way; then every row of N+1 is a full window (what the
+synchronous engine would give it, so outputs do not change), either
+  - a continuation (`ScheduledRow.is_continuation`): its anchor is the last token its window in
+    N emits, at a position only the device knows; pages are reserved for the most N can emit, or
+  - a request with no window in flight, its anchor on the host as usual.
+N is updated before N+1, so update() of a continuation reads where the request stands then.
 """
 
 from __future__ import annotations
@@ -36,6 +47,9 @@ class ScheduledRow:
     num_tokens: int  # tokens fed to the target: a prefill chunk, or 1 + num_draft
     do_sample: bool  # the chunk reaches the last known token: its logits give the next one
     num_draft: int = 0  # drafted positions verified this step (verify_len; 0: no window)
+    # the anchor is what this request's in-flight window emits last, on the device; `start` is
+    # then the latest position it can have (the host's upper bound, what staging writes)
+    is_continuation: bool = False
 
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> ScheduledRow:
@@ -46,6 +60,13 @@ class ScheduledRow:
     def window(cls, request: Request, num_draft: int) -> ScheduledRow:
         """[anchor, num_draft drafts]: the drafts are made on the device during the step."""
         return cls(request, request.num_computed_tokens, 1 + num_draft, True, num_draft)
+
+    @classmethod
+    def continuation(cls, request: Request, num_draft: int, max_verify: int) -> ScheduledRow:
+        """A window behind the request's in-flight one (anchor at num_computed_tokens, at most
+        max_verify drafts): its anchor lands 1 .. max_verify + 1 positions further on."""
+        start = request.num_computed_tokens + 1 + max_verify
+        return cls(request, start, 1 + num_draft, True, num_draft, is_continuation=True)
 
     @property
     def end(self) -> int:
@@ -93,6 +114,8 @@ class Scheduler:
         # totals since start (the stats line reads their increments)
         self.num_prompt_tokens_computed = 0  # prompt tokens prefilled (again after preemption)
         self.num_generated_tokens = 0  # output tokens emitted
+        # windows put off by a step scheduled ahead, until the in-flight count is known
+        self.num_windows_deferred = 0
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,6 +139,15 @@ class Scheduler:
         preempted_before = self.num_preemptions
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted by an earlier row this step
+                continue
+            if req.num_windows_in_flight:  # scheduled ahead: ahead_blocker() found no obstacle
+                most = self._most_tokens(req) + self.draft_len  # + the drafter block
+                if self._continues(req) and self._reserve(req, most, preempt=False):
+                    num_draft = min(self.max_verify, budget - 1)
+                    rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
+                    budget -= 1 + num_draft
+                else:
+                    self.num_windows_deferred += 1
                 continue
             if req.token_ids[-1] == PENDING_TOKEN and self._reaches_length(req):
                 continue  # its pending token is its last: it ends once the value arrives
@@ -144,24 +176,70 @@ class Scheduler:
             budget -= n
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before)
 
-    def _num_draft(self, req: Request, budget: int) -> int:
+    def ahead_blocker(self, max_rows: int) -> str | None:
+        """Why the next step may not be scheduled while the in-flight step's windows are
+        unresolved (None: nothing; max_rows: the most windows one step can lay out).
+
+        Scheduled ahead, every row is a window the synchronous engine would give its request
+        too: nobody waiting who could be admitted (admission needs a prefill row; a request
+        that stops in the in-flight step frees its seat one step later than it would
+        synchronously), no plain row, a token budget no window can exhaust, and the pages for
+        the most every request can reach free now (preempting on a worst-case guess would
+        preempt where the synchronous engine does not). A request in flight whose next window
+        could be shortened by max_tokens or max_model_len, depending on what the in-flight one
+        emits, is deferred instead: it gets that window one step later, once its count is
+        known (its windows, so its tokens, are the same; only their step changes).
+        """
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return "waiting_requests"
+        if len(self.running) > max_rows:
+            return "too_many_rows"
+        if len(self.running) * (1 + self.max_verify) > self.max_num_batched_tokens:
+            return "token_budget"
+        pages = 0
+        for req in self.running:
+            if req.num_windows_in_flight and not self._continues(req):
+                continue  # deferred
+            if not req.num_windows_in_flight and self._num_draft(req, self.max_verify + 1) == 0:
+                return "plain_rows"
+            most = self._most_tokens(req) + self.draft_len  # + the drafter block
+            pages += pages_for(most, self.page_size) - len(req.page_ids)
+        return "kv_pages" if pages > self.allocator.num_free else None
+
+    def _continues(self, req: Request) -> bool:
+        """Does the in-flight req get a full window next whatever its in-flight one emits?"""
+        most = self._most_tokens(req)
+        return self._num_draft(req, self.max_num_batched_tokens, most) == self.max_verify
+
+    def _most_tokens(self, req: Request) -> int:
+        """The most tokens req can have when its next window runs: one anchor past all that
+        its in-flight window (if any) can emit."""
+        return req.num_tokens + (1 + self.max_verify) * req.num_windows_in_flight
+
+    def _is_windowed(self, req: Request) -> bool:
+        sp = req.sampling_params
+        return self.drafting and sp.use_speculation and req.num_output_tokens >= sp.min_tokens
+
+    def _num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int:
         """Fixed-K speculation: how many drafts a decoding request verifies (0: no window).
 
         Shortened so the step can never emit past max_tokens or max_model_len (a window of l
         drafts emits up to l + 1 tokens); requests that opted out, or that are still under
-        their min_tokens (whose EOS ban runs on plain steps), get 0.
+        their min_tokens (whose EOS ban runs on plain steps), get 0. `num_tokens`: the
+        request's tokens when the window runs (its anchor is the last); default its tokens now.
         """
-        sp = req.sampling_params
-        is_decoding = req.num_tokens - req.num_computed_tokens == 1
-        if not self.drafting or self.draft_len == 0 or not is_decoding or not sp.use_speculation:
-            return 0
-        if req.num_output_tokens < sp.min_tokens:
-            return 0  # the min_tokens ban runs on plain steps
-        if req.num_computed_tokens + 1 + self.draft_len > self.max_model_len:
-            return 0  # the drafter block would run past the page table
-        room = self.max_model_len - req.num_tokens - 1
-        if sp.max_tokens is not None:
-            room = min(room, sp.max_tokens - req.num_output_tokens - 1)
+        if num_tokens is None:
+            if req.num_tokens - req.num_computed_tokens != 1:
+                return 0  # not decoding
+            num_tokens = req.num_tokens
+        if self.draft_len == 0 or not self._is_windowed(req):
+            return 0  # (the min_tokens ban runs on plain steps)
+        if num_tokens + self.draft_len > self.max_model_len:
+            return 0  # the drafter block (K slots from the anchor) would run past the page table
+        room = self.max_model_len - num_tokens - 1
+        if req.sampling_params.max_tokens is not None:
+            num_output = num_tokens - req.num_prompt_tokens
+            room = min(room, req.sampling_params.max_tokens - num_output - 1)
         return max(0, min(self.max_verify, room, budget - 1))
 
     def _reaches_length(self, req: Request) -> bool:
@@ -202,10 +280,11 @@ class Scheduler:
         each plain row that samples appends a placeholder for its token (at index row.end).
 
         Window rows [anchor, drafts] emit a number of tokens only verification knows; they
-        advance in update().
+        advance in update() and are counted in flight until then.
         """
         for row in plan.rows:
             if row.num_draft:
+                row.request.num_windows_in_flight += 1
                 continue
             req = row.request
             if row.start < req.num_prompt_tokens:  # a prefill chunk
@@ -222,19 +301,25 @@ class Scheduler:
 
         A plain row's token replaces the placeholder at index row.end; a window row [anchor,
         drafts] that emitted n tokens has the anchor and n - 1 accepted drafts in the KV cache
-        now (start + n) and appends its tokens. Stops are judged by each token's index, not by
-        the list's length, which may already hold the next step's placeholder; tokens after a
-        stop (accepted drafts, a placeholder) are dropped. Requests that finished meanwhile
+        now (anchor position + n) and appends its tokens. Its anchor is the request's last token
+        here (for a continuation too: the in-flight window before it was applied first).
+        Stops are judged by each token's index, not by the list's length, which may already
+        hold the next step's placeholder; tokens after a stop (accepted drafts, a placeholder)
+        are dropped. Requests that finished meanwhile
         (aborted, stopped at an earlier step) are skipped; preempted ones still get their token.
         """
         emitted = []
         for row, out in zip(plan.rows, sampled, strict=True):
             req = row.request
+            if row.num_draft:
+                req.num_windows_in_flight -= 1
             if out is None or req.is_finished:
                 continue
             if row.num_draft:
-                first = req.num_tokens
-                req.num_computed_tokens = row.start + len(out.token_ids)
+                first = req.num_tokens  # one past the anchor
+                assert row.is_continuation or first - 1 == row.start, (req.request_id, first)
+                if req.status == RequestStatus.RUNNING:  # (preempted: its KV is recomputed)
+                    req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
                 # a window emits its accepted drafts and one recovered-or-bonus token
                 req.num_drafts += 1

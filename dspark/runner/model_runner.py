@@ -26,7 +26,13 @@ from dspark.engine.scheduler import SampledTokens, ScheduledRow, StepPlan
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
-from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device, to_host
+from dspark.runner.input_buffers import (
+    PAD_TOKEN_ID,
+    InputBuffers,
+    StepLayout,
+    host_to_device,
+    to_host,
+)
 from dspark.runner.spec_runner import SpecRunner
 from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
 from dspark.spec.spec_decoder import SpecDecoder
@@ -47,6 +53,7 @@ class InFlightStep:
     verified: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens, num accepted
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
+    is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it
     done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
 
 
@@ -130,8 +137,11 @@ class ModelRunner:
                     # a window shorter than window_width gets tail tokens past its verify_len:
                     # scored, never accepted, their KV on the request's own reserved pages
                     # (the scheduler reserves a whole block) and rewritten before it is read
+                    # (a continuation's anchor and positions are written on the device: its
+                    # start is the latest the anchor can be, every host value an upper bound)
                     end = start + (window_width or row.num_tokens)
-                    ids += [req.token_ids[start]] + [0] * (end - start - 1)
+                    anchor = PAD_TOKEN_ID if row.is_continuation else req.token_ids[start]
+                    ids += [anchor] + [0] * (end - start - 1)
                     logits_idx += range(cu[-1], cu[-1] + end - start)  # all scored
                 else:
                     ids += req.token_ids[start:end]
@@ -268,6 +278,7 @@ class ModelRunner:
                 plain.append((i, logit_row))
                 logit_row += 1
         step = InFlightStep(plan, [i for i, _ in plain])
+        step.is_uniform = bool(window_rows) and layout.window_width is not None
         if plain:
             logit_rows = [r for _, r in plain]
             if logit_rows[-1] == len(logit_rows) - 1:  # rows 0..n-1: a view, no gather

@@ -10,6 +10,12 @@ reason is counted.
 
   K = 3, windows of verify_len [3, 1]: target tokens [a0 x x x | a1 x . .], cu [0, 4, 8];
   the second window's last two tokens are scored but never accepted.
+
+A step of such windows can have a step launched behind it before its results reach the host
+(async scheduling of drafting steps): a continuation row's anchor is the last token its
+request's window emitted, so after each such step the runner keeps every window's next anchor
+(position and token) on the device, and the next step writes them into its inputs there
+(`write_continuations`) before its graph replays or its eager step runs.
 """
 
 from __future__ import annotations
@@ -24,14 +30,81 @@ import torch
 
 from dspark.engine.scheduler import SampledTokens, StepPlan
 from dspark.request import TokenLogprobs
-from dspark.runner.input_buffers import InputBuffers, StepLayout, to_host
+from dspark.runner.input_buffers import (
+    PAD_TOKEN_ID,
+    InputBuffers,
+    StepLayout,
+    host_to_device,
+    to_host,
+)
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import top_logprobs
-from dspark.spec.spec_buffers import SamplingMode, WindowRow
+from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
 
 if TYPE_CHECKING:
     from dspark.runner.model_runner import InFlightStep
+
+
+def next_anchors(
+    anchor_pos: torch.Tensor,  # [R] the windows' anchor positions
+    tokens: torch.Tensor,  # [R, K + 1] emitted: accepted drafts, then the recovered/bonus token
+    num_accepted: torch.Tensor,  # [R]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [R] positions, [R] tokens
+    """Where each window leaves its request: the position and token of its next anchor (the
+    recovered or bonus token, one past the accepted drafts). Device ops only, no host sync.
+
+      K = 3, anchor_pos [9, 4], num_accepted [2, 0], tokens [[a b c .], [e . . .]]
+      next_pos = anchor_pos + num_accepted + 1 = [12, 5]
+      next_tok = tokens[j, num_accepted[j]]    = [c, e]
+    """
+    next_pos = anchor_pos + num_accepted + 1
+    next_tok = tokens.gather(1, num_accepted[:, None])[:, 0]
+    return next_pos, next_tok
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """KV slot of each position [C, n] in its row's pages (block_table [C, W])."""
+    pages = block_table.gather(1, positions // page_size).long()
+    return pages * page_size + positions % page_size
+
+
+def write_continuations(
+    buffers: InputBuffers,
+    spec_buffers: SpecBuffers,
+    rows: torch.Tensor,  # [C] window rows of the step (the step is all windows)
+    anchor_pos: torch.Tensor,  # [C] each row's anchor position
+    anchors: torch.Tensor,  # [C] each row's anchor token
+    width: int,  # K + 1: window row i has tokens i * width .. (i + 1) * width - 1
+) -> None:
+    """Everything staging derives from a window's anchor, written on the device for windows
+    whose anchor came out of the previous step's verification (capturable ops, no host sync):
+    the anchor token, the window's positions, KV slots and length, and the drafter block's
+    anchor, positions, slots and length (SpecBuffers.write's anchor-derived fields).
+
+      width 4, draft_len 3, page_size 4, rows [1], anchor_pos [1], block_table[1] = [7, 2, ..]
+      input_ids[4] = anchor             positions[4:8] = [1 2 3 4]
+      slot_mapping[4:8] = [29 30 31 8]  seq_lens[1] = 5      (page 7 offsets 1..3, page 2 offset 0)
+      anchor_pos[1] = 1  block_positions[3:6] = [1 2 3]  block_slots[3:6] = [29 30 31]
+      block_seq_lens[1] = 4
+    """
+    b, sb, ps, K = buffers, spec_buffers, spec_buffers.page_size, spec_buffers.K
+    dev = rows.device
+    table = b.block_table[rows]  # [C, max_pages]
+    first = rows * width  # [C] the anchors' token indices
+    window_pos = anchor_pos[:, None] + torch.arange(width, device=dev)  # [C, width]
+    window_tok = first[:, None] + torch.arange(width, device=dev)  # [C, width]
+    b.input_ids[first] = anchors
+    b.positions[window_tok] = window_pos
+    b.slot_mapping[window_tok] = _slots(table, window_pos, ps)
+    b.seq_lens[rows] = (anchor_pos + width).to(b.seq_lens.dtype)
+    block_pos = anchor_pos[:, None] + torch.arange(K, device=dev)  # [C, K]
+    block_slot = rows[:, None] * K + torch.arange(K, device=dev)  # [C, K] index into the block
+    sb.anchors[rows] = anchors
+    sb.anchor_pos[rows] = anchor_pos
+    sb.block_positions[block_slot] = block_pos
+    sb.block_slots[block_slot] = _slots(table, block_pos, ps)
+    sb.block_seq_lens[rows] = (anchor_pos + K).to(sb.block_seq_lens.dtype)
 
 
 class SpecRunner:
@@ -52,9 +125,14 @@ class SpecRunner:
         self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes) if sizes else None
         # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
         self.uniform_windows = self.graphs is not None
+        # the next anchors (positions, tokens; [R] on the device) of the last uniform step's
+        # windows, and each window's row there by request serial: continuations read them
+        self._next_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._next_anchor_row: dict[int, int] = {}
         # called after each speculative step's sync with the windows' request ids, raw
-        # confidence logits [R, K] (host) and greedy flags: the drafting policy's survivals
-        self.confidence_sinks: list[Callable[[list[str], torch.Tensor, list[bool]], None]] = []
+        # confidence logits [R, K] (host), greedy flags, accepted drafts and verify lengths:
+        # the drafting policy's survivals and its online recalibration
+        self.confidence_sinks: list[Callable[..., None]] = []
 
     def window_width(self, plan: StepPlan) -> int | None:
         """K + 1 if every row of the step is a window laid out at full width, else None."""
@@ -64,6 +142,11 @@ class SpecRunner:
         if len(plan.rows) * width > self.capacity:  # the token buffers' size
             return None
         return width
+
+    @property
+    def max_uniform_rows(self) -> int:
+        """The most windows one step can lay out K + 1 wide (0: uniform windows off)."""
+        return self.capacity // (1 + self.spec.num_verify) if self.uniform_windows else 0
 
     def graph_size(self, plan: StepPlan, window_width: int | None) -> int | None:
         """The captured size a fixed-K speculative step (laid out with window_width, from
@@ -88,13 +171,27 @@ class SpecRunner:
     ) -> SpecStepOutput:
         """Stage the windows and run the speculative step: a captured graph when the step is
         all full windows of a captured size, else eagerly (mixed batches, short windows)."""
+        out = self._run(plan, layout, window_rows, graph_size)
+        if layout.window_width is not None:  # a step may be launched behind this one
+            R = len(window_rows)
+            anchor_pos = self.spec.buffers.anchor_pos[:R]  # (this step's: the next is staged later)
+            self._next_anchors = next_anchors(anchor_pos, out.tokens[:R], out.num_accepted[:R])
+            self._next_anchor_row = {plan.rows[i].request.serial: j
+                                     for j, i in enumerate(window_rows)}  # fmt: skip
+        return out
+
+    def _run(
+        self, plan: StepPlan, layout: StepLayout, window_rows: list[int], graph_size: int | None
+    ) -> SpecStepOutput:
         cu = layout.cu_num_tokens_cpu
         rows = []
         for i in window_rows:
             r = plan.rows[i]
             req, sp = r.request, r.request.sampling_params
+            # (a continuation's anchor is written on the device: see _feed_continuations)
+            anchor = PAD_TOKEN_ID if r.is_continuation else req.token_ids[r.start]
             rows.append(WindowRow(
-                anchor=req.token_ids[r.start], anchor_pos=r.start, verify_len=r.num_draft,
+                anchor=anchor, anchor_pos=r.start, verify_len=r.num_draft,
                 token_offset=cu[i], page_ids=req.page_ids, temperature=sp.temperature,
                 top_k=sp.top_k if sp.top_k > 0 else self.vocab_size, top_p=sp.top_p,
                 seed=req.seed,
@@ -103,9 +200,11 @@ class SpecRunner:
         width = layout.window_width
         if graph_size is not None:  # every plan row is a window: pad rows follow them
             self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)], window_width=width)
+            self._feed_continuations(plan, width)
             self.stats["spec_graph_steps"] += 1
             return self.graphs.replay(graph_size, mode)
         self.spec.stage(rows, len(rows), window_width=width)
+        self._feed_continuations(plan, width)
         self.stats["eager_spec_steps"] += 1
         b, dev = self.buffers, self.device
         all_windows = window_rows == list(range(layout.num_rows))
@@ -120,6 +219,20 @@ class SpecRunner:
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
         return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
+
+    def _feed_continuations(self, plan: StepPlan, width: int | None) -> None:
+        """The continuation rows' anchors, from the previous step's verification on the device,
+        into this step's staged inputs (after their upload, before the step runs)."""
+        feed = [(i, self._next_anchor_row[r.request.serial])
+                for i, r in enumerate(plan.rows) if r.is_continuation]  # fmt: skip
+        if not feed:
+            return
+        assert width is not None, "continuations only run in steps of uniform windows"
+        rows, src = host_to_device(list(zip(*feed, strict=True)), torch.int64, self.device)
+        next_pos, next_tok = self._next_anchors
+        write_continuations(self.buffers, self.spec.buffers, rows, next_pos[src], next_tok[src],
+                            width)  # fmt: skip
+        self.stats["continuation_windows"] += len(feed)
 
     def _target_step(self, layout: StepLayout, block_table: torch.Tensor) -> TargetStep:
         b, t = self.buffers, layout.num_tokens
@@ -162,7 +275,7 @@ class SpecRunner:
         if step.confidence is not None:
             ids = [plan.rows[i].request.request_id for i in step.window_rows]
             for sink in self.confidence_sinks:
-                sink(ids, step.confidence, greedy)
+                sink(ids, step.confidence, greedy, accepted, step.verify_len)
         wlp = None
         if step.window_logprobs is not None:
             wlp = [x.tolist() for x in step.window_logprobs]

@@ -12,10 +12,20 @@ with a[r, j] the calibrated survivals of each running request's last verified bl
 one step old: the drafts they describe are already verified, so the choice cannot depend on the
 tokens it admits; DSPARK.md 6.3), computed with the greedy calibration for greedy requests. Only
 each request's sum over j is kept. A request with no survivals yet (just admitted, preempted,
-never drafted), or whose survivals are older than stale_after_steps steps, counts as fully
-confident: a = 1, a sum of K. While drafting is off nothing refreshes the survivals, so under
-steady load the choice is steady; load that falls (a smaller G, where the full block costs
-relatively less), new requests and stale rows bring drafting back.
+never drafted), or whose survivals are stale, counts as fully confident: a = 1, a sum of K.
+
+Two corrections keep lagged estimates honest:
+- Online recalibration. STS is fitted offline on other prompts; the engine knows, for every full
+  block it verified, how many drafts the calibrated survivals predicted and how many were
+  accepted. The sums are scaled by realised / predicted over recent full blocks (exponentially
+  weighted, half-life calibration_half_life blocks, with a prior of prior_blocks blocks at ratio
+  1), clipped to K. Everything it uses was verified before the current drafts exist (6.3).
+- Probing. While drafting is off nothing refreshes the survivals. They go stale after
+  (t_full / t_plain - 1) / probe_budget steps at the step's G, so the probe (one drafting step
+  that refreshes them) costs at most probe_budget of the time spent not drafting: about 80
+  steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256 (3.9) with the 1% default.
+Load that falls (a smaller G, where the full block costs relatively less), new requests and
+stale rows bring drafting back.
 
 Flapping is prevented twice over. The other mode must beat the incumbent by (1 + min_gain)^2
 (lagged.choose_drafting), and once drafting is off it stays off for at least min_dwell_steps
@@ -32,6 +42,7 @@ that has them is used for its plain and full-block cells only.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -55,12 +66,20 @@ class DraftingPolicy:
         draft_len: int,  # K verified per full block
         min_gain: float = 0.02,
         min_dwell_steps: int = 8,  # plain steps before drafting may resume
-        stale_after_steps: int = 512,  # survivals older than this count as fully confident
+        probe_budget: float = 0.01,  # the share of plain time probes (stale rows) may cost
+        calibration_half_life: float = 256.0,  # full blocks, of the realised/predicted ratio
+        prior_blocks: float = 4.0,  # ratio-1 pseudo-blocks: a few blocks cannot swing it
     ) -> None:
+        if not 0 < probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.draft_len = draft_len
         self.temperatures = {g: t.float().cpu()[:draft_len] for g, t in temperatures.items()}
         self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
-        self.stale_after_steps = stale_after_steps
+        self.probe_budget = probe_budget
+        self._decay = 0.5 ** (1.0 / calibration_half_life)
+        # exponentially weighted predicted and realised accepted drafts over full blocks, each
+        # starting from prior_blocks blocks of one accepted draft predicted and realised
+        self._predicted = self._realised = prior_blocks
         self.table = None
         if table is not None:  # the cells the engine can run: plain and the full block
             cells = {}
@@ -82,13 +101,29 @@ class DraftingPolicy:
     # ---- what the step saw ------------------------------------------------------------------
 
     def observe(
-        self, request_ids: list[str], confidence_logits: torch.Tensor, greedy: list[bool]
+        self,
+        request_ids: list[str],
+        confidence_logits: torch.Tensor,  # [R, K] raw (host)
+        greedy: list[bool],
+        num_accepted: list[int] | None = None,  # per window, with verify_len: recalibration
+        verify_len: list[int] | None = None,
     ) -> None:
-        """After a speculative step's sync: each window's raw confidences [R, K] (host)."""
+        """After a speculative step's sync: each window's raw confidences and what it kept."""
         temps = torch.stack([self.temperatures[g] for g in greedy])
-        sums = survival(confidence_logits[:, : self.draft_len].float(), temps).sum(-1)
-        for rid, total in zip(request_ids, sums.tolist(), strict=True):
+        sums = survival(confidence_logits[:, : self.draft_len].float(), temps).sum(-1).tolist()
+        for rid, total in zip(request_ids, sums, strict=True):
             self._survival_sums[rid] = (total, self._step)
+        if num_accepted is None or verify_len is None:
+            return
+        full = [j for j, v in enumerate(verify_len) if v == self.draft_len]  # uncensored
+        decay = self._decay ** len(full)
+        self._predicted = self._predicted * decay + sum(sums[j] for j in full)
+        self._realised = self._realised * decay + sum(num_accepted[j] for j in full)
+
+    @property
+    def correction(self) -> float:
+        """Realised / predicted accepted drafts over recent full blocks (1 with no evidence)."""
+        return self._realised / self._predicted
 
     def forget(self, request_id: str) -> None:
         self._survival_sums.pop(request_id, None)
@@ -117,16 +152,25 @@ class DraftingPolicy:
         i = bisect.bisect_left(self.sizes, len(request_ids))
         if i == len(self.sizes):
             return Decision(True, "batch beyond the table")
-        choice = choose_drafting(len(request_ids), self.survival_sum(request_ids), self.sizes[i],
+        g = self.sizes[i]
+        choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g), g,
                                  self.table, self.draft_len, self.min_gain,
                                  drafting_now=self.drafting)  # fmt: skip
         return Decision(choice.geometry.drafts, choice.reason)
 
-    def survival_sum(self, request_ids: list[str]) -> float:
-        """Sum of the requests' lagged survivals; missing or stale rows count K (a = 1)."""
-        fresh_since = self._step - self.stale_after_steps
+    def stale_after(self, g: int) -> int:
+        """Steps after which a request's survivals are stale at graph size G (module doc)."""
+        row = self.table.cells[g]
+        ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
+        return max(1, math.ceil((ratio - 1) / self.probe_budget))
+
+    def survival_sum(self, request_ids: list[str], g: int) -> float:
+        """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale
+        rows count K (a = 1)."""
+        fresh_since = self._step - self.stale_after(g)
+        scale, k = self.correction, self.draft_len
         total = 0.0
         for rid in request_ids:
             seen = self._survival_sums.get(rid)
-            total += seen[0] if seen is not None and seen[1] >= fresh_since else self.draft_len
+            total += min(k, scale * seen[0]) if seen is not None and seen[1] >= fresh_since else k
         return total

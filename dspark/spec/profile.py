@@ -28,7 +28,7 @@ def _median_step(llm: LLM, steps: int, warmup: int) -> float:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.step()  # speculative engines run synchronously: the call is the step
+        engine.step()  # one launched and one collected: in steady state, one step's period
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

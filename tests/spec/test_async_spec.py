@@ -121,3 +121,29 @@ def test_sampling_across_mode_switches_keeps_the_target_distribution(tiny_vocab_
     counts = torch.bincount(pairs, minlength=144).float()
     expected = _exact_pair_distribution(engine.model, prompt, 1.0, 1.0) * n
     assert_matches_distribution(counts, expected)
+
+
+def test_sampling_with_drafting_steps_launched_ahead_keeps_the_target_distribution(
+    tiny_vocab_dir, drafter
+):
+    """Tokens 2 and 3 of 4,000 seeded requests with drafting steps launched ahead (uniform
+    windows, K = 1): token 1 comes from the prefill; a first window verifies token 2 and, when
+    it accepts, emits token 3 as its bonus; when it rejects, token 3 comes from the window
+    launched behind it, whose anchor (token 2, at a position known only on the device) was
+    written there. Their joint law is the target's (chi-square)."""
+    n, prompt = 4000, [2, 3, 4]
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=4 * n + 16,
+              max_num_seqs=n, max_num_batched_tokens=4 * n, async_spec_steps=True,
+              speculative_config={"model": str(drafter), "num_speculative_tokens": 1})  # fmt: skip
+    engine = llm.engine
+    engine.runner.spec_runner.uniform_windows = True
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=5, ignore_eos=True)
+              for s in range(n)]  # fmt: skip
+    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    stats = engine.runner.stats
+    assert stats["continuation_windows"] >= n, dict(stats)  # every request continued once
+    assert engine.spec.metrics["num_accepted_tokens"] > 0
+    pairs = torch.tensor([o[1] * 12 + o[2] for o in outs])
+    counts = torch.bincount(pairs, minlength=144).float()
+    expected = _exact_pair_distribution(engine.model, prompt, 1.0, 1.0) * n
+    assert_matches_distribution(counts, expected)

@@ -52,12 +52,39 @@ def test_drafting_goes_off_under_load_at_once_and_back_on_after_the_dwell():
 
 
 def test_stale_survivals_count_as_fully_confident():
-    p = _policy(dwell=0, stale_after_steps=3)
+    # G = 64: t_full / t_plain = 2.4, so with probe_budget 0.5 survivals go stale after
+    # ceil(1.4 / 0.5) = 3 steps (with the 1% default: 140)
+    p = _policy(dwell=0, probe_budget=0.5)
+    assert (p.stale_after(64), _policy().stale_after(64), _policy().stale_after(1)) == (3, 140, 50)
     p.observe(_ids(64), torch.zeros(64, K), [False] * 64)
     assert [p.decide(_ids(64)).drafting for _ in range(4)] == [False] * 4
     # observed at step 0; at step 4 they are older than 3 steps: a = 1 again
     assert p.decide(_ids(64)) == Decision(True, "full block")
-    assert p.survival_sum(_ids(2)) == 2 * K
+    assert p.survival_sum(_ids(2), 64) == 2 * K
+    with pytest.raises(ValueError, match="probe_budget must be in"):
+        _policy(probe_budget=0)
+
+
+def test_realised_acceptance_recalibrates_the_survivals():
+    """Confidences that predict ~1 accepted draft per block while blocks keep ~6: the policy
+    scales its estimates by realised / predicted (a prior of 4 blocks damps the first ones)."""
+    p = _policy(dwell=0)
+    logits = torch.zeros(64, K)  # c = 0.5: 0.99 predicted accepted drafts per block
+    predicted = torch.sigmoid(logits[0]).cumprod(0).sum().item()
+    p.observe(_ids(64), logits, [False] * 64)
+    assert p.correction == 1.0  # no accepted counts given: no evidence
+    assert not p.decide(_ids(64)).drafting  # 64 * 1.99 / 2.4 < 64 / 1.0
+    p.observe(_ids(1), logits[:1], [False], num_accepted=[6], verify_len=[K])
+    d = 0.5 ** (1 / 256)  # one block of decay (half-life 256 blocks) on the prior
+    assert p.correction == pytest.approx((4 * d + 6) / (4 * d + predicted))
+    p.observe(_ids(64), logits, [False] * 64, num_accepted=[6] * 64, verify_len=[K] * 64)
+    assert p.correction > 5
+    assert p.survival_sum(["r0"], 64) == pytest.approx(min(K, p.correction * predicted))
+    assert p.decide(_ids(64)) == Decision(True, "full block")
+    # windows shortened near max_tokens are censored: they do not move the ratio
+    before = p.correction
+    p.observe(_ids(2), logits[:2], [False] * 2, num_accepted=[0, 0], verify_len=[2, 3])
+    assert p.correction == pytest.approx(before)
 
 
 def test_greedy_rows_use_the_greedy_temperatures():
@@ -65,8 +92,8 @@ def test_greedy_rows_use_the_greedy_temperatures():
     p = DraftingPolicy(TABLE, temps, K)
     p.observe(["s", "g"], torch.ones(2, K), [False, True])
     sampled = torch.sigmoid(torch.ones(K)).cumprod(0).sum().item()
-    assert p.survival_sum(["s"]) == pytest.approx(sampled)
-    assert p.survival_sum(["g"]) == pytest.approx(K)
+    assert p.survival_sum(["s"], 1) == pytest.approx(sampled)
+    assert p.survival_sum(["g"], 1) == pytest.approx(K)
 
 
 def test_hysteresis_needs_the_squared_gain_to_switch():

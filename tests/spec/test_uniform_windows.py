@@ -17,7 +17,10 @@ def drafter(tiny_vocab_dir, tmp_path_factory):
 
 
 def _run(tiny_vocab_dir, drafter, params, uniform: bool | None):
-    kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=8, max_model_len=64)
+    # drafting steps synchronous in both runs: the same batches, so logprobs compare exactly
+    # (test_async_drafting_steps.py compares the async ones)
+    kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=8, max_model_len=64,
+              async_spec_steps=False)  # fmt: skip
     spec = None if uniform is None else {"model": str(drafter), "num_speculative_tokens": 3}
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **kw)
     if uniform:

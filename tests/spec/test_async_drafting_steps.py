@@ -1,0 +1,196 @@
+"""Drafting steps launched ahead change no output: step N+1's windows are scheduled and
+launched before step N's verification reaches the host, their anchors taken from N on the
+device. CPU, tiny models, windows laid out K + 1 wide as the speculative graphs lay them out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.runner.input_buffers import InputBuffers
+from dspark.runner.spec_runner import next_anchors, write_continuations
+from dspark.spec.spec_buffers import SpecBuffers
+from tests.tiny_models import make_tiny_drafter
+
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
+           [6, 2, 8], [10, 11], [7, 7, 1, 2]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_ahead"), taps=(0,))
+
+
+def _llm(model_dir, drafter, async_scheduling: bool, **kw) -> LLM:
+    kw.setdefault("async_spec_steps", True)  # (off by default until checked on a GPU)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", async_scheduling=async_scheduling,
+              speculative_config={"model": str(drafter), "num_speculative_tokens": 3},
+              **kw)  # fmt: skip
+    llm.engine.runner.spec_runner.uniform_windows = True
+    return llm
+
+
+def _seen(outputs):
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason)
+            for c in (o.outputs[0] for o in outputs)]  # fmt: skip
+
+
+def _assert_same_logprobs(got, expected):
+    for g, e in zip(got, expected, strict=True):
+        assert (g.outputs[0].logprobs is None) == (e.outputs[0].logprobs is None)
+        for lg, le in zip(g.outputs[0].logprobs or [], e.outputs[0].logprobs or [], strict=True):
+            assert lg.keys() == le.keys()
+            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
+
+
+def _params(sync: LLM) -> list[SamplingParams]:
+    """Stops placed on tokens and text the requests really produce (from a greedy run)."""
+    probe = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = [o.outputs[0] for o in sync.generate(PROMPTS, probe, use_tqdm=False)]
+    ids, texts = [c.token_ids for c in full], [c.text for c in full]
+    return [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ids[0][9]]),
+        SamplingParams(temperature=0, max_tokens=30, stop=texts[1][10:13] or "e"),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),  # ends inside a block
+        SamplingParams(
+            temperature=0.9, top_p=0.8, seed=3, max_tokens=27, ignore_eos=True, logprobs=2
+        ),  # fmt: skip
+        SamplingParams(temperature=0, max_tokens=22, logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=5, seed=5, max_tokens=25),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, use_speculation=False),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ids[7][2]], min_tokens=12),
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(num_kv_pages=256, max_num_batched_tokens=64, max_num_seqs=8),
+     dict(num_kv_pages=256, max_num_batched_tokens=64, max_num_seqs=3),
+     dict(num_kv_pages=7, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4)],
+    ids=["roomy", "admission", "preemption"],
+)  # fmt: skip
+def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
+    sync = _llm(tiny_vocab_dir, drafter, False, **kw)
+    params = _params(sync)
+    expected = sync.generate(PROMPTS, params, use_tqdm=False)
+    fast = _llm(tiny_vocab_dir, drafter, True, **kw)
+    got = fast.generate(PROMPTS, params, use_tqdm=False)
+    assert _seen(got) == _seen(expected)
+    _assert_same_logprobs(got, expected)
+    stats, e = fast.engine.runner.stats, fast.engine
+    assert stats["spec_steps_launched_ahead"] > 0, dict(stats)  # not vacuous
+    assert stats["continuation_windows"] > 0, dict(stats)
+    assert sync.engine.runner.stats["spec_steps_launched_ahead"] == 0
+    assert e.scheduler.num_windows_deferred > 0  # near max_tokens: after the count is known
+    if kw["num_kv_pages"] == 7:
+        assert e.scheduler.num_preemptions > 0
+        assert stats["spec_steps_not_ahead_kv_pages"] > 0
+    assert e.allocator.num_free == e.allocator.num_usable
+    assert not e.scheduler.has_unfinished and e._in_flight is None
+
+
+def test_switched_off_runs_drafting_steps_synchronously(tiny_vocab_dir, drafter):
+    llm = _llm(tiny_vocab_dir, drafter, True, num_kv_pages=64, async_spec_steps=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    stats = llm.engine.runner.stats
+    assert stats["eager_spec_steps"] > 0 and stats["spec_steps_launched_ahead"] == 0
+
+
+def test_abort_while_a_window_is_in_flight(tiny_vocab_dir, drafter):
+    """Aborting a request whose window is in flight (and whose next window may already be
+    launched behind it): its output stops there, the others are unchanged, no page leaks."""
+    kw = dict(num_kv_pages=256, max_num_batched_tokens=64, max_num_seqs=8)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=24 + i,
+                             ignore_eos=True) for i in range(len(PROMPTS))]  # fmt: skip
+    want = _llm(tiny_vocab_dir, drafter, False, **kw).generate(PROMPTS, params, use_tqdm=False)
+    engine = _llm(tiny_vocab_dir, drafter, True, **kw).engine
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done, aborted_in_flight = {}, False
+    while engine.has_unfinished_requests():
+        req = engine._requests.get("1")
+        if not aborted_in_flight and req is not None and req.num_windows_in_flight:
+            if engine.runner.stats["spec_steps_launched_ahead"] >= 2:
+                engine.abort_request("1")
+                aborted_in_flight = True
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert aborted_in_flight
+    assert done["1"].finish_reason == "abort"
+    full = want[1].outputs[0].token_ids
+    assert done["1"].token_ids == full[: len(done["1"].token_ids)]
+    assert len(done["1"].token_ids) < len(full)
+    for i in range(len(PROMPTS)):
+        if i != 1:
+            assert done[str(i)].token_ids == want[i].outputs[0].token_ids, i
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def test_next_anchors_worked_example():
+    """The example above next_anchors (K = 3)."""
+    a, b, c, e = 5, 6, 7, 8
+    tokens = torch.tensor([[a, b, c, 0], [e, 0, 0, 0]])
+    pos, tok = next_anchors(torch.tensor([9, 4]), tokens, torch.tensor([2, 0]))
+    assert pos.tolist() == [12, 5]
+    assert tok.tolist() == [c, e]
+
+
+def test_write_continuations_worked_example():
+    """The example above write_continuations: window row 1 of width 4, anchor at 1."""
+    cpu = torch.device("cpu")
+    b = InputBuffers(max_num_tokens=16, max_num_rows=4, max_pages_per_row=4, device=cpu)
+    sb = SpecBuffers(max_rows=4, draft_len=3, page_size=4, device=cpu)
+    b.np("block_table")[1, :2] = [7, 2]
+    b.np("positions")[:] = -1
+    rows = torch.tensor([1])
+    write_continuations(b, sb, rows, torch.tensor([1]), torch.tensor([11]), width=4)
+    assert b.input_ids[4].item() == 11
+    assert b.positions[4:8].tolist() == [1, 2, 3, 4]
+    assert b.slot_mapping[4:8].tolist() == [29, 30, 31, 8]
+    assert b.seq_lens[1].item() == 5
+    assert (sb.anchors[1].item(), sb.anchor_pos[1].item()) == (11, 1)
+    assert sb.block_positions[3:6].tolist() == [1, 2, 3]
+    assert sb.block_slots[3:6].tolist() == [29, 30, 31]
+    assert sb.block_seq_lens[1].item() == 4
+    # the rows around it are untouched
+    assert b.positions[:4].tolist() == [-1] * 4 and b.positions[8:12].tolist() == [-1] * 4
+    assert b.np("block_table")[0].tolist() == [SCRATCH_PAGE] * 4
+
+
+def test_scheduler_continuation_rows_and_deferral():
+    """K = 2, draft_len 3, page_size 4: a window in flight at anchor 6 (7 tokens) gets a
+    continuation whose start is the latest anchor (6 + 3 = 9) and pages for 7 + 3 + 3 = 13
+    tokens; its update reads where the request stands after the in-flight window's update."""
+    from dspark.engine.kv_cache import PageAllocator
+    from dspark.engine.scheduler import SampledTokens, Scheduler
+    from dspark.request import Request
+
+    s = Scheduler(PageAllocator(16), 4, 4, 64, 64, draft_len=3, max_verify=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    req = Request("a", [3, 4, 5, 6, 7, 8], params, 0, eos_token_id=1, arrival_time=0.0)
+    s.add(req)
+    first = s.schedule()  # the prefill
+    s.advance(first)
+    s.update(first, [SampledTokens((9,))])
+    n = s.schedule()  # a window [9, 2 drafts] at anchor 6
+    (row,) = n.rows
+    assert (row.start, row.num_draft, row.is_continuation) == (6, 2, False)
+    s.advance(n)
+    assert req.num_windows_in_flight == 1 and s.ahead_blocker(max_rows=8) is None
+    ahead = s.schedule()  # behind it
+    (cont,) = ahead.rows
+    assert (cont.start, cont.num_draft, cont.is_continuation) == (9, 2, True)
+    assert len(req.page_ids) == 4  # 13 tokens
+    s.advance(ahead)
+    s.update(n, [SampledTokens((10, 11))])  # one draft accepted, anchor now at 8
+    assert (req.num_computed_tokens, req.num_tokens) == (8, 9)
+    s.update(ahead, [SampledTokens((12, 13, 14))])  # both accepted: anchor at 11
+    assert (req.num_computed_tokens, req.num_tokens) == (11, 12)
+    assert req.output_token_ids == [9, 10, 11, 12, 13, 14] and req.num_windows_in_flight == 0
+    # near max_tokens the request in flight is deferred rather than continued
+    req.sampling_params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+    s.advance(s.schedule())
+    assert s.ahead_blocker(max_rows=8) is None and s.schedule().is_empty
+    assert s.num_windows_deferred == 1

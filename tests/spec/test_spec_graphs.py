@@ -31,18 +31,23 @@ def vocab_drafter(tiny_vocab_dir, tmp_path_factory):
     ids=["greedy", "temperature", "filtered"],
 )
 def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
+    """Eager, captured graphs, and captured graphs with drafting steps launched ahead
+    (async_spec_steps): the same tokens; eager and graphs also the same counters."""
     runs = {}
-    for graphs in (False, True):
+    for name, graphs, ahead in (("eager", False, False), ("graphs", True, False),
+                                ("ahead", True, True)):  # fmt: skip
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
                   max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
+                  async_spec_steps=ahead,
                   speculative_config={"model": str(vocab_drafter)})  # fmt: skip
         seen = []  # the observer hook gets each step's confidences from graphs too
         llm.engine.spec.observers.append(lambda v, a, c, seen=seen: seen.append((v, a, c.tolist())))
         outputs, metrics = _outputs(llm, PROMPTS12, params), llm.engine.get_metrics()
         # the eager path is the graphs' fallback: only the graph run counts why it fell back
         fallbacks = metrics.pop("fallbacks")
+        ahead_counts = metrics.pop("async_spec_steps", {})
         predicted = metrics.pop("predicted_survival_per_pos")  # float sums of the confidences
-        runs[graphs] = (outputs, metrics, predicted)
+        runs[name] = (outputs, metrics, predicted)
         assert seen and len(seen[0][2]) == len(seen[0][0])
         if graphs:
             stats = llm.engine.runner.stats
@@ -50,8 +55,11 @@ def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
             assert set(fallbacks) <= {"not_all_windows"}, fallbacks
         else:
             assert fallbacks == {}, fallbacks
-    assert runs[True][:2] == runs[False][:2]
-    assert runs[True][2] == pytest.approx(runs[False][2], rel=1e-5)
+        if ahead:
+            assert ahead_counts["launched_ahead"] > 0, ahead_counts
+    assert runs["graphs"][:2] == runs["eager"][:2]
+    assert runs["graphs"][2] == pytest.approx(runs["eager"][2], rel=1e-5)
+    assert runs["ahead"][0] == runs["eager"][0]
 
 
 def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, vocab_drafter):

@@ -213,6 +213,8 @@ def test_default_prompts_are_the_drafter_trainings_held_out_slice():
         ({3: None}, "names must be non-empty strings, got 3"),
         ({"k": 3}, "--arms 'k' must be null .* or a speculative_config object, got 3"),
         ({"k": {"bogus": 1}}, "--arms 'k': unknown speculative_config keys \\['bogus'\\]"),
+        ({"k": {"engine": {"dtype": "float16"}}}, "engine options \\['dtype'\\] cannot vary"),
+        ({"k": {"engine": 3}}, 'an arm\'s "engine" must be an object, got 3'),
     ],
 )
 def test_bad_arms_are_refused(arms, message):
@@ -311,3 +313,12 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
     _tpot(tpot, results)
     assert throughput.get_legend_handles_labels()[1] == ["plain", "k2"]
     assert tpot.get_legend_handles_labels()[1] == ["plain p50", "k2 p50"]
+
+
+def test_an_arm_sets_its_own_engine_options():
+    from dspark.benchmarks.offline import split_arm
+
+    ahead = {"method": "dspark", "engine": {"async_spec_steps": True}}
+    assert split_arm(ahead) == ({"method": "dspark"}, {"async_spec_steps": True})
+    assert split_arm({"engine": {"async_scheduling": False}}) == (None, {"async_scheduling": False})
+    assert split_arm(None) == (None, {}) and split_arm({"method": "dspark"})[1] == {}

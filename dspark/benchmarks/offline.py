@@ -13,7 +13,11 @@ speculative_configs in one invocation, interleaved:
 
     dspark bench --arms '{"plain": null, "k7": {"method": "dspark"},
                           "k3": {"method": "dspark", "num_speculative_tokens": 3},
-                          "scheduled": {"method": "dspark", "cost_table": "t.json"}}'
+                          "scheduled": {"method": "dspark", "cost_table": "t.json"},
+                          "k7-ahead": {"method": "dspark", "engine": {"async_spec_steps": true}}}'
+
+An arm's "engine" object sets its own engine options (ARM_ENGINE_OPTIONS: the scheduling and
+graph switches); every other engine option is shared.
 
 Every arm's LLM is built first and warmed up; then for each level, for each repeat, every arm
 runs the level in turn (arm order as given), so drift hits all arms alike. All arms' engines are
@@ -136,18 +140,45 @@ def check_arms(arms: object, speculative_config: dict | None) -> None:
             "give --arms or --speculative-config, not both: put the speculative_config "
             f"{speculative_config!r} in an arm"
         )
-    for name, spec in arms.items():
+    for name, arm in arms.items():
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"--arms names must be non-empty strings, got {name!r}")
-        if spec is not None and not isinstance(spec, dict):
+        if arm is not None and not isinstance(arm, dict):
             raise ValueError(
                 f"--arms {name!r} must be null (plain decoding) or a speculative_config object, "
-                f"got {spec!r}"
+                f"got {arm!r}"
+            )
+        spec, engine = split_arm(arm)
+        bad = sorted(set(engine) - ARM_ENGINE_OPTIONS)
+        if bad:
+            raise ValueError(
+                f"--arms {name!r}: engine options {bad} cannot vary per arm; allowed: "
+                f"{sorted(ARM_ENGINE_OPTIONS)}"
             )
         try:  # a bad key fails here, before any arm's model is loaded
             SpecConfig.from_dict(spec)
         except ValueError as e:
             raise ValueError(f"--arms {name!r}: {e}") from None
+
+
+# engine options an arm may set for itself ("engine" inside its object); the rest are shared
+ARM_ENGINE_OPTIONS = frozenset({"async_scheduling", "async_spec_steps", "use_cuda_graphs"})
+
+
+def split_arm(arm: dict | None) -> tuple[dict | None, dict]:
+    """An arm's (speculative_config or None, engine options): {"engine": {...}} is its own
+    engine options, the other keys its speculative_config (none: plain decoding).
+
+      {"method": "dspark", "engine": {"async_spec_steps": true}} -> ({"method": "dspark"}, {...})
+      {"engine": {"async_scheduling": false}}                     -> (None, {...})
+    """
+    if arm is None:
+        return None, {}
+    spec = {k: v for k, v in arm.items() if k != "engine"}
+    engine = arm.get("engine") or {}
+    if not isinstance(engine, dict):
+        raise ValueError(f'an arm\'s "engine" must be an object, got {engine!r}')
+    return (spec or None), engine
 
 
 def parse_arms(text: str | None) -> dict | None:
@@ -452,10 +483,10 @@ def build_llms(config: BenchConfig, results: dict) -> dict:
     from dspark.llm import LLM
 
     kwargs = engine_kwargs(config)
-    llms = {
-        name: LLM(**kwargs | {"speculative_config": spec})
-        for name, spec in config.arm_configs().items()
-    }
+    llms = {}
+    for name, arm in config.arm_configs().items():
+        spec, engine = split_arm(arm)
+        llms[name] = LLM(**kwargs | engine | {"speculative_config": spec})
     max_model_len = min(llm.engine.max_model_len for llm in llms.values())
     check_lengths(config, max_model_len)
     shared = {k: v for k, v in kwargs.items() if k not in ("model", "dtype", "device")}

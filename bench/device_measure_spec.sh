@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
-# One device call (about 6 minutes, the model already assembled): the shipped drafter's STS
-# calibration refitted with its greedy section, this GPU's cost table, and one `dspark bench`
-# whose arms (plain decoding, fixed K = 7 and 3, the drafting policy) run interleaved level by
-# level on held-out prompts, so the ratios carry no drift between runs. Results under $OUT; the
-# arms' table last.
+# One device call (about 7 minutes, the model already assembled): the GPU tests, the shipped
+# drafter's STS calibration refitted (CALIBRATE=1; its greedy section), this GPU's cost table,
+# and one `dspark bench` whose arms (plain decoding, fixed K = 3 and 7, the drafting policy, and
+# K = 7 and the policy with drafting steps launched ahead) run interleaved level by level on
+# held-out prompts, so the ratios carry no drift between runs. Results under $OUT; the arms'
+# table last.
 #
 #   bash .carry/assemble.sh; bash bench/device_measure_spec.sh
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
 DRAFTER=dspark/drafters/smollm2_135m_instruct
-if [ "${CALIBRATE:-1}" = 1 ]; then  # the calibration first: the table's fingerprint hashes it
+python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/pytest_gpu.txt"
+if [ "${CALIBRATE:-0}" = 1 ]; then  # the calibration first: the table's fingerprint hashes it
   python3 -m dspark.cli calibrate --drafter "$DRAFTER" --prompts-dir "${PROMPTS_DIR:-.data}" \
     --no-progress 2>&1 | grep -v "^INFO" | tail -20 | tee "$OUT/calibrate.txt"
   cp "$DRAFTER/calibration.json" "$OUT/calibration.json"
 fi
 python3 -m dspark.cli profile --out "$OUT/cost_table_h200.json" 2>&1 | grep -v "^INFO" \
   | tee "$OUT/profile.txt"
-ARMS="{\"plain\": null, \"k7\": {\"method\": \"dspark\"},
-  \"k3\": {\"method\": \"dspark\", \"num_speculative_tokens\": 3},
-  \"scheduled\": {\"method\": \"dspark\", \"cost_table\": \"$OUT/cost_table_h200.json\"}}"
+TABLE="\"cost_table\": \"$OUT/cost_table_h200.json\""
+AHEAD='"engine": {"async_spec_steps": true}'
+ARMS="{\"plain\": null, \"k3\": {\"method\": \"dspark\", \"num_speculative_tokens\": 3},
+  \"k7\": {\"method\": \"dspark\"}, \"k7_ahead\": {\"method\": \"dspark\", $AHEAD},
+  \"scheduled\": {\"method\": \"dspark\", $TABLE},
+  \"scheduled_ahead\": {\"method\": \"dspark\", $TABLE, $AHEAD}}"
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
   --concurrency "${LEVELS:-1,4,16,64,256}" --output-len 256 --repeats "${REPEATS:-3}" \
   --arms "$ARMS" --out "$OUT/bench_arms.json" 2>&1 | grep -v "^INFO" > "$OUT/bench_arms.txt"

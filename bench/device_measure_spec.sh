@@ -2,7 +2,7 @@
 # One device call (about 7 minutes, the model already assembled): the GPU tests, the shipped
 # drafter's STS calibration refitted (CALIBRATE=1; its greedy section), this GPU's cost table,
 # and one `dspark bench` whose arms (plain decoding, fixed K = 3 and 7, the drafting policy, and
-# K = 7 and the policy with drafting steps launched ahead) run interleaved level by level on
+# K = 7 and the policy with synchronous drafting steps) run interleaved level by level on
 # held-out prompts, so the ratios carry no drift between runs. Results under $OUT; the arms'
 # table last.
 #
@@ -20,11 +20,11 @@ fi
 python3 -m dspark.cli profile --out "$OUT/cost_table_h200.json" 2>&1 | grep -v "^INFO" \
   | tee "$OUT/profile.txt"
 TABLE="\"cost_table\": \"$OUT/cost_table_h200.json\""
-AHEAD='"engine": {"async_spec_steps": true}'
+SYNC='"engine": {"async_spec_steps": false}'
 ARMS="{\"plain\": null, \"k3\": {\"method\": \"dspark\", \"num_speculative_tokens\": 3},
-  \"k7\": {\"method\": \"dspark\"}, \"k7_ahead\": {\"method\": \"dspark\", $AHEAD},
+  \"k7\": {\"method\": \"dspark\"}, \"k7_sync\": {\"method\": \"dspark\", $SYNC},
   \"scheduled\": {\"method\": \"dspark\", $TABLE},
-  \"scheduled_ahead\": {\"method\": \"dspark\", $TABLE, $AHEAD}}"
+  \"scheduled_sync\": {\"method\": \"dspark\", $TABLE, $SYNC}}"
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
   --concurrency "${LEVELS:-1,4,16,64,256}" --output-len 256 --repeats "${REPEATS:-3}" \
   --arms "$ARMS" --out "$OUT/bench_arms.json" 2>&1 | grep -v "^INFO" > "$OUT/bench_arms.txt"

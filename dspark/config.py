@@ -38,9 +38,8 @@ class EngineConfig:
     async_scheduling: bool = True
     # with async_scheduling: a drafting step N+1 of full windows may launch behind a drafting
     # step N still in flight, its anchors taken from N's verification on the device (engine.py);
-    # off, a step that drafts waits for its own results. Off by default until the captured-graph
-    # path has been checked against eager on a GPU (it is tested on the CPU, eagerly)
-    async_spec_steps: bool = False
+    # off, a step that drafts waits for its own results
+    async_spec_steps: bool = True
     seed: int = 0  # draws the seeds of requests that set none
     log_stats_interval_s: float = 10.0  # the periodic stats log line (engine/stats_log.py); 0: off
     # {"method": "dspark", "model": PATH, "num_speculative_tokens": K}; None: no speculation

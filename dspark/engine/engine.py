@@ -16,8 +16,7 @@ written, detokenized and checked for stops while the GPU runs N+1:
 A request that stops at step N (EOS, stop string) already has a row in N+1; that row's token
 is dropped. Outputs therefore reach the caller one step after their token was computed.
 
-Drafting steps run the same way (async_spec_steps; off by default until its captured-graph path
-is checked on a GPU) when their windows are laid
+Drafting steps run the same way (async_spec_steps, on by default) when their windows are laid
 out K + 1 wide (uniform windows: on with speculative CUDA graphs): a drafting step N+1 is
 launched behind a drafting step N still in flight. Its rows are windows of two kinds: a
 continuation, whose anchor is the last token its request's window in N emits, at position

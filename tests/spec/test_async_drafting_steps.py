@@ -24,7 +24,6 @@ def drafter(tiny_vocab_dir, tmp_path_factory):
 
 
 def _llm(model_dir, drafter, async_scheduling: bool, **kw) -> LLM:
-    kw.setdefault("async_spec_steps", True)  # (off by default until checked on a GPU)
     llm = LLM(str(model_dir), dtype="float32", device="cpu", async_scheduling=async_scheduling,
               speculative_config={"model": str(drafter), "num_speculative_tokens": 3},
               **kw)  # fmt: skip

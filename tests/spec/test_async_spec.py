@@ -133,7 +133,7 @@ def test_sampling_with_drafting_steps_launched_ahead_keeps_the_target_distributi
     written there. Their joint law is the target's (chi-square)."""
     n, prompt = 4000, [2, 3, 4]
     llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=4 * n + 16,
-              max_num_seqs=n, max_num_batched_tokens=4 * n, async_spec_steps=True,
+              max_num_seqs=n, max_num_batched_tokens=4 * n,
               speculative_config={"model": str(drafter), "num_speculative_tokens": 1})  # fmt: skip
     engine = llm.engine
     engine.runner.spec_runner.uniform_windows = True

@@ -31,8 +31,9 @@ def vocab_drafter(tiny_vocab_dir, tmp_path_factory):
     ids=["greedy", "temperature", "filtered"],
 )
 def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
-    """Eager, captured graphs, and captured graphs with drafting steps launched ahead
-    (async_spec_steps): the same tokens; eager and graphs also the same counters."""
+    """Eager, captured graphs (synchronous drafting steps), and captured graphs with drafting
+    steps launched ahead (async_spec_steps, the default): the same tokens; eager and graphs also
+    the same counters."""
     runs = {}
     for name, graphs, ahead in (("eager", False, False), ("graphs", True, False),
                                 ("ahead", True, True)):  # fmt: skip

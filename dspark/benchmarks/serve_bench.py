@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING
 
 from dspark.benchmarks.prompts import PROMPT_SPLITS, SOURCES, default_prompts_dir, load_prompts
 from dspark.benchmarks.report import git_state
+from dspark.benchmarks.serve_client import ConnectionPool, RequestRecord, stream_request
 from dspark.benchmarks.serve_report import format_table, plot_results, summarize
 
 if TYPE_CHECKING:  # httpx (the serve extra) is imported where a run needs it: the CLI loads
     import httpx  # this module to register `bench serve` even without it
 
-    from dspark.benchmarks.serve_client import RequestRecord
-
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
 HEALTH_TIMEOUT_S = 900.0
+CLIENT_BOUND_FRACTION = 0.9  # of one core: above it a level warns that it may be client-bound
 
 
 def parse_levels(text: str, kind: type, name: str) -> list:
@@ -122,8 +122,8 @@ def _payload(args, model: str, conversation: list[dict]) -> dict:
 
 
 async def run_level(
-    client,
-    url: str,
+    pool: ConnectionPool,
+    path: str,
     payloads: list[dict],
     headers: dict,
     concurrency: int | None,
@@ -132,14 +132,12 @@ async def run_level(
 ) -> tuple[list[RequestRecord], float]:
     """Send every payload, arrivals Poisson at `rate` (inf: at once), at most `concurrency` in
     flight; returns the records in payload order and the wall time."""
-    from dspark.benchmarks.serve_client import stream_request
-
     gate = asyncio.Semaphore(concurrency or len(payloads))
     arrivals = random.Random(seed)
 
     async def one(payload: dict) -> RequestRecord:
         async with gate:
-            return await stream_request(client, url, payload, headers)
+            return await stream_request(pool, path, payload, headers)
 
     start = time.perf_counter()
     tasks = []
@@ -194,20 +192,25 @@ async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
             _payload(args, model, conversations[i % len(conversations)])
             for i in range(args.num_prompts)
         ]
-        url = f"{base_url}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
+        path = f"/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
+        pool = ConnectionPool(base_url)
         slos = {name: getattr(args, f"slo_{name}_ms") for name in ("ttft", "tpot", "e2e")}
         slos = {k: v for k, v in slos.items() if v is not None}
         level_name, levels = _levels(args)
         for level in levels:
             before = await read_spec_counters(client, base_url)
+            cpu_start = time.process_time()
             records, wall = await run_level(
-                client, url, payloads, headers, level["concurrency"], level["rate"], args.seed
+                pool, path, payloads, headers, level["concurrency"], level["rate"], args.seed
             )
             level["summary"] = summarize(records, wall, slos)
+            level["client_cpu_s"] = time.process_time() - cpu_start
             level["speculation"] = _acceptance(before, await read_spec_counters(client, base_url))
             level["rate"] = None if math.isinf(level["rate"]) else level["rate"]
             tok_s = level["summary"]["output_tokens_per_s"]
             print(f"{level['label']}: {tok_s or 0:.1f} output tok/s", file=sys.stderr, flush=True)
+            _warn_if_client_bound(level["client_cpu_s"], wall)
+        pool.close()
     return {
         "base_url": base_url,
         "model": model,
@@ -220,6 +223,18 @@ async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
         "levels": levels,
         **git_state(),
     }
+
+
+def _warn_if_client_bound(cpu_s: float, wall_s: float) -> None:
+    """The load generator is one process on one core: near 100% of it, its own parsing, not
+    the server, may be what the level measured."""
+    if wall_s > 0 and cpu_s / wall_s > CLIENT_BOUND_FRACTION:
+        print(
+            f"warning: the load generator used {cpu_s / wall_s:.0%} of a core at this level; "
+            "the figures may be its limit, not the server's",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 async def _first_model(client: httpx.AsyncClient, base_url: str, headers: dict) -> str:

@@ -418,10 +418,12 @@ class LLMEngine:
         (a preempted request re-admitted at once would need its pending token on the host)."""
         sampled_by_previous = {previous.plan.rows[i].request.request_id for i in previous.plain}
         for row in plan.rows:
-            tokens = row.request.token_ids[row.start : row.end]
-            if PENDING_TOKEN in tokens and (
-                row.num_tokens != 1 or row.request.request_id not in sampled_by_previous
-            ):
+            tokens = row.request.token_ids
+            if row.num_tokens == 1:  # the common row: no slice
+                if tokens[row.start] == PENDING_TOKEN:
+                    if row.request.request_id not in sampled_by_previous:
+                        return False
+            elif PENDING_TOKEN in tokens[row.start : row.end]:
                 return False
         return True
 

@@ -33,14 +33,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dspark.engine.kv_cache import PageAllocator, pages_for
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, TokenLogprobs
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRow:
-    """One request's share of a step: tokens [start, start + num_tokens) of its token_ids."""
+class ScheduledRow(NamedTuple):
+    """One request's share of a step: tokens [start, start + num_tokens) of its token_ids.
+
+    (A NamedTuple, like SampledTokens: immutable, and built several hundred times per step at
+    high batch, where a frozen dataclass's __init__ costs 4x as much.)
+    """
 
     request: Request
     start: int
@@ -87,8 +91,7 @@ class StepPlan:
         return not self.rows
 
 
-@dataclass(frozen=True, slots=True)
-class SampledTokens:
+class SampledTokens(NamedTuple):
     """What one row emitted this step: one token, or accepted drafts + a recovered/bonus one."""
 
     token_ids: tuple[int, ...]
@@ -137,8 +140,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted_before = self.num_preemptions
+        page_size, running = self.page_size, RequestStatus.RUNNING
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:  # preempted by an earlier row this step
+            if req.status is not running:  # preempted by an earlier row this step
                 continue
             if req.num_windows_in_flight:  # scheduled ahead: ahead_blocker() found no obstacle
                 most = self._most_tokens(req) + self.draft_len  # + the drafter block
@@ -157,12 +161,17 @@ class Scheduler:
                     rows.append(ScheduledRow.window(req, num_draft))
                     budget -= 1 + num_draft
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens
-            assert remaining >= 1, f"request {req.request_id} has no token left to compute"
-            n = min(remaining, budget)
-            if n == 0 or not self._reserve(req, req.num_computed_tokens + n, preempt=True):
+            # the common row, a decode token, runs this loop hundreds of times per step: the
+            # page check is inlined (a request owning the pages it needs skips _reserve)
+            start, num_tokens = req.num_computed_tokens, len(req.token_ids)
+            assert num_tokens > start, f"request {req.request_id} has no token left to compute"
+            n = min(num_tokens - start, budget)
+            if n == 0:
                 continue
-            rows.append(ScheduledRow.of(req, n))
+            has_pages = -(-(start + n) // page_size) <= len(req.page_ids)
+            if not has_pages and not self._reserve(req, start + n, preempt=True):
+                continue
+            rows.append(ScheduledRow(req, start, n, start + n == num_tokens))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -309,11 +318,12 @@ class Scheduler:
         (aborted, stopped at an earlier step) are skipped; preempted ones still get their token.
         """
         emitted = []
+        finished, num_generated = RequestStatus.FINISHED, 0
         for row, out in zip(plan.rows, sampled, strict=True):
             req = row.request
             if row.num_draft:
                 req.num_windows_in_flight -= 1
-            if out is None or req.is_finished:
+            if out is None or req.status is finished:
                 continue
             if row.num_draft:
                 first = req.num_tokens  # one past the anchor
@@ -326,7 +336,7 @@ class Scheduler:
                 req.num_draft_tokens += row.num_draft
                 req.num_accepted_tokens += len(out.token_ids) - 1
             else:
-                first = row.end
+                first = row.start + row.num_tokens
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
                 (req.token_ids[first],) = out.token_ids
             count = len(out.token_ids)
@@ -341,7 +351,8 @@ class Scheduler:
                     self.finish(req, *reason)
                     break
             emitted.append((req, first, count))
-            self.num_generated_tokens += count
+            num_generated += count
+        self.num_generated_tokens += num_generated
         return emitted
 
     def _token_stop(

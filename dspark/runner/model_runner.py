@@ -369,8 +369,8 @@ class ModelRunner:
         banned_rows, banned_ids = [], []
         for j, row in enumerate(rows):
             req, sp = row.request, row.request.sampling_params
-            if row.end - req.num_prompt_tokens >= sp.min_tokens:  # outputs before this one
-                continue
+            if not sp.min_tokens or row.end - req.num_prompt_tokens >= sp.min_tokens:
+                continue  # (outputs before this one reach the minimum)
             ids = list(sp.stop_token_ids)
             if req.eos_token_id is not None and not sp.ignore_eos:
                 ids.append(req.eos_token_id)

@@ -58,7 +58,7 @@ from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
-from dspark.spec.cost_table import load_cost_table, make_fingerprint
+from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table, make_fingerprint
 from dspark.spec.drafting_policy import DraftingPolicy
 from dspark.spec.spec_decoder import SpecDecoder
 
@@ -215,27 +215,45 @@ class LLMEngine:
         table that does not authenticate fails closed to drafting every step (fixed K), with
         the reason logged and counted."""
         spec_config = self.config.spec()
-        if self.spec is None or spec_config.cost_table is None:
+        if self.spec is None or not spec_config.scheduling:
+            return None
+        path = spec_config.cost_table or self._shipped_cost_table()
+        if path is None:
             return None
         spec = self.spec
         if not spec.drafter.config.use_confidence:
             reason = "the drafter has no confidence head"
             table = None
         else:
-            table, reason = load_cost_table(spec_config.cost_table, self.cost_fingerprint())
+            table, reason = load_cost_table(path, self.cost_fingerprint())
         policy = DraftingPolicy(
             table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain
         )
         if table is None or policy.table is None:
             reason = reason or "it has no G with both a plain and a full-block cell"
             logger.warning("speculation: cost table %s not used (%s): every step drafts the full "
-                           "block (fixed K)", spec_config.cost_table, reason)  # fmt: skip
+                           "block (fixed K)", path, reason)  # fmt: skip
             policy.counters[f"cost_table_refused: {reason}"] += 1
         else:
             logger.info("speculation: drafting decided per step from cost table %s (G %s)",
-                        spec_config.cost_table, policy.sizes)  # fmt: skip
+                        path, policy.sizes)  # fmt: skip
             self.runner.spec_runner.confidence_sinks.append(policy.observe)
         return policy
+
+    def _shipped_cost_table(self) -> Path | None:
+        """A table in the drafter's cost_tables/ measured on an engine like this one (its
+        fingerprint equal to the live one), or None: then every step drafts (fixed K), and the
+        log says how to measure a table."""
+        tables = sorted((self._drafter_dir / COST_TABLES_DIR).glob("*.json"))
+        live = self.cost_fingerprint()
+        for path in tables:
+            if load_cost_table(path, live)[0] is not None:
+                return path
+        logger.info("speculation: no cost table for this engine (%d in %s, none with its "
+                    "fingerprint): every step drafts the full block (fixed K); measure one with "
+                    "`dspark profile --out TABLE` and pass it as speculative_config's "
+                    '"cost_table"', len(tables), self._drafter_dir / COST_TABLES_DIR)  # fmt: skip
+        return None
 
     def get_metrics(self) -> dict:
         """Speculative counters with vLLM's definitions (empty without speculation)."""

@@ -1,11 +1,16 @@
 """`speculative_config`: one object, as in vLLM.
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
-     "cost_table": PATH, "min_gain": 0.02}
+     "cost_table": PATH, "min_gain": 0.02, "scheduling": true}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
 package ships for the loaded target (dspark.drafters), and says so when there is none.
+
+Scheduling (the per-step choice to draft, spec/drafting_policy.py) needs a cost table measured
+on this engine by `dspark profile`: "cost_table" names one; without it the engine uses a table
+in the drafter's cost_tables/ directory whose fingerprint matches the live engine, if any.
+With no table, or "scheduling": false, every step drafts and verifies the full block (fixed K).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("dspark",)
-KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain")
+KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling")
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,9 @@ class SpecConfig:
     method: str = "dspark"
     # `dspark profile`'s table: with it, each step drafts only when the measured whole-step
     # times say it pays (spec/drafting_policy.py); None: every step drafts (fixed K)
-    cost_table: str | None = None
+    cost_table: str | None = None  # None: a matching table in the drafter's cost_tables/
     min_gain: float = 0.02  # what another mode must beat the current one by (squared)
+    scheduling: bool = True  # False: fixed K even with a cost table
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -58,6 +64,11 @@ class SpecConfig:
             raise ValueError(
                 f'speculative_config "min_gain" must be a number in [0, 1), got {gain!r}'
             )
+        scheduling = d.get("scheduling", True)
+        if not isinstance(scheduling, bool):
+            raise ValueError(
+                f'speculative_config "scheduling" must be true or false, got {scheduling!r}'
+            )
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
-                   min_gain=float(gain))  # fmt: skip
+                   min_gain=float(gain), scheduling=scheduling)  # fmt: skip

@@ -26,6 +26,9 @@ FINGERPRINT_KEYS = (
     "gpu", "device_count", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
     "dtype", "graph_sizes", "page_size", "engine_version",
 )  # fmt: skip
+# tables shipped beside a drafter (one per engine they were measured on), used when their
+# fingerprint matches and speculative_config names none
+COST_TABLES_DIR = "cost_tables"
 # a table whose step time varies less than this across the cells of every G is flat
 MIN_SPREAD = 0.05
 

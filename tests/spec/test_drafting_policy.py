@@ -233,3 +233,31 @@ def test_periodic_stats_line(tiny_vocab_dir, drafter, caplog):
     assert lines and all(line.startswith("dspark stats: running ") for line in lines)
     assert any("acceptance length" in line and "drafting on" in line for line in lines)
     assert any("prompt " in line and "generation " in line and "KV " in line for line in lines)
+
+
+def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(
+    tiny_vocab_dir, drafter, tmp_path, caplog
+):
+    import shutil
+
+    own = tmp_path / "drafter"
+    shutil.copytree(drafter, own)
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(own), **KW)
+    assert probe.engine.policy is None  # no cost_tables/ yet: fixed K
+    (own / "cost_tables").mkdir()
+    other = json.loads(_write_table(tmp_path / "other.json", probe, 1e-3, 5e-3).read_text())
+    other["fingerprint"]["gpu"] = "NVIDIA H200"
+    (own / "cost_tables" / "a_h200.json").write_text(json.dumps(other))
+    with caplog.at_level(logging.INFO, logger="dspark.engine.engine"):
+        llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(own), **KW)
+    assert llm.engine.policy is None and "no cost table for this engine (1 in" in caplog.text
+    _write_table(own / "cost_tables" / "b_this_engine.json", probe, 1e-3, 5e-3)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(own), **KW)
+    assert llm.engine.policy is not None and llm.engine.policy.table is not None
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.get_metrics()["drafting_policy"]["steps_not_drafting"] > 0
+    off = LLM(str(tiny_vocab_dir), speculative_config=_spec(own, scheduling=False), **KW)
+    assert off.engine.policy is None  # scheduling off: fixed K even with a table
+    with pytest.raises(ValueError, match='"scheduling" must be true or false, got 1'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(own, scheduling=1), **KW)

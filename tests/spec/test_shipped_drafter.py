@@ -10,7 +10,9 @@ import pytest
 from dspark import LLM, SamplingParams
 from dspark.drafters import SHIPPED, shipped_drafter
 from dspark.models.dspark_drafter import DrafterConfig
+from dspark.models.loader import ModelSource, checkpoint_hash
 from dspark.spec.calibration import load_calibration
+from dspark.spec.cost_table import COST_TABLES_DIR, parse_table
 from dspark.train.export import MAX_SHARD_BYTES
 from tests.tiny_models import make_tiny_drafter
 
@@ -29,6 +31,14 @@ def test_shipped_files(weights_hash):
     assert set(index["weight_map"].values()) == {f.name for f in shards}
     temps = load_calibration(directory, config.draft_len)
     assert temps is not None and len(temps) == config.draft_len
+    greedy = load_calibration(directory, config.draft_len, greedy=True)
+    assert greedy is not None and len(greedy) == config.draft_len
+    # shipped cost tables describe these weights: retraining the drafter means re-profiling
+    for path in sorted((directory / COST_TABLES_DIR).glob("*.json")):
+        table = parse_table(path.read_text())
+        assert table.fingerprint["target_hash"] == weights_hash, path
+        assert table.fingerprint["drafter_hash"] == checkpoint_hash(ModelSource(directory)), path
+        assert table.fingerprint["draft_len"] == config.draft_len, path
 
 
 def test_no_shipped_drafter_for_another_target(tiny_vocab_dir):

@@ -98,6 +98,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     spec = dict(args.speculative_config or {"method": "dspark"})
     if "cost_table" in spec:
         raise ValueError("dspark profile measures a new table: leave cost_table out")
+    spec["scheduling"] = False  # the profiler pins each cell (a shipped table must not decide)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else None
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs if batches is None else max(batches),

@@ -54,6 +54,7 @@ class ServerState:
             config.max_queued_requests,
             config.max_queued_tokens,
             on_finished=self.metrics.record,
+            stream_budget=config.stream_budget,
         )
         self.created = int(time.time())
 
@@ -118,11 +119,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
             raise
         model = state.config.served_model_name
         if prep.stream:
+
+            async def close() -> None:  # async: on the loop (a sync task would take a thread)
+                stream.close()
+
             return StreamingResponse(
                 stream_response(prep, stream, model),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
-                background=BackgroundTask(stream.close),
+                background=BackgroundTask(close),
             )
         result = await full_response(prep, stream, request, model)
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)

@@ -42,6 +42,7 @@ SERVER_OPTIONS: dict[str, Any] = {
     "max_queued_tokens": ServerConfig.max_queued_tokens,
     "max_request_bytes": ServerConfig.max_request_bytes,
     "shutdown_timeout_s": ServerConfig.shutdown_timeout_s,
+    "stream_budget": ServerConfig.stream_budget,
     "disable_access_log": False,
 }
 
@@ -91,6 +92,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="on SIGTERM, how long in-flight requests may take to finish",
     )
+    p.add_argument(
+        "--stream-budget",
+        type=float,
+        default=None,
+        help=f"share of the event loop's time SSE chunks may take (default "
+        f"{ServerConfig.stream_budget}); under load a chunk then carries several tokens",
+    )
     p.add_argument("--disable-access-log", action="store_true", default=None)
     p.set_defaults(func=cmd_serve)
     return p
@@ -115,7 +123,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
 OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                 "kv_cache_memory_gb": float, "num_kv_pages": int, "seed": int, "port": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
-                "shutdown_timeout_s": float, "disable_access_log": bool}  # fmt: skip
+                "shutdown_timeout_s": float, "stream_budget": float,
+                "disable_access_log": bool}  # fmt: skip
 
 
 def _from_file(name: str, value: Any) -> Any:

@@ -20,6 +20,9 @@ class ServerConfig:
     max_queued_tokens: int = 1_000_000
     max_request_bytes: int = 2 * 1024 * 1024  # a larger body is answered 413
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    # the share of the event loop's time SSE chunks may take; under load a chunk then carries
+    # several tokens (request_stream.py). None: one chunk per engine step per stream
+    stream_budget: float | None = 0.1
 
     def __post_init__(self) -> None:
         checks = [
@@ -41,6 +44,10 @@ class ServerConfig:
             (
                 self.shutdown_timeout_s >= 0,
                 f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}",
+            ),
+            (
+                self.stream_budget is None or 0 < self.stream_budget <= 1,
+                f"stream_budget must be in (0, 1] or None, got {self.stream_budget}",
             ),
         ]
         for ok, message in checks:

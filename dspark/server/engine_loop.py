@@ -40,7 +40,7 @@ from dspark.engine.engine import LLMEngine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
 from dspark.server.errors import APIError, bad_request
-from dspark.server.request_stream import EngineFailed, RequestStream
+from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,10 @@ class EngineLoop:
         max_queued_requests: int,
         max_queued_tokens: int,
         on_finished: Callable[[RequestOutput], None] = lambda out: None,
+        stream_budget: float | None = None,
     ) -> None:
         self._factory = engine_factory
+        self.pacer = StreamPacer(stream_budget)  # shared by the streaming requests
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self._on_finished = on_finished
@@ -182,7 +184,10 @@ class EngineLoop:
                 f"{self.max_queued_tokens} prompt tokens): it could never be admitted"
             )
         self._check_capacity(len(subs), num_tokens)
-        stream = RequestStream([s.request_id for s in subs], self.abort)
+        is_streaming = subs[0].params.output_kind == "cumulative"
+        stream = RequestStream(
+            [s.request_id for s in subs], self.abort, self.pacer if is_streaming else None
+        )
         for index, sub in enumerate(subs):
             self._routes[sub.request_id] = (stream, index)
         done = self._loop.create_future()
@@ -231,20 +236,22 @@ class EngineLoop:
                 command.done.set_exception(error)
 
     def _deliver(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        """One step's outputs, in one call (the engine thread posts one per step)."""
         self.stats = stats
+        routes, now = self._routes, self._loop.time()
         for out in outputs:
-            route = self._routes.get(out.request_id)
+            route = routes.get(out.request_id)
             if route is None:
                 continue
             if out.finished:
-                del self._routes[out.request_id]
+                del routes[out.request_id]
                 self._on_finished(out)
-            stream, index = route
-            stream.put(index, out)
+            route[0].put(route[1], out, now)
 
     def _fail_all(self, reason: str) -> None:
+        now = self._loop.time()
         for stream, index in self._routes.values():
-            stream.put(index, EngineFailed(reason))
+            stream.put(index, EngineFailed(reason), now)
         self._routes.clear()
         for done in self._pending:
             if not done.done():

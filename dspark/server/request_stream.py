@@ -1,12 +1,26 @@
-"""One HTTP request's view of its engine requests: outputs in, coalesced updates out.
+"""One HTTP request's view of its engine requests: outputs in, paced and coalesced updates out.
 
-The engine reports each request cumulatively (the text and tokens so far), so when a consumer
-falls behind only the latest output per choice matters: `updates()` drains whatever has
-arrived and yields {choice index: latest output}. A slow client therefore gets several tokens
-per chunk instead of a growing backlog, and nothing is lost or repeated: each chunk is the
-difference between two cumulative outputs.
+The engine reports each request cumulatively (the text and tokens so far), so only the latest
+output per choice matters: `put` keeps it in the choice's slot, and `updates()` yields
+{choice index: latest output} whenever the slots hold something new. A consumer that falls
+behind therefore gets several tokens per chunk instead of a growing backlog, and nothing is lost
+or repeated: each chunk is the difference between two cumulative outputs.
 
-    arrived:  (0, "He")  (1, "A")  (0, "Hello")     -> one update {0: "Hello", 1: "A"}
+    put (0, "He")  put (1, "A")  put (0, "Hello")     -> one update {0: "Hello", 1: "A"}
+
+Pacing. The event loop and the engine thread share one interpreter lock, so the loop's time
+turning outputs into SSE chunks is time the engine's host loop waits: one chunk per token per
+stream costs some 20-50 us of loop CPU each, which with a few hundred streams is about a whole
+engine step. So a stream sends at most one chunk per `StreamPacer.interval_s`,
+
+    interval = open streams x loop CPU per chunk (moving average) / budget
+
+    budget 0.1, 20 us per chunk:   1 stream -> 0.2 ms   (under a step: every token its chunk)
+                                 256 streams -> 51 ms   (a chunk carries ~20 steps' tokens)
+
+and chunks cost about `budget` of the loop's time whatever the load. A stream's first output,
+its final one and a failure are never held (TTFT and a stream's end are not delayed); an output
+that arrives before its stream is due waits in the slot until the due time.
 
 `close()` is the one exit path (normal end, client gone, server error): it asks the engine to
 abort every choice that has not finished, so a disconnected client's pages are freed at the
@@ -16,13 +30,18 @@ engine's next iteration.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 from dspark.outputs import RequestOutput
 
+COST_WEIGHT = 0.05  # of the newest chunk in the moving average of the CPU per chunk
+
 
 class EngineFailed:
     """Delivered in place of an output when the engine stopped serving the request."""
+
+    finished = True  # like a final RequestOutput: nothing follows it
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -31,40 +50,108 @@ class EngineFailed:
 Update = RequestOutput | EngineFailed
 
 
+class StreamPacer:
+    """How often each open stream may send a chunk (see the module docstring).
+
+    budget: the share of the event loop's time chunks may take; None sends every output as it
+    comes.
+    """
+
+    def __init__(self, budget: float | None) -> None:
+        assert budget is None or 0 < budget <= 1, f"budget must be in (0, 1], got {budget}"
+        self.budget = budget
+        self.num_streams = 0
+        self.cpu_per_chunk_s = 0.0
+        self.interval_s = 0.0
+
+    def open(self) -> None:
+        self.num_streams += 1
+        self._update()
+
+    def close(self) -> None:
+        self.num_streams -= 1
+        self._update()
+
+    def record(self, cpu_s: float) -> None:
+        """The loop CPU one chunk took, from the consumer taking an update to asking again."""
+        self.cpu_per_chunk_s += COST_WEIGHT * (cpu_s - self.cpu_per_chunk_s)
+        self._update()
+
+    def _update(self) -> None:
+        if self.budget is not None:
+            self.interval_s = self.num_streams * self.cpu_per_chunk_s / self.budget
+
+
 class RequestStream:
-    def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self,
+        request_ids: list[str],
+        abort: Callable[[list[str]], None],
+        pacer: StreamPacer | None = None,
+    ) -> None:
         self.request_ids = request_ids
         self._abort = abort
-        self._queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
-        self._ended: set[int] = set()  # choices whose final output (or failure) was consumed
+        self._pacer = pacer
+        self._latest: dict[int, Update] = {}  # choice -> newest update not yet taken
+        self._has_last = False  # _latest holds a choice's last update: send it at once
+        self._due = 0.0  # loop time before which other updates wait in _latest
+        self._waiter: asyncio.Future | None = None  # set while updates() waits
+        self._ended: set[int] = set()  # choices whose final output (or failure) was taken
         self._closed = False
+        if pacer is not None:
+            pacer.open()
 
-    def put(self, index: int, update: Update) -> None:
-        if not self._closed:
-            self._queue.put_nowait((index, update))
+    def put(self, index: int, update: Update, now: float) -> None:
+        """Called on the event loop; `now` is the loop's time."""
+        if self._closed:
+            return
+        self._latest[index] = update
+        if update.finished:
+            self._has_last = True
+        if self._waiter is not None and (now >= self._due or self._has_last):
+            self._wake()
 
     @property
     def is_done(self) -> bool:
         return len(self._ended) == len(self.request_ids)
 
     async def updates(self) -> AsyncIterator[dict[int, Update]]:
-        """Yield the latest update per choice until every choice has ended."""
+        """Yield the latest update per choice, at most once per pacing interval, until every
+        choice has ended."""
+        loop = asyncio.get_running_loop()
         while not self.is_done:
-            index, update = await self._queue.get()
-            batch = {index: update}
-            while not self._queue.empty():
-                index, update = self._queue.get_nowait()
-                batch[index] = update  # cumulative: the newer output holds the older one
-            for index, update in batch.items():
-                if isinstance(update, EngineFailed) or update.finished:
-                    self._ended.add(index)
+            await self._ready(loop)
+            batch, self._latest, self._has_last = self._latest, {}, False
+            self._ended.update(i for i, update in batch.items() if update.finished)
+            start = time.thread_time()
             yield batch
+            if self._pacer is not None:
+                self._pacer.record(time.thread_time() - start)
+                self._due = loop.time() + self._pacer.interval_s
+
+    async def _ready(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Until the slots hold an update that may go now."""
+        while not (self._latest and (self._has_last or loop.time() >= self._due)):
+            self._waiter = loop.create_future()
+            timer = loop.call_at(self._due, self._wake) if self._latest else None
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def close(self) -> None:
         """Abort the choices still running (idempotent; a no-op once all have ended)."""
         if self._closed:
             return
         self._closed = True
+        if self._pacer is not None:
+            self._pacer.close()
         unfinished = [rid for i, rid in enumerate(self.request_ids) if i not in self._ended]
         if unfinished:
             self._abort(unfinished)

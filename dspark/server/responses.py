@@ -17,6 +17,7 @@ token, so it is 1 + accepted / drafts.)
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from dspark.models.tokenizer import Tokenizer
@@ -32,6 +33,11 @@ class Delta:
     logprobs: list[dict[int, float]] | None  # per new token, as CompletionOutput.logprobs
     finish_reason: str | None
     stop_reason: int | str | None = None
+
+
+# json.dumps(obj, ensure_ascii=False) builds an encoder per call; one shared encoder is the same
+# text at a third of the cost (a stream encodes a chunk per few tokens)
+to_json = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def usage(outputs: list[RequestOutput], num_prompt_tokens: int) -> dict:
@@ -57,9 +63,17 @@ def usage(outputs: list[RequestOutput], num_prompt_tokens: int) -> dict:
 class _Format:
     """Shared by both routes: the token text used by logprobs."""
 
-    def __init__(self, tokenizer: Tokenizer, return_token_ids: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, return_token_ids: bool, num_logprobs: int | None
+    ) -> None:
         self.tokenizer = tokenizer
         self.return_token_ids = return_token_ids
+        self.num_logprobs = num_logprobs  # top alternatives per token; None: logprobs off
+
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether a chunk carries per-token fields (ids or logprobs) beside the text."""
+        return self.return_token_ids or self.num_logprobs is not None
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -75,8 +89,7 @@ class CompletionFormat(_Format):
     chunk_object_name = "text_completion"
 
     def __init__(self, tokenizer: Tokenizer, return_token_ids: bool, num_logprobs: int | None):
-        super().__init__(tokenizer, return_token_ids)
-        self.num_logprobs = num_logprobs
+        super().__init__(tokenizer, return_token_ids, num_logprobs)
         self._offsets: dict[int, int] = {}  # choice -> characters of the tokens already sent
 
     def choice(self, index: int, delta: Delta) -> dict:
@@ -91,6 +104,14 @@ class CompletionFormat(_Format):
 
     def delta_choice(self, index: int, delta: Delta, is_first: bool = False) -> dict:
         return self.choice(index, delta)  # a completions chunk has a choice's shape
+
+    def text_delta_json(self, index: int, text: str) -> str:
+        """to_json(delta_choice(index, Delta(text, [], None, None))) without the dict: a
+        stream's common chunk (new text only), rendered from a template."""
+        return (
+            f'{{"index": {index}, "text": {to_json(text)}, "logprobs": null, '
+            '"finish_reason": null, "stop_reason": null}'
+        )
 
     def _logprobs(self, index: int, delta: Delta) -> dict | None:
         """Legacy completions logprobs: parallel lists over the new tokens; text_offset counts
@@ -119,10 +140,6 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, tokenizer: Tokenizer, return_token_ids: bool, num_logprobs: int | None):
-        super().__init__(tokenizer, return_token_ids)
-        self.num_logprobs = num_logprobs  # top_logprobs; None: logprobs off
-
     def choice(self, index: int, delta: Delta) -> dict:
         body = {
             "index": index,
@@ -145,6 +162,14 @@ class ChatFormat(_Format):
             "stop_reason": delta.stop_reason,
         }
         return self._ids(body, delta.token_ids)
+
+    def text_delta_json(self, index: int, text: str) -> str:
+        """to_json(delta_choice(index, Delta(text, [], None, None))) without the dict: a
+        stream's common chunk (new text only, not the first), rendered from a template."""
+        return (
+            f'{{"index": {index}, "delta": {{"content": {to_json(text)}}}, "logprobs": null, '
+            '"finish_reason": null, "stop_reason": null}'
+        )
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)

@@ -36,7 +36,14 @@ from dspark.server.engine_loop import SubRequest
 from dspark.server.errors import APIError, bad_request, error_body
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from dspark.server.request_stream import EngineFailed, RequestStream
-from dspark.server.responses import ChatFormat, CompletionFormat, Delta, envelope, usage
+from dspark.server.responses import (
+    ChatFormat,
+    CompletionFormat,
+    Delta,
+    envelope,
+    to_json,
+    usage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,38 +183,52 @@ class _Cursor:
 
 @dataclass
 class StreamWriter:
+    """A stream's SSE text: chunks are the envelope's fixed head, the choices' JSON, a tail.
+
+    Most chunks carry new text only (not a first chunk, no finish, no per-token fields); those
+    are rendered from the format's template, the rest from their dicts."""
+
     prep: Prepared
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
     cursors: dict[int, _Cursor] = field(default_factory=dict)
 
-    def sse(self, choices: list[dict], usage_body: dict | None = None) -> str:
-        body = envelope(
-            self.prep.fmt.chunk_object_name, self.prep.request_id, self.created, self.model, choices
-        )
-        if self.prep.include_usage:
-            body["usage"] = usage_body
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    def __post_init__(self) -> None:
+        fmt = self.prep.fmt
+        fixed = envelope(fmt.chunk_object_name, self.prep.request_id, self.created, self.model, [])
+        del fixed["choices"]
+        self._head = f'data: {to_json(fixed)[:-1]}, "choices": ['  # without its closing brace
 
-    def delta(self, index: int, out: RequestOutput) -> dict | None:
+    def sse(self, choices: list[str], usage_body: dict | None = None) -> str:
+        """One event: the envelope around these choices' JSON (and the usage, if asked for)."""
+        usage_text = f', "usage": {to_json(usage_body)}' if self.prep.include_usage else ""
+        return f"{self._head}{', '.join(choices)}]{usage_text}}}\n\n"
+
+    def delta(self, index: int, out: RequestOutput) -> str | None:
         """The choice's chunk for its newest output, or None when there is nothing to send."""
-        cursor = self.cursors.setdefault(index, _Cursor())
+        cursor = self.cursors.get(index)
+        if cursor is None:
+            cursor = self.cursors[index] = _Cursor()
         cursor.latest = out
-        c = out.outputs[0]
+        c, fmt = out.outputs[0], self.prep.fmt
         end = (
             len(c.text) if out.finished else max(cursor.num_chars, len(c.text) - self.prep.holdback)
         )
-        delta = Delta(
-            c.text[cursor.num_chars : end],
-            list(c.token_ids[cursor.num_tokens :]),
-            c.logprobs[cursor.num_tokens :] if c.logprobs is not None else None,
-            c.finish_reason,
-            c.stop_reason,
-        )
-        wants_tokens = self.prep.fmt.return_token_ids or self.prep.fmt.num_logprobs is not None
-        if not (delta.text or out.finished or (delta.token_ids and wants_tokens)):
-            return None
-        chunk = self.prep.fmt.delta_choice(index, delta, is_first=not cursor.is_started)
+        if cursor.is_started and not out.finished and not fmt.wants_tokens:
+            if end == cursor.num_chars:
+                return None
+            chunk = fmt.text_delta_json(index, c.text[cursor.num_chars : end])
+        else:
+            delta = Delta(
+                c.text[cursor.num_chars : end],
+                list(c.token_ids[cursor.num_tokens :]),
+                c.logprobs[cursor.num_tokens :] if c.logprobs is not None else None,
+                c.finish_reason,
+                c.stop_reason,
+            )
+            if not (delta.text or out.finished or (delta.token_ids and fmt.wants_tokens)):
+                return None
+            chunk = to_json(fmt.delta_choice(index, delta, is_first=not cursor.is_started))
         cursor.num_chars, cursor.num_tokens = end, len(c.token_ids)
         cursor.is_started, cursor.is_ended = True, out.finished
         return chunk
@@ -216,7 +237,7 @@ class StreamWriter:
         """Every unfinished choice ends with finish_reason "error", then an error event."""
         indices = range(len(self.prep.subs))
         choices = [
-            self.prep.fmt.delta_choice(i, Delta("", [], None, "error"), is_first=False)
+            to_json(self.prep.fmt.delta_choice(i, Delta("", [], None, "error"), is_first=False))
             for i in indices
             if not self.cursors.get(i, _Cursor()).is_ended
         ]

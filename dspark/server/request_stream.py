@@ -96,6 +96,8 @@ class RequestStream:
         self._has_last = False  # _latest holds a choice's last update: send it at once
         self._due = 0.0  # loop time before which other updates wait in _latest
         self._waiter: asyncio.Future | None = None  # set while updates() waits
+        self._timer: asyncio.TimerHandle | None = None  # wakes the waiter at the due time
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: set[int] = set()  # choices whose final output (or failure) was taken
         self._closed = False
         if pacer is not None:
@@ -108,8 +110,12 @@ class RequestStream:
         self._latest[index] = update
         if update.finished:
             self._has_last = True
-        if self._waiter is not None and (now >= self._due or self._has_last):
+        if self._waiter is None:
+            return
+        if self._has_last or now >= self._due:
             self._wake()
+        elif self._timer is None:
+            self._timer = self._loop.call_at(self._due, self._wake)
 
     @property
     def is_done(self) -> bool:
@@ -118,7 +124,7 @@ class RequestStream:
     async def updates(self) -> AsyncIterator[dict[int, Update]]:
         """Yield the latest update per choice, at most once per pacing interval, until every
         choice has ended."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         while not self.is_done:
             await self._ready(loop)
             batch, self._latest, self._has_last = self._latest, {}, False
@@ -133,13 +139,15 @@ class RequestStream:
         """Until the slots hold an update that may go now."""
         while not (self._latest and (self._has_last or loop.time() >= self._due)):
             self._waiter = loop.create_future()
-            timer = loop.call_at(self._due, self._wake) if self._latest else None
+            if self._latest:  # held until due (put arms the timer for later arrivals)
+                self._timer = loop.call_at(self._due, self._wake)
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

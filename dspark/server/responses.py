@@ -107,7 +107,7 @@ class CompletionFormat(_Format):
 
     def text_delta_json(self, index: int, text: str) -> str:
         """to_json(delta_choice(index, Delta(text, [], None, None))) without the dict: a
-        stream's common chunk (new text only), rendered from a template."""
+        stream's common chunk (new text only, not empty), rendered from a template."""
         return (
             f'{{"index": {index}, "text": {to_json(text)}, "logprobs": null, '
             '"finish_reason": null, "stop_reason": null}'
@@ -165,7 +165,7 @@ class ChatFormat(_Format):
 
     def text_delta_json(self, index: int, text: str) -> str:
         """to_json(delta_choice(index, Delta(text, [], None, None))) without the dict: a
-        stream's common chunk (new text only, not the first), rendered from a template."""
+        stream's common chunk (new text, not empty; not the first), from a template."""
         return (
             f'{{"index": {index}, "delta": {{"content": {to_json(text)}}}, "logprobs": null, '
             '"finish_reason": null, "stop_reason": null}'

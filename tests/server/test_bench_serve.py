@@ -70,3 +70,56 @@ def test_bench_serve_starts_dspark_serve_by_default(tiny_llama_dir, tmp_path):
     results = _run(tmp_path, "--server-args", server_args, "--concurrency", "2")
     assert results["base_url"].startswith("http://127.0.0.1:")
     assert results["levels"][0]["summary"]["num_completed"] == 6
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        pass
+
+
+def _feed(response: bytes, split: int):
+    """An HTTPConnection given `response` in two reads cut at `split`; its events and state."""
+    import asyncio
+
+    from dspark.benchmarks.serve_client import HTTPConnection
+
+    async def scenario():
+        connection = HTTPConnection()
+        connection.connection_made(_Transport())
+        connection.post("h:1", "/v1/x", b"{}", {"Authorization": "Bearer k"})
+        connection.data_received(response[:split])
+        connection.data_received(response[split:])
+        events = [data async for _, data in connection.events()]
+        return connection, events
+
+    return asyncio.run(scenario())
+
+
+def test_the_bench_client_parses_chunked_events_cut_anywhere():
+    events = [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\ndata: [DONE]\n\n']
+    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    response = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+    for split in range(len(response) + 1):
+        connection, data = _feed(response, split)
+        assert data == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"], split
+        assert connection.status == 200 and connection.is_reusable
+    written = connection.transport.written
+    assert written.startswith(b"POST /v1/x HTTP/1.1\r\nHost: h:1\r\n")
+    assert b"Content-Length: 2\r\nAuthorization: Bearer k\r\n\r\n{}" in written
+
+
+def test_the_bench_client_reads_a_sized_error_body():
+    import asyncio
+
+    body = b'{"error": {"message": "no"}}'
+    response = b"HTTP/1.1 401 Unauthorized\r\ncontent-length: %d\r\n" % len(body)
+    response += b"connection: close\r\n\r\n" + body
+    connection, events = _feed(response, 20)
+    assert connection.status == 401 and events == [] and not connection.is_reusable
+    assert asyncio.run(connection.read_body()) == body

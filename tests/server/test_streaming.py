@@ -1,0 +1,233 @@
+"""Streams under load: outputs coalesced into one chunk per pacing interval, chunks rendered from
+templates, and what a client sees when its chunks carry many tokens (every token exactly once,
+in order, with the right usage and finish reason; a slow reader still gets everything)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from dspark.outputs import CompletionOutput, RequestOutput
+from dspark.server.request_stream import COST_WEIGHT, EngineFailed, RequestStream, StreamPacer
+from dspark.server.responses import ChatFormat, CompletionFormat, Delta, envelope, to_json
+from dspark.server.serving import Prepared, StreamWriter
+from tests.server.conftest import MODEL, engine_config, start_server
+
+NUM_TOKENS = 48
+
+
+def _out(text: str, finished: bool = False, request_id: str = "r-0") -> RequestOutput:
+    ids = list(range(len(text)))
+    completion = CompletionOutput(0, text, ids, None, None, "length" if finished else None)
+    return RequestOutput(request_id, None, [1], [completion], finished)
+
+
+# ---- RequestStream and StreamPacer ----------------------------------------------------------
+
+
+def test_pacer_interval_is_streams_times_cost_over_budget():
+    pacer = StreamPacer(budget=0.1)
+    for _ in range(256):
+        pacer.open()
+    pacer.cpu_per_chunk_s = 20e-6
+    pacer.record(20e-6)  # the moving average stays at 20 us
+    assert pacer.interval_s == pytest.approx(256 * 20e-6 / 0.1)  # 51.2 ms, the docstring's
+    for _ in range(255):
+        pacer.close()
+    assert pacer.interval_s == pytest.approx(0.2e-3)
+    assert StreamPacer(budget=None).interval_s == 0.0
+
+
+def test_outputs_that_arrive_together_become_one_update():
+    async def scenario():
+        stream = RequestStream(["a", "b"], abort=lambda ids: None)
+        loop = asyncio.get_running_loop()
+        for index, text in ((0, "He"), (1, "A"), (0, "Hello")):
+            stream.put(index, _out(text), loop.time())
+        updates = stream.updates()
+        first = await updates.__anext__()
+        stream.put(0, _out("Hello!", finished=True), loop.time())
+        stream.put(1, EngineFailed("gone"), loop.time())
+        second = await updates.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await updates.__anext__()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert {i: u.outputs[0].text for i, u in first.items()} == {0: "Hello", 1: "A"}
+    assert second[0].finished and isinstance(second[1], EngineFailed)
+
+
+def test_a_paced_stream_holds_outputs_until_due_but_never_its_last():
+    """interval 50 ms: the first output goes at once, the next two wait for the due time and
+    go as one update, the final output goes at once."""
+
+    async def scenario():
+        pacer = StreamPacer(budget=0.1)
+        stream = RequestStream(["a"], abort=lambda ids: None, pacer=pacer)
+        pacer.record(5e-3 / COST_WEIGHT)  # 5 ms per chunk: 1 stream x 5 ms / 0.1 = 50 ms
+        pacer.record = lambda cpu_s: None  # the test's own chunks keep it there
+        loop = asyncio.get_running_loop()
+        taken = []
+
+        async def consume():
+            async for batch in stream.updates():
+                taken.append((loop.time(), batch[0].outputs[0].text))
+
+        consumer = asyncio.ensure_future(consume())
+        start = loop.time()
+        stream.put(0, _out("a"), loop.time())
+        await asyncio.sleep(0.005)
+        stream.put(0, _out("ab"), loop.time())
+        stream.put(0, _out("abc"), loop.time())
+        await asyncio.sleep(0.1)  # past the due time: "abc" went when it was due
+        stream.put(0, _out("abcd"), loop.time())
+        stream.put(0, _out("abcde", finished=True), loop.time())  # due in 50 ms, sent now
+        await asyncio.wait_for(consumer, 0.03)
+        return start, pacer.interval_s, taken
+
+    start, interval, taken = asyncio.run(scenario())
+    assert interval == pytest.approx(0.05)
+    assert [text for _, text in taken] == ["a", "abc", "abcde"]
+    assert taken[0][0] - start < 0.02  # the first output was not held
+    assert taken[1][0] - taken[0][0] >= 0.045  # "abc" waited for its due time
+    assert taken[2][0] - taken[1][0] < 0.09  # the final one did not wait for the next
+
+
+def test_closing_aborts_only_the_unfinished_choices():
+    aborted = []
+
+    async def scenario():
+        pacer = StreamPacer(budget=0.1)
+        stream = RequestStream(["a", "b"], abort=aborted.extend, pacer=pacer)
+        stream.put(0, _out("x", finished=True), asyncio.get_running_loop().time())
+        updates = stream.updates()
+        await updates.__anext__()
+        stream.close()
+        stream.close()  # idempotent
+        return pacer.num_streams
+
+    assert asyncio.run(scenario()) == 0
+    assert aborted == ["b"]
+
+
+# ---- chunk text -----------------------------------------------------------------------------
+
+TRICKY = ["a", ' "quoted" \\ back\nslash\t', "é漢字🙂", "\x00\x1f\x7f"]  # (never empty)
+
+
+@pytest.mark.parametrize("fmt_class", [ChatFormat, CompletionFormat])
+def test_templated_chunks_equal_the_dict_rendering(fmt_class):
+    fmt = fmt_class(None, False, None)
+    for text in TRICKY:
+        choice = fmt.delta_choice(3, Delta(text, [], None, None), is_first=False)
+        assert fmt.text_delta_json(3, text) == json.dumps(choice, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_an_event_equals_json_dumps_of_its_envelope(include_usage):
+    fmt = ChatFormat(None, False, None)
+    prep = Prepared("chatcmpl-x", [], 3, fmt, True, include_usage, 0)
+    writer = StreamWriter(prep, 'model "m"', created=17)
+    choice = fmt.delta_choice(0, Delta("hi é", [], None, None), is_first=True)
+    body = envelope(fmt.chunk_object_name, "chatcmpl-x", 17, 'model "m"', [choice, choice])
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    if include_usage:
+        body["usage"] = usage
+    expected = f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    assert writer.sse([to_json(choice)] * 2, usage) == expected
+
+
+def test_a_choice_past_its_first_chunk_is_templated_and_the_final_is_not():
+    fmt = ChatFormat(None, False, None)
+    writer = StreamWriter(Prepared("chatcmpl-x", [], 3, fmt, True, False, 0), "m", created=0)
+    first = json.loads(writer.delta(0, _out("Hel")))
+    middle = json.loads(writer.delta(0, _out("Hello wor")))
+    assert writer.delta(0, _out("Hello wor")) is None  # nothing new
+    last = json.loads(writer.delta(0, _out("Hello world", finished=True)))
+    assert first["delta"] == {"role": "assistant", "content": "Hel"}
+    assert middle["delta"] == {"content": "lo wor"} and middle["finish_reason"] is None
+    assert last["delta"] == {"content": "ld"} and last["finish_reason"] == "length"
+
+
+# ---- a real server whose chunks carry many tokens --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chunky_server(tiny_llama_dir):
+    """A budget so small that a lone stream's chunks come tens of milliseconds apart: several
+    engine steps' tokens per chunk."""
+    live = start_server(engine_config(tiny_llama_dir), stream_budget=0.001)
+    yield live
+    live.stop()
+
+
+def _events(lines: list[str]) -> list[dict]:
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _stream(live, route: str, body: dict, read_delay_s: float = 0.0) -> list[dict]:
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    lines = []
+    with httpx.stream("POST", f"{live.url}/v1/{route}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            lines.append(line)
+            time.sleep(read_delay_s)
+    return _events(lines)
+
+
+def _greedy(**extra) -> dict:
+    return {"model": MODEL, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}  # fmt: skip
+
+
+def test_coalesced_completion_chunks_carry_every_token_once(chunky_server):
+    body = _greedy(prompt="Once upon a time")
+    whole = httpx.post(f"{chunky_server.url}/v1/completions", json=body, timeout=60).json()
+    *chunks, last = _stream(chunky_server, "completions", body)
+    choices = [c["choices"][0] for c in chunks]
+    token_ids = [t for choice in choices for t in choice["token_ids"]]
+    assert len(chunks) < NUM_TOKENS // 2  # several tokens per chunk: the pacing took effect
+    assert token_ids == whole["choices"][0]["token_ids"] and len(token_ids) == NUM_TOKENS
+    assert "".join(choice["text"] for choice in choices) == whole["choices"][0]["text"]
+    assert [choice["finish_reason"] for choice in choices] == [None] * (len(chunks) - 1) + [
+        "length"
+    ]
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+
+
+def test_coalesced_chat_chunks_with_a_stop_string_send_nothing_past_it(chunky_server):
+    """The stop string is cut from the final text; chunks of many tokens still hold back its
+    first characters, so nothing past the final text was ever sent."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    probe = httpx.post(f"{chunky_server.url}/v1/chat/completions", timeout=60,
+                       json=_greedy(messages=messages)).json()  # fmt: skip
+    text = probe["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    assert len(stop) == 4 and text.find(stop) > 0
+    body = _greedy(messages=messages, stop=[stop])
+    whole = httpx.post(f"{chunky_server.url}/v1/chat/completions", json=body, timeout=60).json()
+    *chunks, last = _stream(chunky_server, "chat/completions", body)
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == whole["choices"][0]["message"]["content"] == text[: text.find(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert last["usage"] == whole["usage"]
+
+
+def test_a_slow_reader_gets_every_token(chunky_server):
+    """The client reads one line per 20 ms while the engine runs ahead: the stream's chunks
+    grow instead of queueing, and the text and token ids arrive whole."""
+    body = _greedy(prompt="The slow reader", max_tokens=NUM_TOKENS)
+    whole = httpx.post(f"{chunky_server.url}/v1/completions", json=body, timeout=60).json()
+    *chunks, last = _stream(chunky_server, "completions", body, read_delay_s=0.02)
+    token_ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert token_ids == whole["choices"][0]["token_ids"]
+    assert last["usage"]["completion_tokens"] == NUM_TOKENS
+    chunky_server.wait_idle()

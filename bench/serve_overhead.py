@@ -2,12 +2,20 @@
 
     python bench/serve_overhead.py --levels 1,16,64,256 --output-len 256 --out serve_cpu.json
 
-For each level C, the offline engine (`dspark bench`: C requests in one generate call) and the
-server (`dspark serve`, loaded by `dspark bench serve`: C streamed chat requests in flight, 4 C
-in all) decode the same prompts (GSM8K, Vicuna, Alpaca) greedily to --output-len tokens
-(ignore_eos). The ratio served / offline is the server's loss (issue 7: at most 10%). Beside it,
-the CPU each process used per output token, split into the server's event-loop thread, its
-other threads (the engine) and the load generator, so a saturated client is seen as such.
+For each level C, three arms decode the same prompts (GSM8K, Vicuna, Alpaca) greedily to
+--output-len tokens (ignore_eos):
+
+    offline        `dspark bench`: C requests in one generate call (outputs only at the end)
+    engine stream  the engine alone as the server drives it: C requests at once, outputs
+                   "cumulative" (a RequestOutput per running request per step, text decoded
+                   token by token), no HTTP
+    served         `dspark serve` loaded by `dspark bench serve`: C streamed chat requests in
+                   flight, 4 C in all
+
+served / offline is the loss issue 7 bounds (at most 10%); served / engine stream is the HTTP
+server's own share of it, the rest is the engine's cost of streaming outputs. Beside them, the
+CPU used per output token by the server's event-loop thread, its other threads (the engine)
+and the load generator, so a saturated client is seen as such.
 
 The model is built once under --model-dir: a 1-layer, 32-wide Llama over a 1,024-word
 vocabulary (the prompts' most common words, whitespace-split, so every prompt encodes), with a
@@ -158,7 +166,8 @@ def _cumsum(values: list[int]) -> list[int]:
 
 
 def run_child(attention: str, argv: list[str]) -> int:
-    """`dspark ARGV` in this process, with the attention stand-in when asked for."""
+    """`dspark ARGV` in this process (or, for ARGV `engine-stream ...`, engine_stream), with
+    the attention stand-in when asked for."""
     import torch
 
     torch.set_num_threads(1)  # two threads on a small VM are slower than one
@@ -166,9 +175,40 @@ def run_child(attention: str, argv: list[str]) -> int:
         import dspark.layers.attention as attention_module
 
         attention_module.paged_attention_ref = batched_decode_attention
+    if argv[0] == "engine-stream":
+        engine_stream(Path(argv[1]), [int(c) for c in argv[2].split(",")], int(argv[3]), argv[4])
+        return 0
     from dspark.cli import main
 
     return main(argv)
+
+
+def engine_stream(model: Path, levels: list[int], output_len: int, out: str) -> None:
+    """The engine alone, no HTTP, as the server drives it: outputs "cumulative" (a
+    RequestOutput per running request per step, incremental detokenization), C requests
+    added at once as in the offline bench, the same prompts; output tokens/s per level."""
+    from dspark.benchmarks.offline import cycle, truncate
+    from dspark.benchmarks.prompts import default_prompts_dir, load_prompts
+    from dspark.config import EngineConfig
+    from dspark.engine.engine import LLMEngine
+    from dspark.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(model), dtype="float32", device="cpu",
+                          max_model_len=MAX_MODEL_LEN, num_kv_pages=NUM_KV_PAGES)  # fmt: skip
+    engine = LLMEngine(config)
+    conversations = load_prompts(default_prompts_dir(), tuple(SOURCES.split(",")), 0, "eval")
+    prompts = [truncate(engine.tokenizer.apply_chat_template(c), 512)
+               for c in cycle(conversations, max(levels))]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    rates = {}
+    for c in [4, *levels]:  # the first level warms up
+        for i, ids in enumerate(prompts[:c]):
+            engine.add_request(f"{c}-{i}", ids, params)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        rates[c] = c * output_len / (time.perf_counter() - start)
+    Path(out).write_text(json.dumps(rates))
 
 
 def child_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -192,6 +232,13 @@ def run_offline(args: argparse.Namespace, model: Path, out: Path) -> dict[int, f
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     levels = json.loads(out.read_text())["dspark"]["levels"]
     return {lv["concurrency"]: lv["output_tokens_per_s"] for lv in levels}
+
+
+def run_engine_stream(args: argparse.Namespace, model: Path, out: Path) -> dict[int, float]:
+    argv = ["engine-stream", str(model), args.levels, str(args.output_len), str(out)]
+    subprocess.run(child_command(args, argv), env=child_env(), check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return {int(c): rate for c, rate in json.loads(out.read_text()).items()}
 
 
 def thread_cpu_s(pid: int) -> tuple[float, float]:
@@ -232,9 +279,11 @@ def run_client(args: argparse.Namespace, url: str, c: int, out: Path) -> tuple[d
             "--num-prompts", str(max(8, 4 * c)), "--output-len", str(args.output_len),
             "--sources", SOURCES, "--no-plot", "--out", str(out),
             *shlex.split(args.client_args)]  # fmt: skip
+    start = time.process_time()
     results = asyncio.run(run_bench(build_parser().parse_args(argv), url))
     out.write_text(json.dumps(results, indent=1))
-    return results["levels"][0]["summary"], results["levels"][0]["client_cpu_s"]
+    level = results["levels"][0]  # (a bench without client_cpu_s: the whole run's CPU)
+    return level["summary"], level.get("client_cpu_s", time.process_time() - start)
 
 
 def run_served(args: argparse.Namespace, model: Path) -> dict[int, dict]:
@@ -265,16 +314,20 @@ def run_served(args: argparse.Namespace, model: Path) -> dict[int, dict]:
     return results
 
 
-def format_table(offline: dict[int, float], served: dict[int, dict]) -> str:
-    head = f"{'C':>5} {'offline':>9} {'served':>9} {'ratio':>6} {'TTFT ms':>8} {'TPOT ms':>8}"
-    head += f" {'ITL ms':>7}  {'CPU us/token: loop':>18} {'engine':>7} {'client':>7}"
+def format_table(offline: dict, streaming: dict, served: dict) -> str:
+    """tok/s of the three arms, served / offline, served / engine streaming, latencies, and
+    the CPU each thread used per output token."""
+    head = f"{'C':>5} {'offline':>8} {'eng.str':>8} {'served':>8} {'/off':>5} {'/str':>5}"
+    head += f" {'TTFT ms':>8} {'TPOT ms':>8} {'ITL ms':>7}  {'us/token: loop':>14}"
+    head += f" {'engine':>7} {'client':>7}"
     lines = [head]
     for c, level in served.items():
         s, cpu = level["summary"], level["us_per_token"]
         rate = s["output_tokens_per_s"]
-        row = f"{c:>5} {offline[c]:>9.0f} {rate:>9.0f} {rate / offline[c]:>6.2f}"
+        row = f"{c:>5} {offline[c]:>8.0f} {streaming[c]:>8.0f} {rate:>8.0f}"
+        row += f" {rate / offline[c]:>5.2f} {rate / streaming[c]:>5.2f}"
         row += f" {s['ttft_ms']['median']:>8.1f} {s['tpot_ms']['median']:>8.2f}"
-        row += f" {s['itl_ms']['median'] or math.nan:>7.2f}  {cpu['server_loop']:>18.1f}"
+        row += f" {s['itl_ms']['median'] or math.nan:>7.2f}  {cpu['server_loop']:>14.1f}"
         row += f" {cpu['server_other']:>7.1f} {cpu['client']:>7.1f}"
         lines.append(row)
     return "\n".join(lines)
@@ -384,10 +437,12 @@ def main() -> None:
         return
     model = build_model(args.model_dir / "model")
     offline = run_offline(args, model, args.work_dir / "offline.json")
+    streaming = run_engine_stream(args, model, args.work_dir / "engine_stream.json")
     served = run_served(args, model)
-    print(format_table(offline, served))
+    print(format_table(offline, streaming, served))
     if args.out is not None:
-        args.out.write_text(json.dumps({"offline": offline, "served": served}, indent=1))
+        results = {"offline": offline, "engine_stream": streaming, "served": served}
+        args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

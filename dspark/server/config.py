@@ -21,7 +21,7 @@ class ServerConfig:
     max_request_bytes: int = 2 * 1024 * 1024  # a larger body is answered 413
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     # the share of the event loop's time SSE chunks may take; under load a chunk then carries
-    # several tokens (request_stream.py). None: one chunk per engine step per stream
+    # several tokens (request_stream.py). None: unpaced (a chunk per step, unless behind)
     stream_budget: float | None = 0.1
 
     def __post_init__(self) -> None:

@@ -5,12 +5,15 @@ the engine (the server answers /health 503 meanwhile), then loops
 
     apply queued commands (add, abort, stop)   # the only way other threads reach the engine
     step() once if anything is unfinished
-    post the step's outputs and a stats snapshot to the event loop (call_soon_threadsafe)
+    post the step's outputs and a stats snapshot to the event loop (one call_soon_threadsafe)
 
 and blocks on the command queue while idle. On the event loop, `submit` registers a
 `RequestStream` per HTTP request before its add command is queued, so no output can arrive
 unrouted; outputs are routed by request id until each request's final output, which is also
-where the server's metrics see every request, aborted ones included.
+where the server's metrics see every request, aborted ones included. A stream keeps only each
+choice's latest output and sends it when its pacing allows (request_stream.py): under load a
+chunk carries the tokens of several steps, so the loop's share of the interpreter lock, which
+the engine's host loop needs too, stays bounded.
 
 The tokenizer is the one thing both threads touch: prompts are encoded (with default settings,
 so nothing in it is reconfigured) on the event loop while the engine thread decodes outputs;
@@ -246,7 +249,8 @@ class EngineLoop:
             if out.finished:
                 del routes[out.request_id]
                 self._on_finished(out)
-            route[0].put(route[1], out, now)
+            stream, index = route
+            stream.put(index, out, now)
 
     def _fail_all(self, reason: str) -> None:
         now = self._loop.time()

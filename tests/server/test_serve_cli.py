@@ -40,3 +40,12 @@ def test_bad_files_and_values_are_refused_with_the_reason(tmp_path, capsys):
         build_configs(_options(tmp_path, "max-queued-requests: 0\n"))
     assert main(["serve", "--port", "70000"]) == 2
     assert "port must be in 0..65535, got 70000" in capsys.readouterr().err
+
+
+def test_the_stream_budget_flows_from_flag_or_file_and_is_checked(tmp_path):
+    assert build_configs(_options(tmp_path, "model: m\n"))[1].stream_budget == 0.1  # default
+    _, server = build_configs(_options(tmp_path, "stream-budget: 1\n", "--stream-budget", "0.05"))
+    assert server.stream_budget == 0.05
+    assert build_configs(_options(tmp_path, "stream_budget: 1\n"))[1].stream_budget == 1.0
+    with pytest.raises(ValueError, match=r"stream_budget must be in \(0, 1\] or None, got 2.0"):
+        build_configs(_options(tmp_path, "stream-budget: 2.0\n"))

@@ -61,6 +61,7 @@ class StreamPacer:
         assert budget is None or 0 < budget <= 1, f"budget must be in (0, 1], got {budget}"
         self.budget = budget
         self.num_streams = 0
+        self.num_chunks = 0
         self.cpu_per_chunk_s = 0.0
         self.interval_s = 0.0
 
@@ -73,8 +74,11 @@ class StreamPacer:
         self._update()
 
     def record(self, cpu_s: float) -> None:
-        """The loop CPU one chunk took, from the consumer taking an update to asking again."""
-        self.cpu_per_chunk_s += COST_WEIGHT * (cpu_s - self.cpu_per_chunk_s)
+        """The loop CPU one chunk took, from the consumer taking an update to asking again
+        (the first chunk starts the average)."""
+        weight = COST_WEIGHT if self.num_chunks else 1.0
+        self.cpu_per_chunk_s += weight * (cpu_s - self.cpu_per_chunk_s)
+        self.num_chunks += 1
         self._update()
 
     def _update(self) -> None:

@@ -33,12 +33,13 @@ def test_pacer_interval_is_streams_times_cost_over_budget():
     pacer = StreamPacer(budget=0.1)
     for _ in range(256):
         pacer.open()
-    pacer.cpu_per_chunk_s = 20e-6
-    pacer.record(20e-6)  # the moving average stays at 20 us
+    pacer.record(20e-6)  # the first chunk starts the average
     assert pacer.interval_s == pytest.approx(256 * 20e-6 / 0.1)  # 51.2 ms, the docstring's
     for _ in range(255):
         pacer.close()
-    assert pacer.interval_s == pytest.approx(0.2e-3)
+    assert pacer.interval_s == pytest.approx(0.2e-3)  # 1 stream
+    pacer.record(40e-6)  # later chunks move the average by COST_WEIGHT of the difference
+    assert pacer.cpu_per_chunk_s == pytest.approx(20e-6 + COST_WEIGHT * 20e-6)
     assert StreamPacer(budget=None).interval_s == 0.0
 
 
@@ -69,7 +70,7 @@ def test_a_paced_stream_holds_outputs_until_due_but_never_its_last():
     async def scenario():
         pacer = StreamPacer(budget=0.1)
         stream = RequestStream(["a"], abort=lambda ids: None, pacer=pacer)
-        pacer.record(5e-3 / COST_WEIGHT)  # 5 ms per chunk: 1 stream x 5 ms / 0.1 = 50 ms
+        pacer.record(5e-3)  # 5 ms per chunk: 1 stream x 5 ms / 0.1 = 50 ms
         pacer.record = lambda cpu_s: None  # the test's own chunks keep it there
         loop = asyncio.get_running_loop()
         taken = []
@@ -231,3 +232,21 @@ def test_a_slow_reader_gets_every_token(chunky_server):
     assert token_ids == whole["choices"][0]["token_ids"]
     assert last["usage"]["completion_tokens"] == NUM_TOKENS
     chunky_server.wait_idle()
+
+
+def test_every_stream_leaves_the_pacer_refused_finished_or_abandoned(chunky_server):
+    """The pacing interval counts open streams: a stream the engine refused (prompt longer
+    than the context), one that finished and one whose client left all stop counting."""
+    url = f"{chunky_server.url}/v1/completions"
+    pacer = chunky_server.state.engine_loop.pacer
+    refused = _greedy(prompt="word " * 200, stream=True)
+    assert httpx.post(url, json=refused, timeout=60).status_code == 400
+    _stream(chunky_server, "completions", _greedy(prompt="Finished"))
+    with httpx.stream("POST", url, json=_greedy(prompt="Left", max_tokens=100, stream=True),
+                      timeout=60) as response:  # fmt: skip
+        next(response.iter_lines())
+    chunky_server.wait_idle()
+    deadline = time.monotonic() + 10
+    while pacer.num_streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pacer.num_streams == 0

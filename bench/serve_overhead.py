@@ -27,11 +27,15 @@ output rate like the GPU's.
 reference loops over requests on the host (some 15 small ops per request per layer, ~0.1 ms),
 which would make the CPU engine's host cost per token ten times the GPU's and hide the server's
 share; the stand-in attends to every decode row in one padded SDPA (prefill rows still go
-through the reference). Both arms run it, in child processes of this script (`--child`), so the
+through the reference). Every arm runs it, in child processes of this script (`--child`), so the
 ratio compares like with like. --attention reference keeps the reference.
 
 --client-ceiling measures the load generator alone against a stub server that answers every
 request with pre-rendered chunks at once: the most events/s the client can take.
+
+On a small shared VM the tokens/s of consecutive runs drift (1.5x between two offline runs of
+the same level is common while other jobs run); the CPU per token is steadier. Compare two
+versions by alternating them, several rounds, on an idle machine.
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ def test_bad_prompts_in_a_batch_are_named_and_lose_nothing(tiny_llm):
             r"exceeds max_model_len",
         ),
         ([10**9], SamplingParams(), r"prompt 1: prompt token id 1000000000 is outside"),
+        (  # an id past the vocabulary would index the logits out of range under min_tokens
+            "x",
+            SamplingParams(stop_token_ids=[10**6], min_tokens=2),
+            r"prompt 1: stop_token_ids has 1000000, outside the vocabulary",
+        ),
     ]
     for bad, params, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -345,6 +345,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids has {bad[0]!r}, outside the vocabulary [0, {vocab})")
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark.engine.kv_cache import allocate_kv_caches, pages_for
@@ -40,3 +41,13 @@ def assert_matches_distribution(counts, expected) -> None:
     dof = int(keep.sum()) - 1
     crit = chi2_critical_001(dof)
     assert stat < crit, (stat, dof, crit)
+
+
+def assert_same_logprobs(got, expected):
+    """Same tokens and alternatives per emitted token; values to fp32 noise (other batch
+    shapes round otherwise)."""
+    for g, e in zip(got, expected, strict=True):
+        assert (g.outputs[0].logprobs is None) == (e.outputs[0].logprobs is None)
+        for lg, le in zip(g.outputs[0].logprobs or [], e.outputs[0].logprobs or [], strict=True):
+            assert lg.keys() == le.keys()
+            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)

@@ -13,6 +13,7 @@ import random
 import pytest
 
 from dspark import LLM, SamplingParams
+from tests.helpers import assert_same_logprobs
 from tests.test_engine import PROMPTS
 
 
@@ -26,15 +27,6 @@ def _seen(outputs):
         (c.token_ids, c.text, c.finish_reason, c.stop_reason)
         for c in (o.outputs[0] for o in outputs)
     ]
-
-
-def _assert_same_logprobs(got, expected):
-    # the same tokens and alternatives; values to fp32 noise (other batch shapes round otherwise)
-    for g, e in zip(got, expected, strict=True):
-        assert (g.outputs[0].logprobs is None) == (e.outputs[0].logprobs is None)
-        for lg, le in zip(g.outputs[0].logprobs or [], e.outputs[0].logprobs or [], strict=True):
-            assert lg.keys() == le.keys()
-            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
 
 
 def _mixed_params(llm_sync: LLM) -> list[SamplingParams]:
@@ -73,7 +65,7 @@ def test_async_outputs_equal_sync_outputs(tiny_llama_dir, engine_kwargs):
     assert fast.engine.async_scheduling
     got = fast.generate(PROMPTS, params, use_tqdm=False)
     assert _seen(got) == _seen(expected)
-    _assert_same_logprobs(got, expected)
+    assert_same_logprobs(got, expected)
     if engine_kwargs["num_kv_pages"] == 7:
         assert fast.engine.scheduler.num_preemptions > 0
     engine = fast.engine

@@ -12,6 +12,7 @@ from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import InputBuffers
 from dspark.runner.spec_runner import next_anchors, write_continuations
 from dspark.spec.spec_buffers import SpecBuffers
+from tests.helpers import assert_same_logprobs
 from tests.tiny_models import make_tiny_drafter
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
@@ -34,14 +35,6 @@ def _llm(model_dir, drafter, async_scheduling: bool, **kw) -> LLM:
 def _seen(outputs):
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason)
             for c in (o.outputs[0] for o in outputs)]  # fmt: skip
-
-
-def _assert_same_logprobs(got, expected):
-    for g, e in zip(got, expected, strict=True):
-        assert (g.outputs[0].logprobs is None) == (e.outputs[0].logprobs is None)
-        for lg, le in zip(g.outputs[0].logprobs or [], e.outputs[0].logprobs or [], strict=True):
-            assert lg.keys() == le.keys()
-            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
 
 
 def _params(sync: LLM) -> list[SamplingParams]:
@@ -77,7 +70,7 @@ def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
     fast = _llm(tiny_vocab_dir, drafter, True, **kw)
     got = fast.generate(PROMPTS, params, use_tqdm=False)
     assert _seen(got) == _seen(expected)
-    _assert_same_logprobs(got, expected)
+    assert_same_logprobs(got, expected)
     stats, e = fast.engine.runner.stats, fast.engine
     assert stats["spec_steps_launched_ahead"] > 0, dict(stats)  # not vacuous
     assert stats["continuation_windows"] > 0, dict(stats)

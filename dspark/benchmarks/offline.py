@@ -17,7 +17,7 @@ speculative_configs in one invocation, interleaved:
                           "k7-ahead": {"method": "dspark", "engine": {"async_spec_steps": true}}}'
 
 An arm's "engine" object sets its own engine options (ARM_ENGINE_OPTIONS: the scheduling and
-graph switches); every other engine option is shared.
+graph switches, max_num_batched_tokens); every other engine option is shared.
 
 Every arm's LLM is built first and warmed up; then for each level, for each repeat, every arm
 runs the level in turn (arm order as given), so drift hits all arms alike. All arms' engines are
@@ -162,12 +162,15 @@ def check_arms(arms: object, speculative_config: dict | None) -> None:
 
 
 # engine options an arm may set for itself ("engine" inside its object); the rest are shared
-ARM_ENGINE_OPTIONS = frozenset({"async_scheduling", "async_spec_steps", "use_cuda_graphs"})
+ARM_ENGINE_OPTIONS = frozenset(
+    {"async_scheduling", "async_spec_steps", "use_cuda_graphs", "max_num_batched_tokens"}
+)
 
 
 def split_arm(arm: dict | None) -> tuple[dict | None, dict]:
     """An arm's (speculative_config or None, engine options): {"engine": {...}} is its own
-    engine options, the other keys its speculative_config (none: plain decoding).
+    engine options (ARM_ENGINE_OPTIONS: the scheduling and graph switches, the step's token
+budget), the other keys its speculative_config (none: plain decoding).
 
       {"method": "dspark", "engine": {"async_spec_steps": true}} -> ({"method": "dspark"}, {...})
       {"engine": {"async_scheduling": false}}                     -> (None, {...})

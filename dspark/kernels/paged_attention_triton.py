@@ -11,8 +11,13 @@ request's KV in BLOCK_N-key tiles, looking each key's page up in the block table
 softmax in fp32 (exp2 with log2(e) folded into the scale).
 
 When the grid is too small to fill the GPU (small decode batches), the KV range of each block is
-cut into NUM_SPLITS parts; every part writes a normalised partial output and its log2-sum-exp,
-and a second kernel merges them (flash-decoding). Empty parts write lse = -inf and weigh nothing.
+cut into NUM_SPLITS parts (flash-decoding); every part writes a normalised partial output and its
+log2-sum-exp, and the part that finishes last merges them, in the same launch: each part counts
+itself in by an atomic on its block's counter, and the one that brings the count to NUM_SPLITS
+reads every part back, writes the output and resets the counter to 0 for the next launch. (A
+second merge kernel cost a dependent launch per layer: 4.8 us of a ~32 us layer at batch 1 on
+the H200.) Empty parts write lse = -inf and weigh nothing. The counters are one persistent
+buffer per device: launches that split must be stream-ordered (every caller is).
 
 Under TRITON_INTERPRET=1 (CPU tensors) the kernels run in Triton's interpreter; the variable is
 read when the kernels below are decorated, so it must be set before this module is imported.
@@ -116,12 +121,13 @@ def _attend(q, q_pos, k_ptr, v_ptr, block_table_ptr, req, stride_bt, kv_head, lo
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     cu_ptr, seq_lens_ptr, block_table_ptr, qk_scale, num_heads,
     s_qt, s_qh, s_ot, s_oh, s_kp, s_ks, s_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):  # fmt: skip
     # causal blocks late in a chunk see the most keys: schedule them first (shorter tail)
     req, m_block = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
@@ -152,43 +158,49 @@ def _paged_attention_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=valid)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=valid[:, None])
+        # Count this part in; the last of the block's NUM_SPLITS parts merges. The barrier puts
+        # every thread's stores before the atomic, whose release publishes them device-wide.
+        # Counter of block (req, m_block, kv_head), in launch-grid order:
+        #   (req * num_m_blocks + program_id(1)) * num_kv_heads + kv_head
+        num_kv_heads = tl.num_programs(2) // NUM_SPLITS
+        counter = counter_ptr + (req * tl.num_programs(1) + tl.program_id(1)) * num_kv_heads
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter + kv_head, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            tl.store(counter + kv_head, 0)  # ready for the next launch (stream-ordered)
+            _merge_splits(
+                out_ptr, part_out_ptr, part_lse_ptr, token, head, valid, num_heads, s_ot, s_oh,
+                HEAD_DIM, NUM_SPLITS, SPLITS_P2,
+            )  # fmt: skip
 
 
 @triton.jit
-def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, cu_ptr, seq_lens_ptr, num_heads, s_ot, s_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-):  # fmt: skip
-    """out = sum_s 2^lse_s o_s / sum_s 2^lse_s, over the same packed rows as the main kernel.
+def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, token, head, valid, num_heads, s_ot, s_oh,
+                  HEAD_DIM, NUM_SPLITS, SPLITS_P2):  # fmt: skip
+    """out = sum_s 2^lse_s o_s / sum_s 2^lse_s for the program's packed rows.
 
     All log-sum-exps are loaded in one [rows, splits] tile and the split loop is unrolled, so
-    the partial-output loads are independent and issue together (a dependent loop of 16 loads
-    made this kernel latency-bound: 6 us at batch 1 on the H200).
+    the partial-output loads are independent and issue together. The loads bypass L1 (".cg"):
+    the other parts wrote them from other SMs.
     """
-    req, m_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_len, _, token, head, valid, _ = _query_rows(
-        cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLOCK_H
-    )
-    if m_block * BLOCK_M >= q_len:
-        return
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_P2)
     part0 = (token * num_heads + head) * NUM_SPLITS  # [R]
     lse_mask = valid[:, None] & (splits[None, :] < NUM_SPLITS)
     lse = tl.load(part_lse_ptr + part0[:, None] + splits[None, :], mask=lse_mask,
-                  other=float("-inf"))  # [R, S]  # fmt: skip
+                  other=float("-inf"), cache_modifier=".cg")  # [R, S]  # fmt: skip
     m = tl.max(lse, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     weight = tl.exp2(lse - m_safe[:, None])  # [R, S]; empty splits weigh 0
     den = tl.sum(weight, axis=1)
-    acc = tl.zeros([BLOCK_M * BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([token.shape[0], HEAD_DIM], dtype=tl.float32)
     for split in tl.static_range(NUM_SPLITS):
         w = tl.sum(tl.where(splits[None, :] == split, weight, 0.0), axis=1)  # column `split`
         o = tl.load(
             part_out_ptr + (part0 + split)[:, None] * HEAD_DIM + dims[None, :],
             mask=valid[:, None],
             other=0.0,
+            cache_modifier=".cg",
         )
         acc += o * w[:, None]
     o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
@@ -282,23 +294,40 @@ def paged_attention_triton(
     part_lse = torch.empty(part_shape if cfg.num_splits > 1 else (1,), device=q.device)
     part_out = torch.empty((*part_shape, head_dim) if cfg.num_splits > 1 else (1,), device=q.device)
     grid = (attn.num_reqs, cfg.num_m_blocks, num_kv_heads * cfg.num_splits)
+    num_blocks = attn.num_reqs * cfg.num_m_blocks * num_kv_heads
+    counters = _split_counters(q.device, num_blocks) if cfg.num_splits > 1 else part_lse
     _paged_attention_kernel[grid](
-        q, kv_cache[0], kv_cache[1], out, part_out, part_lse,
+        q, kv_cache[0], kv_cache[1], out, part_out, part_lse, counters,
         attn.cu_num_tokens, attn.seq_lens, attn.block_table, scale * LOG2_E, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), attn.block_table.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=cfg.num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        CAUSAL=attn.causal,
+        NUM_SPLITS=cfg.num_splits, SPLITS_P2=triton.next_power_of_2(cfg.num_splits),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=attn.causal,
         num_warps=cfg.num_warps,
     )  # fmt: skip
-    if cfg.num_splits > 1:
-        _merge_splits_kernel[grid[:2] + (num_kv_heads,)](
-            out, part_out, part_lse, attn.cu_num_tokens, attn.seq_lens, num_heads,
-            out.stride(0), out.stride(1),
-            GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-            BLOCK_H=cfg.block_h, NUM_SPLITS=cfg.num_splits,
-            SPLITS_P2=triton.next_power_of_2(cfg.num_splits), num_warps=cfg.num_warps,
-        )  # fmt: skip
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MIN_COUNTERS = 4096
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed arrival counters, one per (request, query block, kv head).
+
+    Every launch leaves them at 0. Allocated (or grown) only outside CUDA-graph capture: the
+    runner's eager warm-up before every capture is the first call at each shape.
+    """
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < needed:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged attention needs {needed} split counters but only "
+                f"{0 if counters is None else counters.numel()} exist: run the shape eagerly "
+                "once before capturing it"
+            )
+        counters = torch.zeros(max(needed, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters

@@ -156,6 +156,18 @@ def test_kv_splits_match_reference(device: torch.device, case: str, num_kv_split
     run_and_check(*batch, num_kv_splits=num_kv_splits)
 
 
+def test_split_counters_left_zero_for_the_next_launch(device: torch.device):
+    # the part that merges resets its block's counter: launch after launch, every merge is
+    # right and the counters end at 0 (a stale count would make a wrong part merge early)
+    from dspark.kernels.paged_attention_triton import _split_counters
+
+    q_lens, seq_lens = CASES[device.type]["decode_page_edges"]
+    batch = make_batch(q_lens, seq_lens, HEADS[device.type]["gqa3"], 4, device)
+    for num_kv_splits in (3, 3, 4, 2):
+        run_and_check(*batch, num_kv_splits=num_kv_splits)
+    assert int(_split_counters(device, 1).count_nonzero()) == 0
+
+
 def test_metadata_worked_example(device: torch.device):
     # the example of AttentionMetadata: windows [3, 1, 2], positions [7, 8, 9 | 4 | 0, 1]
     run_and_check(*make_batch([3, 1, 2], [10, 5, 2], (6, 2, 16), 4, device))

@@ -29,8 +29,9 @@ from dspark.models.model_config import ModelConfig
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [N, vocab] float32, one row per logits index
+    logits: torch.Tensor | None  # [N, vocab] float32, one row per logits index; None: lm_head=False
     hidden_states: dict[int, torch.Tensor]  # layer -> [T, d], output of that decoder layer
+    final_hidden: torch.Tensor | None = None  # [N, d] after the final norm, with lm_head=False
 
 
 class MLP(nn.Module):
@@ -149,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, nkv, hd]
         logits_indices: torch.Tensor | None = None,  # [N] rows of T to score; None: all
         hidden_layers: tuple[int, ...] = (),
+        lm_head: bool = True,  # False: final_hidden instead of logits (drafter training)
     ) -> ModelOutput:
         x = self.embed_tokens(input_ids)  # [T, d]
         residual = None
@@ -161,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]  # [N, d]
         h, _ = self.norm(x, residual)
+        if not lm_head:
+            return ModelOutput(None, hidden_states, final_hidden=h)
         logits = self.lm_head(h).float()  # [N, vocab]
         return ModelOutput(logits, hidden_states)
 

@@ -1,4 +1,5 @@
-"""The frozen target on a training batch: tap features and the logits the L1 loss compares with.
+"""The frozen target on a training batch: tap features and what the L1 loss compares with (the
+target's logits, or its final normed hidden states for the chunked loss, vocab_loss.py).
 
 Features are computed on the fly, one target forward per step, instead of cached: a cache of
 4 taps x 576 values per token in bf16 is 4.6 KB a token, terabytes for a real data set, while
@@ -31,7 +32,10 @@ PAGE_SIZE = 16
 @dataclass(frozen=True)
 class TargetBatch:
     features: torch.Tensor  # [B, L, m d] tap features, zero past each sequence's end
-    logits: torch.Tensor  # [B, A, K, V] float32, target logits predicting each block label
+    # [B, A, K, V] float32, target logits predicting each block label; None with final_hidden
+    logits: torch.Tensor | None
+    # [B, A, K, d] the target's final normed hidden states there (run(..., logits=False))
+    final_hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class TargetRunner:
         self.dtype = target.embed_tokens.weight.dtype
 
     @torch.no_grad()
-    def run(self, seqs: list[Sequence], blocks: Blocks) -> TargetBatch:
+    def run(self, seqs: list[Sequence], blocks: Blocks, logits: bool = True) -> TargetBatch:
         layout = pack(seqs, self.device)
         lengths = [len(s.token_ids) for s in seqs]
         rows = logits_rows(blocks, layout.cu_num_tokens, lengths).to(self.device)  # [B, A, K]
@@ -103,13 +107,14 @@ class TargetRunner:
             self.target.config, layout.num_pages, PAGE_SIZE, self.dtype, self.device
         )
         out = self.target(
-            layout.input_ids, layout.positions, layout.attn, kv, rows.reshape(-1), self.taps
-        )
+            layout.input_ids, layout.positions, layout.attn, kv, rows.reshape(-1), self.taps,
+            lm_head=logits,
+        )  # fmt: skip
         packed = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)  # [T, m d]
-        return TargetBatch(
-            features=self._pad(packed, layout.cu_num_tokens, lengths),
-            logits=out.logits.view(*rows.shape, -1),
-        )
+        features = self._pad(packed, layout.cu_num_tokens, lengths)
+        if not logits:
+            return TargetBatch(features, None, out.final_hidden.view(*rows.shape, -1))
+        return TargetBatch(features, out.logits.view(*rows.shape, -1))
 
     def _pad(self, packed: torch.Tensor, cu: list[int], lengths: list[int]) -> torch.Tensor:
         """[T, m d] ragged -> [B, L, m d], zeros past each end (never attended to)."""

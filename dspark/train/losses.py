@@ -15,6 +15,10 @@ the conditional acceptance the confidence head predicts.
 Each term is a weighted mean over supervised slots with w_k = exp(-(k-1)/4):
   term = sum_{b,k} mask w_k loss / sum_{b,k} mask w_k
 so a batch of long blocks and a batch of short ones weigh their slots alike.
+
+drafter_losses is the reference and takes the logits; chunked_drafter_losses gives the same
+terms from hidden states, a chunk of slots at a time, without keeping [N K, V] tensors for
+backward (vocab_loss.py): what training runs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dspark.train.vocab_loss import DEFAULT_CHUNK_SLOTS, vocab_terms
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,39 @@ def drafter_losses(
         conf_mean = weighted_mean(bce, mask, w)
         total = total + weights.confidence * conf_mean
     return LossTerms(total, ce_mean, l1_mean, conf_mean, soft_label, mask)
+
+
+def chunked_drafter_losses(
+    hidden: torch.Tensor,  # [N, K, d] drafter final hidden states
+    markov_u: torch.Tensor | None,  # [N, K, r] W1[prev], None: no Markov head
+    markov_w2: torch.Tensor | None,  # [V, r]
+    head: torch.Tensor,  # [V, d] the frozen LM head
+    target_hidden: torch.Tensor,  # [N, K, d] the target's final normed hidden states
+    labels: torch.Tensor,  # [N, K] int64
+    mask: torch.Tensor,  # [N, K] bool
+    confidence_logits: torch.Tensor | None,  # [N, K]
+    weights: LossWeights = LossWeights(),
+    chunk_slots: int = DEFAULT_CHUNK_SLOTS,
+) -> LossTerms:
+    """drafter_losses' terms without [N K, V] tensors kept for backward (vocab_loss.py)."""
+    N, K, d = hidden.shape
+    w = mask.float() * position_weights(K, weights.position_decay, labels.device)  # [N, K]
+    slot_w = (w / w.sum().clamp(min=1e-8)).reshape(-1)  # [N K]
+    u = None if markov_u is None else markov_u.reshape(N * K, -1)
+    terms = vocab_terms(
+        hidden.reshape(N * K, d), u, markov_w2, head, target_hidden.reshape(N * K, d),
+        labels.reshape(-1), slot_w, weights.ce, weights.l1, chunk_slots,
+    )  # fmt: skip
+    soft_label = terms.soft_label.view(N, K)
+    total = terms.loss
+    conf_mean = torch.zeros((), device=labels.device)
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(
+            confidence_logits.float(), soft_label, reduction="none"
+        )  # [N, K]
+        conf_mean = (bce * slot_w.view(N, K)).sum()
+        total = total + weights.confidence * conf_mean
+    return LossTerms(total, terms.ce, terms.l1, conf_mean, soft_label, mask)
 
 
 def expected_block_tokens(soft_label: torch.Tensor, mask: torch.Tensor) -> float:

@@ -48,7 +48,14 @@ from dspark.train.anchors import Sequence, build_blocks
 from dspark.train.dataset import BatchOrder
 from dspark.train.export import export_drafter
 from dspark.train.features import TargetRunner
-from dspark.train.losses import LossTerms, LossWeights, drafter_losses, expected_block_tokens
+from dspark.train.losses import (
+    LossTerms,
+    LossWeights,
+    chunked_drafter_losses,
+    drafter_losses,
+    expected_block_tokens,
+)
+from dspark.train.vocab_loss import DEFAULT_CHUNK_SLOTS
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,9 @@ class TrainConfig:
     log_every: int = 25
     seed: int = 0
     loss: LossWeights = field(default_factory=LossWeights)
+    # slots per chunk of the vocabulary-sized loss terms (vocab_loss.py); 0: the reference
+    # drafter_losses over materialised [N K, V] logits (slower, for comparison)
+    chunk_slots: int = DEFAULT_CHUNK_SLOTS
     # a drafter directory to start from (its weights; the same architecture and target), e.g.
     # the shipped drafter, to train further with a new schedule; None: a fresh initialisation
     init_from: str | None = None
@@ -190,20 +200,29 @@ class Trainer:
         """The loss terms of one batch (anchors drawn from `generator`), with autograd."""
         cfg, d = self.config, self.drafter
         blocks = build_blocks(seqs, cfg.anchors_per_seq, cfg.draft_len, generator)
-        target = self.runner.run(seqs, blocks)
+        target = self.runner.run(seqs, blocks, logits=cfg.chunk_slots == 0)
         dev = self.device
         anchors, labels = blocks.anchors.to(dev), blocks.labels.to(dev)  # [B, A], [B, A, K]
         mask = blocks.mask.to(dev)
+        K = cfg.draft_len
         with self._autocast():
             hidden = d.forward_train(target.features, anchors, blocks.anchor_positions.to(dev))
             prev = torch.cat([anchors[..., None], labels[..., :-1]], dim=-1)  # [B, A, K]
-            draft_logits = d.base_logits(hidden) + d.markov_bias(prev)  # [B, A, K, V]
             conf = d.confidence_logit(hidden, prev) if d.confidence is not None else None
+            conf = None if conf is None else conf.view(-1, K)
+            if cfg.chunk_slots:
+                u = None if d.markov_in is None else d.markov_in(prev).flatten(0, 1)
+                return chunked_drafter_losses(
+                    hidden.view(-1, K, hidden.shape[-1]), u,
+                    None if d.markov_out is None else d.markov_out.weight,
+                    d.target.lm_head.weight, target.final_hidden.view(-1, K, hidden.shape[-1]),
+                    labels.view(-1, K), mask.view(-1, K), conf, cfg.loss, cfg.chunk_slots,
+                )  # fmt: skip
+            draft_logits = d.base_logits(hidden) + d.markov_bias(prev)  # [B, A, K, V]
         V = draft_logits.shape[-1]
-        K = cfg.draft_len
         return drafter_losses(
             draft_logits.view(-1, K, V), target.logits.view(-1, K, V), labels.view(-1, K),
-            mask.view(-1, K), None if conf is None else conf.view(-1, K), cfg.loss,
+            mask.view(-1, K), conf, cfg.loss,
         )  # fmt: skip
 
     def batch(self, step: int) -> list[Sequence]:

@@ -10,7 +10,8 @@ import torch
 from dspark.models.llama import build_model
 from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
 from dspark.train.trainer import TrainConfig, Trainer, build_drafter
-from tests.train.test_trainer import TEXTS, _loss
+from tests.train.conftest import TEXTS
+from tests.train.test_trainer import _loss
 
 pytestmark = pytest.mark.gpu
 

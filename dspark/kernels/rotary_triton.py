@@ -47,6 +47,26 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def rotated_rows(ptr, row_off, valid, positions, inv_freq_ptr, HALF: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):  # fmt: skip
+    """Heads at ptr + row_off[r] ([R] offsets, HEAD_DIM contiguous values each) rotated at
+    positions[r], rounded as _rotary_kernel rounds them: [R, HEAD_DIM] in ptr's dtype, held in
+    registers (nothing is written back). For kernels that rotate what they load (attention)."""
+    dtype = ptr.dtype.element_ty
+    j = tl.arange(0, HALF)
+    freqs = positions.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j)[None, :]  # [R, HALF]
+    cos = _rounded(tl.cos(freqs), dtype)
+    sin = _rounded(tl.sin(freqs), dtype)
+    first = ptr + row_off[:, None] + j[None, :]  # [R, HALF], dims 0 .. hd/2 of each head
+    x1 = tl.load(first, mask=valid[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+    out1 = (_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)).to(dtype)
+    out2 = (_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)).to(dtype)
+    # [R, HALF] x 2 -> [R, HALF, 2] -> [R, 2, HALF] -> [R, HEAD_DIM]: out1's dims, then out2's
+    return tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), (out1.shape[0], HEAD_DIM))
+
+
+@triton.jit
 def _rotate_heads(
     ptr, s_h, cos, sin,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,

@@ -85,6 +85,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, q_size], before o_proj
         """Rotary, the K/V store and attention, between the two projections."""
         T = qkv.shape[0]
+        if self.use_triton and _is_decode(attn):  # rotary and the K/V store inside attention
+            return self._attend_decode(qkv, positions, kv_cache, attn)
         if self.use_triton:  # rotates q and k in place and stores k, v: one launch
             from dspark.kernels.rotary_triton import rotary_qkv
 
@@ -100,6 +102,25 @@ class Attention(nn.Module):
         o = self._attend(q, kv_cache, attn, self.scale)  # [T, nh, hd]
         return o.reshape(T, self.q_size)
 
+    def _attend_decode(
+        self,
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size], unrotated
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, q_size]
+        from dspark.kernels.paged_attention_triton import NewKV, paged_attention_triton
+
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        new_kv = NewKV(k.view(T, self.num_kv_heads, self.head_dim),
+                       v.view(T, self.num_kv_heads, self.head_dim), positions,
+                       self.rotary.inv_freq, attn.slot_mapping)  # fmt: skip
+        o = paged_attention_triton(
+            q.view(T, self.num_heads, self.head_dim), kv_cache, attn, self.scale, new_kv=new_kv
+        )  # [T, nh, hd]
+        return o.reshape(T, self.q_size)
+
     def attend_stored(
         self,
         q: torch.Tensor,  # [T, q_size], rotated; this step's K/V already in the cache
@@ -110,3 +131,9 @@ class Attention(nn.Module):
         T = q.shape[0]
         o = self._attend(q.view(T, self.num_heads, self.head_dim), kv_cache, attn, self.scale)
         return o.reshape(T, self.q_size)
+
+
+def _is_decode(attn: AttentionMetadata) -> bool:
+    from dspark.kernels.paged_attention_triton import is_decode
+
+    return is_decode(attn)

@@ -232,3 +232,51 @@ def test_non_causal_matches_reference(device: torch.device, num_kv_splits: int):
     q, kv_cache, attn = make_batch([7, 7, 3], [7, 40, 19], (9, 3, 16), 4, device)
     attn = dataclasses.replace(attn, causal=False)
     run_and_check(q, kv_cache, attn, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_kv_splits", [None, 1, 3])
+@pytest.mark.parametrize("case", ["decode_one", "decode_page_edges", "long_context_decode"])
+def test_decode_rotating_new_kv_equals_rotary_then_attention(
+    device: torch.device, case: str, num_kv_splits: int | None, dtype: torch.dtype
+):
+    """new_kv: the launch rotates q and the new key and stores k, v itself. The cache ends
+    bit-identical to rotary_qkv's (rotate + store, then attention), the output matches the
+    reference, and the fused qkv is left as it was (q is rotated in registers only)."""
+    from dspark.kernels.paged_attention_triton import NewKV
+    from dspark.kernels.rotary_triton import rotary_qkv
+
+    _skip_interpreted_bf16(device, dtype)
+    seq_lens = {"decode_one": [1], "decode_page_edges": CASES[device.type]["decode_page_edges"][1],
+                "long_context_decode": [300, 1, 129, 64]}[case]  # fmt: skip
+    nh, nkv, hd = HEADS[device.type]["gqa3"]
+    _, kv_cache, attn = make_batch([1] * len(seq_lens), seq_lens, (nh, nkv, hd), 4, device)
+    T, ps = len(seq_lens), kv_cache.shape[2]
+    positions = torch.tensor(seq_lens, device=device) - 1
+    pages = [attn.block_table[r, p // ps].item() for r, p in enumerate(positions.tolist())]
+    slots = torch.tensor(
+        [g * ps + p % ps for g, p in zip(pages, positions.tolist(), strict=True)], device=device
+    )
+    attn = dataclasses.replace(attn, slot_mapping=slots)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd, device=device).to(dtype)
+    kv_cache = kv_cache.to(dtype)
+
+    def views(x):  # q, k, v of a fused qkv
+        q, k, v = x.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        return q.unflatten(1, (nh, hd)), k.unflatten(1, (nkv, hd)), v.unflatten(1, (nkv, hd))
+
+    expected_cache, rotated = kv_cache.clone(), qkv.clone()
+    rotary_qkv(rotated, positions, inv_freq, nh, nkv, hd, expected_cache, slots)
+    q_ref = views(rotated)[0].float()
+    expected = paged_attention_ref(q_ref, expected_cache.float(), attn, hd**-0.5)
+
+    fused_qkv, cache = qkv.clone(), kv_cache.clone()
+    q, k, v = views(fused_qkv)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+    paged_attention_triton(q, cache, attn, hd**-0.5, out=out, num_kv_splits=num_kv_splits,
+                           new_kv=NewKV(k, v, positions, inv_freq, slots))  # fmt: skip
+    torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(fused_qkv, qkv)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)

@@ -15,6 +15,7 @@ calibration.json, beside the drafter's config.json (read with load_calibration):
    "ece_before": [K values], "ece_after": [K values], "num_blocks": N,
    "sampling_temperature": the temperature the rollouts sampled at,
    "num_bins": 20, "grid": {"min": 0.05, "max": 20.0, "size": 256},
+   "reliability": {"before": ..., "after": ...} (the diagram's bins, reliability.py),
    "greedy": {the same fields, fitted on greedy rollouts of the same prompts}}
 
 The greedy section is what the engine uses for requests with temperature 0 (a greedy request
@@ -31,6 +32,7 @@ import torch
 
 from dspark.llm import LLM
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration  # noqa: F401 (re-export)
+from dspark.train.reliability import reliability_bins
 from dspark.train.rollouts import record_confidences, rollout
 
 NUM_BINS = 20
@@ -103,6 +105,13 @@ def calibration_report(
         "sampling_temperature": sampling_temperature,
         "num_bins": NUM_BINS,
         "grid": {"min": GRID_MIN, "max": GRID_MAX, "size": GRID_SIZE},
+        "reliability": {
+            name: [reliability_bins(a[:, k], labels[:, k], NUM_BINS) for k in range(K)]
+            for name, a in (
+                ("before", survival(logits, [1.0] * K)),
+                ("after", survival(logits, temperatures)),
+            )
+        },  # fmt: skip
     }
 
 

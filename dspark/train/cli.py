@@ -98,6 +98,8 @@ def add_train_parsers(subparsers) -> None:
     c.add_argument("--no-greedy", action="store_true",
                    help="skip the greedy rollouts (calibration.json's greedy section)")  # fmt: skip
     c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--plot", type=Path, default=None,
+                   help="also draw the reliability diagram to this PNG")  # fmt: skip
     _add_engine_args(c)
     c.set_defaults(func=cmd_calibrate)
 
@@ -176,4 +178,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"STS calibration on {report['num_blocks']} full blocks ({len(texts)} prompts), "
           f"written to {args.drafter / 'calibration.json'}:")  # fmt: skip
     print(format_ece_table(report))
+    if args.plot is not None:
+        from dspark.train.reliability import plot_reliability
+
+        print(f"reliability diagram: {plot_reliability(report, args.plot)}")
     return 0

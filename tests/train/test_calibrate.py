@@ -86,3 +86,23 @@ def test_calibration_file_round_trip_and_refusals(tmp_path):
         load_calibration(tmp_path, 3, greedy=True)
     with pytest.raises(ValueError, match="no full-block verify steps"):
         calibration_report(torch.zeros(0, 3), torch.zeros(0, 3), 1.0)
+
+
+def test_reliability_bins_worked_example_and_diagram(tmp_path):
+    from dspark.train.reliability import plot_reliability, reliability_bins
+
+    bins = reliability_bins(torch.tensor([0.1, 0.15, 0.9]), torch.tensor([0.0, 1.0, 1.0]), 20)
+    assert bins[2] == [1, pytest.approx(0.1), 0.0] and bins[3] == [1, pytest.approx(0.15), 1.0]
+    assert bins[18] == [1, pytest.approx(0.9), 1.0]
+    assert sum(b[0] for b in bins) == 3 and all(b == [0, 0.0, 0.0] for b in bins[4:18])
+    # the report's bins reproduce its ECE: sum_b n_b |mean score - mean label| / N
+    logits, labels = _synthetic(3000, 3, over=3.0)
+    report = calibration_report(logits, labels, 1.0)
+    for name, ece in (("before", report["ece_before"]), ("after", report["ece_after"])):
+        for k, per_bin in enumerate(report["reliability"][name]):
+            n = sum(c for c, _, _ in per_bin)
+            assert n == 3000
+            assert sum(c * abs(s - y) for c, s, y in per_bin) / n == pytest.approx(ece[k], abs=1e-5)
+    report["greedy"] = dict(report)
+    path = plot_reliability(report, tmp_path / "reliability.png")
+    assert path.stat().st_size > 10_000

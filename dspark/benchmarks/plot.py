@@ -58,17 +58,41 @@ def _tpot(ax, results: dict) -> None:
     ax.set_title("time per output token")
 
 
+def _verify_budget(ax, results: dict) -> None:
+    """Per speculative arm: drafted tokens sent to verification per output token, the verify
+    budget the arm chose on average (fixed K = 7 sends about 7 / tau; plain decoding 0)."""
+    for i, (label, sweep, marker) in enumerate(_arm_lines(results)):
+        levels = [lv for lv in measured_levels(sweep) if lv.get("speculation")]
+        if levels:  # a level's speculation counters cover all its repeats
+            xs = [lv["concurrency"] for lv in levels]
+            ys = [lv["speculation"]["num_draft_tokens"]
+                  / max(1, lv["output_tokens"] * len(lv.get("output_tokens_per_s_runs") or [1]))
+                  for lv in levels]  # fmt: skip
+            ax.plot(xs, ys, marker=marker, label=label, color=f"C{i}")  # the arm's colour
+    ax.set(xscale="log", xlabel="concurrency (requests at once)",
+           ylabel="verified draft tokens per output token")  # fmt: skip
+    ax.set_title("verify budget")
+
+
+def _has_speculation(results: dict) -> bool:
+    return any(lv.get("speculation") for _, sweep, _ in _arm_lines(results)
+               for lv in measured_levels(sweep))  # fmt: skip
+
+
 def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
-    """Two panels, log-x concurrency: output tokens/s (each arm or dspark, and HF) and TPOT
-    (each arm's p50, or dspark's p50/p99)."""
+    """Log-x concurrency panels: output tokens/s (each arm or dspark, and HF), TPOT (each arm's
+    p50, or dspark's p50/p99) and, when an arm speculates, its verify budget."""
     from matplotlib.figure import Figure
 
     results = json.loads(Path(json_path).read_text())
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    throughput, tpot = fig.subplots(1, 2)
-    _throughput(throughput, results)
-    _tpot(tpot, results)
-    for ax in (throughput, tpot):
+    spec = _has_speculation(results)
+    fig = Figure(figsize=(16.5 if spec else 11, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3 if spec else 2)
+    _throughput(axes[0], results)
+    _tpot(axes[1], results)
+    if spec:
+        _verify_budget(axes[2], results)
+    for ax in axes:
         # the levels themselves as ticks: 1, 4, 16 read better than 10^0, 10^1
         ax.set_xticks(results["concurrency"], labels=[str(c) for c in results["concurrency"]])
         ax.minorticks_off()

@@ -8,6 +8,8 @@ on the tokens, only on the shapes). Two trainers with the same initial drafter, 
 path (TrainConfig.chunk_slots 0: drafter_losses over materialised logits; the default:
 vocab_loss.py), alternate step by step after 3 warm-up steps each; medians of CUDA-synchronised
 wall times, peak memory per path, and the loss of both paths on one batch (they must agree).
+--kernels N then profiles 3 chunked steps and prints the N CUDA kernels with the most time,
+and the step's CPU-side time outside them (where a step waits on the host).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="train_step_profile.json")
+    parser.add_argument("--kernels", type=int, default=0)
     args = parser.parse_args()
     source = resolve_model(args.model)
     config, weights = load_checkpoint(source)
@@ -83,6 +86,31 @@ def main() -> None:
               f"{r['loss_same_batch']:9.4f}")  # fmt: skip
     ratio = rows["reference"]["step_s_median"] / rows["chunked"]["step_s_median"]
     print(f"reference / chunked: {ratio:.2f}x")
+    if args.kernels:
+        _print_kernels(trainers["chunked"], args.kernels)
+
+
+def _print_kernels(trainer: Trainer, top: int, steps: int = 3) -> None:
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.name].append(evt.device_time_total / 1e3)
+    busy = sum(sum(v) for v in per_kernel.values()) / steps
+    print(f"profiled step: {wall_ms:.1f} ms wall, {busy:.1f} ms GPU busy, "
+          f"{sum(len(v) for v in per_kernel.values()) / steps:.0f} kernels")  # fmt: skip
+    for name, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(times) / steps:8.2f} ms  x{len(times) / steps:5.0f}  {name[:90]}")
 
 
 if __name__ == "__main__":

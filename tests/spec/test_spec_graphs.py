@@ -66,12 +66,16 @@ def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
 def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, vocab_drafter):
     """Drafting switched off and on every few steps (as the drafting policy does): plain steps
     replay decode graphs that append the drafter's context, so the drafts after them, and so
-    the acceptance counters, equal the eager run's."""
+    the acceptance counters, equal the eager run's. Drafting steps run synchronously in both
+    runs: launched ahead (graphs only), a step's verification reaches the host one step later,
+    so the same toggle by step index would draft different windows (the tokens stay equal,
+    the acceptance counts need not)."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs = {}
     for graphs in (False, True):
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
                   max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
+                  async_spec_steps=False,
                   speculative_config={"model": str(vocab_drafter)})  # fmt: skip
         engine = llm.engine
         for i, prompt in enumerate(PROMPTS12):

@@ -1,6 +1,6 @@
 """Host work of one decode step of the real engine at a large batch, phase by phase (CPU).
 
-    PYTHONPATH=. python bench/host_step_phases.py --batch 256 --steps 100 [--temperature 0.8] [--profile]
+    PYTHONPATH=. python bench/host_step_phases.py --batch 256 --steps 100 [--temperature 0.8]
 
 Runs the engine (async scheduling, eager CPU path laid out for the graph ladder, as on the GPU:
 pad rows included) on a tiny random Llama with SmolLM2's tokenizer and a 512-token vocabulary,

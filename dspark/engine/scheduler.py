@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from dspark.engine.kv_cache import PageAllocator, pages_for
@@ -90,6 +91,11 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.rows
 
+    @cached_property
+    def is_decode(self) -> bool:
+        """Every row one token that samples (no windows, no prefill): a decode graph's step."""
+        return all(r.num_tokens == 1 and r.do_sample for r in self.rows)
+
 
 class SampledTokens(NamedTuple):
     """What one row emitted this step: one token, or accepted drafts + a recovered/bonus one."""
@@ -128,6 +134,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        max_tokens = request.sampling_params.max_tokens
+        request.max_num_tokens = self.max_model_len
+        if max_tokens is not None:
+            request.max_num_tokens = min(self.max_model_len, request.num_prompt_tokens + max_tokens)
         self.waiting.append(request)
 
     @property
@@ -153,7 +163,8 @@ class Scheduler:
                 else:
                     self.num_windows_deferred += 1
                 continue
-            if req.token_ids[-1] == PENDING_TOKEN and self._reaches_length(req):
+            tokens = req.token_ids
+            if tokens[-1] == PENDING_TOKEN and len(tokens) >= req.max_num_tokens:
                 continue  # its pending token is its last: it ends once the value arrives
             num_draft = self._num_draft(req, budget) if self.draft_len else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
@@ -163,7 +174,7 @@ class Scheduler:
                 continue
             # the common row, a decode token, runs this loop hundreds of times per step: the
             # page check is inlined (a request owning the pages it needs skips _reserve)
-            start, num_tokens = req.num_computed_tokens, len(req.token_ids)
+            start, num_tokens = req.num_computed_tokens, len(tokens)
             assert num_tokens > start, f"request {req.request_id} has no token left to compute"
             n = min(num_tokens - start, budget)
             if n == 0:
@@ -251,12 +262,6 @@ class Scheduler:
             room = min(room, req.sampling_params.max_tokens - num_output - 1)
         return max(0, min(self.max_verify, room, budget - 1))
 
-    def _reaches_length(self, req: Request) -> bool:
-        sp = req.sampling_params
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
-            return True
-        return req.num_tokens >= self.max_model_len
-
     def _reserve(self, req: Request, num_tokens: int, preempt: bool) -> bool:
         """Make req own enough pages for num_tokens, preempting newer requests if allowed."""
         need = pages_for(num_tokens, self.page_size) - len(req.page_ids)
@@ -296,8 +301,9 @@ class Scheduler:
                 row.request.num_windows_in_flight += 1
                 continue
             req = row.request
-            if row.start < req.num_prompt_tokens:  # a prefill chunk
-                self.num_prompt_tokens_computed += min(row.end, req.num_prompt_tokens) - row.start
+            num_prompt = len(req.prompt_token_ids)
+            if row.start < num_prompt:  # a prefill chunk
+                self.num_prompt_tokens_computed += min(row.end, num_prompt) - row.start
             req.num_computed_tokens = row.end
             if row.do_sample:
                 req.token_ids.append(PENDING_TOKEN)
@@ -338,7 +344,19 @@ class Scheduler:
             else:
                 first = row.start + row.num_tokens
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
-                (req.token_ids[first],) = out.token_ids
+                (token_id,) = out.token_ids
+                req.token_ids[first] = token_id
+                # the common row: one token that cannot stop it (no stop id, short of its
+                # length; only a stop id can be banned by min_tokens) needs none of the checks
+                if (
+                    out.logprobs is None
+                    and first + 1 < req.max_num_tokens
+                    and token_id != req.eos_token_id
+                    and token_id not in req.sampling_params.stop_token_ids
+                ):
+                    emitted.append((req, first, 1))
+                    num_generated += 1
+                    continue
             count = len(out.token_ids)
             if out.logprobs is not None:
                 req.logprobs.extend(out.logprobs)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import cached_property
 from typing import NamedTuple
 
 from dspark.engine.kv_cache import PageAllocator, pages_for
@@ -78,10 +77,15 @@ class ScheduledRow(NamedTuple):
         return self.start + self.num_tokens
 
 
+_new_row = tuple.__new__
+
+
 @dataclass(frozen=True)
 class StepPlan:
     rows: tuple[ScheduledRow, ...]
     num_preempted: int = 0
+    # every row one token that samples (no windows, no prefill): a decode graph's step
+    is_decode: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -90,11 +94,6 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.rows
-
-    @cached_property
-    def is_decode(self) -> bool:
-        """Every row one token that samples (no windows, no prefill): a decode graph's step."""
-        return all(r.num_tokens == 1 and r.do_sample for r in self.rows)
 
 
 class SampledTokens(NamedTuple):
@@ -151,6 +150,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted_before = self.num_preemptions
         page_size, running = self.page_size, RequestStatus.RUNNING
+        is_decode = True  # every row so far one token that samples
         for req in list(self.running):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
@@ -160,21 +160,31 @@ class Scheduler:
                     num_draft = min(self.max_verify, budget - 1)
                     rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
                     budget -= 1 + num_draft
+                    is_decode = False
                 else:
                     self.num_windows_deferred += 1
                 continue
             tokens = req.token_ids
-            if tokens[-1] == PENDING_TOKEN and len(tokens) >= req.max_num_tokens:
+            num_tokens = len(tokens)
+            if tokens[-1] == PENDING_TOKEN and num_tokens >= req.max_num_tokens:
                 continue  # its pending token is its last: it ends once the value arrives
             num_draft = self._num_draft(req, budget) if self.draft_len else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))
                     budget -= 1 + num_draft
+                    is_decode = False
                 continue
             # the common row, a decode token, runs this loop hundreds of times per step: the
-            # page check is inlined (a request owning the pages it needs skips _reserve)
-            start, num_tokens = req.num_computed_tokens, len(tokens)
+            # page check is inlined (a request owning the pages it needs skips _reserve), and
+            # the row is built by tuple.__new__ (ScheduledRow's generated __new__ is a Python
+            # call; the fields are those of ScheduledRow(req, start, 1, True))
+            start = req.num_computed_tokens
+            if num_tokens - start == 1 and budget:
+                if start // page_size < len(req.page_ids) or self._reserve(req, num_tokens, True):
+                    rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False)))
+                    budget -= 1
+                continue
             assert num_tokens > start, f"request {req.request_id} has no token left to compute"
             n = min(num_tokens - start, budget)
             if n == 0:
@@ -184,6 +194,7 @@ class Scheduler:
                 continue
             rows.append(ScheduledRow(req, start, n, start + n == num_tokens))
             budget -= n
+            is_decode = is_decode and n == 1 and start + n == num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -192,9 +203,11 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            rows.append(ScheduledRow.of(req, n))
+            row = ScheduledRow.of(req, n)
+            rows.append(row)
             budget -= n
-        return StepPlan(tuple(rows), self.num_preemptions - preempted_before)
+            is_decode = is_decode and n == 1 and row.do_sample
+        return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode)
 
     def ahead_blocker(self, max_rows: int) -> str | None:
         """Why the next step may not be scheduled while the in-flight step's windows are
@@ -296,16 +309,16 @@ class Scheduler:
         Window rows [anchor, drafts] emit a number of tokens only verification knows; they
         advance in update() and are counted in flight until then.
         """
-        for row in plan.rows:
-            if row.num_draft:
-                row.request.num_windows_in_flight += 1
+        for req, start, num_tokens, do_sample, num_draft, _ in plan.rows:
+            if num_draft:
+                req.num_windows_in_flight += 1
                 continue
-            req = row.request
+            end = start + num_tokens
             num_prompt = len(req.prompt_token_ids)
-            if row.start < num_prompt:  # a prefill chunk
-                self.num_prompt_tokens_computed += min(row.end, num_prompt) - row.start
-            req.num_computed_tokens = row.end
-            if row.do_sample:
+            if start < num_prompt:  # a prefill chunk
+                self.num_prompt_tokens_computed += min(end, num_prompt) - start
+            req.num_computed_tokens = end
+            if do_sample:
                 req.token_ids.append(PENDING_TOKEN)
 
     def update(

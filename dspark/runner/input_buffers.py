@@ -113,6 +113,7 @@ class InputBuffers:
         self.feed_dst_cpu, self.feed_dst = pair(max_num_rows, torch.int64)
         self.feed_src_cpu, self.feed_src = pair(max_num_rows, torch.int64)
         self._pointers = self.data_ptrs()
+        self._views: dict[str, np.ndarray] = {}
         # What each block-table row holds (PersistentBatch keeps it current): the first
         # block_row_num_pages[i] pages of request block_row_owner[i] (its serial: an id may come
         # back with other pages) as they stood at its block_row_preemptions[i]-th preemption.
@@ -156,7 +157,10 @@ class InputBuffers:
 
     def np(self, name: str) -> np.ndarray:
         """The numpy view of a host staging buffer (writes go straight to pinned memory)."""
-        return getattr(self, f"{name}_cpu").numpy()
+        view = self._views.get(name)
+        if view is None:  # (made once: .numpy() costs microseconds, a dozen times per step)
+            view = self._views[name] = getattr(self, f"{name}_cpu").numpy()
+        return view
 
     def upload(self, layout: StepLayout) -> None:
         """Copy the used prefix of every staging buffer to the device (async when pinned)."""

@@ -43,6 +43,8 @@ from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
+_new_tuple = tuple.__new__
+
 
 @dataclass
 class InFlightStep:
@@ -104,6 +106,7 @@ class ModelRunner:
         self.batch = PersistentBatch(self.buffers, self.sampling_rows)
         # serials of the requests the previous launch sampled for, in its token order
         self._last_sampled = np.empty(0, dtype=np.int64)
+        self._arange = np.arange(self.buffers.input_ids.shape[0] + 1)  # (sliced, never written)
         # sampled tokens come back through two persistent pinned buffers, alternately: under
         # async scheduling one holds the step being read while the next step's copy is queued
         self._token_host = None
@@ -151,19 +154,19 @@ class ModelRunner:
         ids = np.array([r.request.token_ids[r.start] for r in plan.rows], dtype=np.int64)
         pending = np.flatnonzero(ids == PENDING_TOKEN)  # token i is row i's
         num_fed = self._stage_feed(pending, serials[pending])
-        rows = np.arange(n)
+        rows = self._arange[:n]
         pages = b.np("block_table")[rows, starts // ps].astype(np.int64)  # [n]
         b.np("input_ids")[:n] = ids  # (pending ones are written on the device)
         b.np("positions")[:n] = starts
         b.np("slot_mapping")[:n] = pages * ps + starts % ps
-        b.np("cu_num_tokens")[: n + 1] = np.arange(n + 1)
+        b.np("cu_num_tokens")[: n + 1] = self._arange[: n + 1]
         b.np("seq_lens")[:n] = starts + 1
         b.np("logits_indices")[:n] = rows
         graph_size = self._graph_size(plan, is_decode=True)
         size = n if graph_size is None else graph_size
         if size > n:  # pad to the captured size; every token is scored
             b.write_pad_rows(n, n, size - n)
-            b.np("logits_indices")[:size] = np.arange(size)
+            b.np("logits_indices")[:size] = self._arange[:size]
         seq_lens = (starts + 1).tolist() + [1] * (size - n)
         layout = StepLayout(size, size, size, tuple(range(size + 1)), tuple(seq_lens),
                             num_fed=num_fed)  # fmt: skip
@@ -178,8 +181,11 @@ class ModelRunner:
         """
         if not tokens.size:
             return 0
-        src = index_of(self._last_sampled, serials)
-        assert (src != NOT_FOUND).all(), "a pending token the previous launch did not sample"
+        if np.array_equal(self._last_sampled, serials):  # the same rows, in the same order
+            src = np.arange(tokens.size)
+        else:
+            src = index_of(self._last_sampled, serials)
+            assert (src != NOT_FOUND).all(), "a pending token the previous launch did not sample"
         b = self.buffers
         b.np("feed_dst")[: tokens.size] = tokens
         b.np("feed_src")[: tokens.size] = src
@@ -361,7 +367,8 @@ class ModelRunner:
         if sampled.size:
             tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged)
             self._last_tokens = tokens
-            self._last_sampled = step.sampled_serials = staged.serials[sampled]
+            serials = staged.serials if staged.is_decode else staged.serials[sampled]
+            self._last_sampled = step.sampled_serials = serials
             step.tokens = self._tokensto_host(tokens)
             step.logprobs = to_host(lp)
         if spec_out is not None:
@@ -413,8 +420,10 @@ class ModelRunner:
             return True
         if previous.sampled_serials is None:
             return False
-        src = index_of(previous.sampled_serials, np.array(pending, dtype=np.int64))
-        return bool((src != NOT_FOUND).all())
+        pending = np.array(pending, dtype=np.int64)
+        if np.array_equal(previous.sampled_serials, pending):  # the same rows, in order
+            return True
+        return bool((index_of(previous.sampled_serials, pending) != NOT_FOUND).all())
 
     def _tokensto_host(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._token_host is None:  # CPU: already there
@@ -438,7 +447,9 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         if step.plain and step.logprobs is None and len(step.plain) == len(plan.rows):
-            return [SampledTokens((tok,)) for tok in step.tokens.tolist()]  # a decode step
+            # a decode step: one token per row, each SampledTokens((tok,)) built by tuple.__new__
+            # (the NamedTuple's generated __new__ is a Python call, 256 times per step)
+            return [_new_tuple(SampledTokens, ((tok,), None)) for tok in step.tokens.tolist()]
         results: list[SampledTokens | None] = [None] * len(plan.rows)
         if step.verified is not None:
             self.spec_runner.assign(step, results)

@@ -339,23 +339,23 @@ class Scheduler:
         emitted = []
         finished, num_generated = RequestStatus.FINISHED, 0
         for row, out in zip(plan.rows, sampled, strict=True):
-            req = row.request
-            if row.num_draft:
+            req, start, num_tokens, _, num_draft, is_continuation = row  # (unpacked: per row)
+            if num_draft:
                 req.num_windows_in_flight -= 1
             if out is None or req.status is finished:
                 continue
-            if row.num_draft:
+            if num_draft:
                 first = req.num_tokens  # one past the anchor
-                assert row.is_continuation or first - 1 == row.start, (req.request_id, first)
+                assert is_continuation or first - 1 == start, (req.request_id, first)
                 if req.status == RequestStatus.RUNNING:  # (preempted: its KV is recomputed)
                     req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
                 # a window emits its accepted drafts and one recovered-or-bonus token
                 req.num_drafts += 1
-                req.num_draft_tokens += row.num_draft
+                req.num_draft_tokens += num_draft
                 req.num_accepted_tokens += len(out.token_ids) - 1
             else:
-                first = row.start + row.num_tokens
+                first = start + num_tokens
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
                 (token_id,) = out.token_ids
                 req.token_ids[first] = token_id

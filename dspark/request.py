@@ -55,6 +55,9 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # the token count at which it ends by length (max_tokens or max_model_len): set once by
+    # Scheduler.add, which knows max_model_len, so the per-step checks are one comparison
+    max_num_tokens: int = 0
     # windows of this request launched and not yet applied by update() (0 or 1 between steps;
     # 1 while a speculative step launched ahead sits behind the one in flight): while > 0 its
     # token_ids and num_computed_tokens stop at that window's anchor

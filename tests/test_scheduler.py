@@ -99,3 +99,24 @@ def test_max_num_seqs_limits_running_requests():
     for i in range(4):
         s.add(_req(str(i), 2))
     assert len(s.schedule().rows) == 2
+
+
+def test_plan_is_decode_only_when_every_row_is_one_sampled_token():
+    s = _scheduler(budget=16)
+    s.add(_req("a", 5, max_tokens=10))
+    s.add(_req("b", 20, max_tokens=10))  # prefilled in two chunks (budget 16)
+    first = _step(s)
+    assert not first.is_decode  # prefill chunks
+    plan = _step(s)  # a decodes, b's second chunk
+    assert [r.num_tokens for r in plan.rows] == [1, 9] and not plan.is_decode
+    plan = _step(s)
+    assert [r.num_tokens for r in plan.rows] == [1, 1] and plan.is_decode
+
+
+def test_max_num_tokens_is_the_length_limit():
+    s = _scheduler(max_model_len=64)
+    short, capped = _req("a", 5, max_tokens=3), _req("b", 50, max_tokens=40)
+    s.add(short)
+    s.add(capped)
+    assert short.max_num_tokens == 8  # 5 prompt + 3 outputs
+    assert capped.max_num_tokens == 64  # max_model_len first

@@ -53,7 +53,7 @@ from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import CompletionOutput, RequestOutput
-from dspark.request import PENDING_TOKEN, FinishReason, Request
+from dspark.request import FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
@@ -397,7 +397,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.is_empty:
             if previous is not None and not previous.window_rows:
-                if not self._can_launch_ahead(plan, previous):
+                if not self.runner.can_feed(plan, previous):
                     outputs, previous = self._finish(previous), None
             elif previous is not None:  # behind a step of windows: windows only
                 assert all(r.num_draft for r in plan.rows), "ahead_blocker let a plain row by"
@@ -432,21 +432,6 @@ class LLMEngine:
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         return self._update(step.plan, self.runner.collect(step))
-
-    @staticmethod
-    def _can_launch_ahead(plan, previous: InFlightStep) -> bool:
-        """A pending token may only be the one input of a decode row, fed from `previous`
-        (a preempted request re-admitted at once would need its pending token on the host)."""
-        sampled_by_previous = {previous.plan.rows[i].request.request_id for i in previous.plain}
-        for row in plan.rows:
-            tokens = row.request.token_ids
-            if row.num_tokens == 1:  # the common row: no slice
-                if tokens[row.start] == PENDING_TOKEN:
-                    if row.request.request_id not in sampled_by_previous:
-                        return False
-            elif PENDING_TOKEN in tokens[row.start : row.end]:
-                return False
-        return True
 
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)

@@ -77,10 +77,15 @@ class ScheduledRow(NamedTuple):
         return self.start + self.num_tokens
 
 
+_new_row = tuple.__new__
+
+
 @dataclass(frozen=True)
 class StepPlan:
     rows: tuple[ScheduledRow, ...]
     num_preempted: int = 0
+    # every row one token that samples (no windows, no prefill): a decode graph's step
+    is_decode: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +133,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        max_tokens = request.sampling_params.max_tokens
+        request.max_num_tokens = self.max_model_len
+        if max_tokens is not None:
+            request.max_num_tokens = min(self.max_model_len, request.num_prompt_tokens + max_tokens)
         self.waiting.append(request)
 
     @property
@@ -141,6 +150,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted_before = self.num_preemptions
         page_size, running = self.page_size, RequestStatus.RUNNING
+        is_decode = True  # every row so far one token that samples
         for req in list(self.running):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
@@ -150,20 +160,31 @@ class Scheduler:
                     num_draft = min(self.max_verify, budget - 1)
                     rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
                     budget -= 1 + num_draft
+                    is_decode = False
                 else:
                     self.num_windows_deferred += 1
                 continue
-            if req.token_ids[-1] == PENDING_TOKEN and self._reaches_length(req):
+            tokens = req.token_ids
+            num_tokens = len(tokens)
+            if tokens[-1] == PENDING_TOKEN and num_tokens >= req.max_num_tokens:
                 continue  # its pending token is its last: it ends once the value arrives
             num_draft = self._num_draft(req, budget) if self.draft_len else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))
                     budget -= 1 + num_draft
+                    is_decode = False
                 continue
             # the common row, a decode token, runs this loop hundreds of times per step: the
-            # page check is inlined (a request owning the pages it needs skips _reserve)
-            start, num_tokens = req.num_computed_tokens, len(req.token_ids)
+            # page check is inlined (a request owning the pages it needs skips _reserve), and
+            # the row is built by tuple.__new__ (ScheduledRow's generated __new__ is a Python
+            # call; the fields are those of ScheduledRow(req, start, 1, True))
+            start = req.num_computed_tokens
+            if num_tokens - start == 1 and budget:
+                if start // page_size < len(req.page_ids) or self._reserve(req, num_tokens, True):
+                    rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False)))
+                    budget -= 1
+                continue
             assert num_tokens > start, f"request {req.request_id} has no token left to compute"
             n = min(num_tokens - start, budget)
             if n == 0:
@@ -173,6 +194,7 @@ class Scheduler:
                 continue
             rows.append(ScheduledRow(req, start, n, start + n == num_tokens))
             budget -= n
+            is_decode = is_decode and n == 1 and start + n == num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -181,9 +203,11 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            rows.append(ScheduledRow.of(req, n))
+            row = ScheduledRow.of(req, n)
+            rows.append(row)
             budget -= n
-        return StepPlan(tuple(rows), self.num_preemptions - preempted_before)
+            is_decode = is_decode and n == 1 and row.do_sample
+        return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode)
 
     def ahead_blocker(self, max_rows: int) -> str | None:
         """Why the next step may not be scheduled while the in-flight step's windows are
@@ -251,12 +275,6 @@ class Scheduler:
             room = min(room, req.sampling_params.max_tokens - num_output - 1)
         return max(0, min(self.max_verify, room, budget - 1))
 
-    def _reaches_length(self, req: Request) -> bool:
-        sp = req.sampling_params
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
-            return True
-        return req.num_tokens >= self.max_model_len
-
     def _reserve(self, req: Request, num_tokens: int, preempt: bool) -> bool:
         """Make req own enough pages for num_tokens, preempting newer requests if allowed."""
         need = pages_for(num_tokens, self.page_size) - len(req.page_ids)
@@ -291,15 +309,16 @@ class Scheduler:
         Window rows [anchor, drafts] emit a number of tokens only verification knows; they
         advance in update() and are counted in flight until then.
         """
-        for row in plan.rows:
-            if row.num_draft:
-                row.request.num_windows_in_flight += 1
+        for req, start, num_tokens, do_sample, num_draft, _ in plan.rows:
+            if num_draft:
+                req.num_windows_in_flight += 1
                 continue
-            req = row.request
-            if row.start < req.num_prompt_tokens:  # a prefill chunk
-                self.num_prompt_tokens_computed += min(row.end, req.num_prompt_tokens) - row.start
-            req.num_computed_tokens = row.end
-            if row.do_sample:
+            end = start + num_tokens
+            num_prompt = len(req.prompt_token_ids)
+            if start < num_prompt:  # a prefill chunk
+                self.num_prompt_tokens_computed += min(end, num_prompt) - start
+            req.num_computed_tokens = end
+            if do_sample:
                 req.token_ids.append(PENDING_TOKEN)
 
     def update(
@@ -320,25 +339,37 @@ class Scheduler:
         emitted = []
         finished, num_generated = RequestStatus.FINISHED, 0
         for row, out in zip(plan.rows, sampled, strict=True):
-            req = row.request
-            if row.num_draft:
+            req, start, num_tokens, _, num_draft, is_continuation = row  # (unpacked: per row)
+            if num_draft:
                 req.num_windows_in_flight -= 1
             if out is None or req.status is finished:
                 continue
-            if row.num_draft:
+            if num_draft:
                 first = req.num_tokens  # one past the anchor
-                assert row.is_continuation or first - 1 == row.start, (req.request_id, first)
+                assert is_continuation or first - 1 == start, (req.request_id, first)
                 if req.status == RequestStatus.RUNNING:  # (preempted: its KV is recomputed)
                     req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
                 # a window emits its accepted drafts and one recovered-or-bonus token
                 req.num_drafts += 1
-                req.num_draft_tokens += row.num_draft
+                req.num_draft_tokens += num_draft
                 req.num_accepted_tokens += len(out.token_ids) - 1
             else:
-                first = row.start + row.num_tokens
+                first = start + num_tokens
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
-                (req.token_ids[first],) = out.token_ids
+                (token_id,) = out.token_ids
+                req.token_ids[first] = token_id
+                # the common row: one token that cannot stop it (no stop id, short of its
+                # length; only a stop id can be banned by min_tokens) needs none of the checks
+                if (
+                    out.logprobs is None
+                    and first + 1 < req.max_num_tokens
+                    and token_id != req.eos_token_id
+                    and token_id not in req.sampling_params.stop_token_ids
+                ):
+                    emitted.append((req, first, 1))
+                    num_generated += 1
+                    continue
             count = len(out.token_ids)
             if out.logprobs is not None:
                 req.logprobs.extend(out.logprobs)

@@ -25,6 +25,7 @@ from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.layers.attention_metadata import AttentionMetadata
 
 PAD_TOKEN_ID = 0
+NO_OWNER = -1  # a block-table row that holds no request's pages (pad rows, warm-up)
 
 
 def to_host(x):
@@ -112,11 +113,15 @@ class InputBuffers:
         self.feed_dst_cpu, self.feed_dst = pair(max_num_rows, torch.int64)
         self.feed_src_cpu, self.feed_src = pair(max_num_rows, torch.int64)
         self._pointers = self.data_ptrs()
-        # what each block-table row holds: (request serial, its preemption count, pages), so a
-        # row is rewritten only when its request or page count changed (pages only ever grow
-        # while a request runs; a preemption rebuilds them and bumps the count). The serial,
-        # not the id: a finished request's id may come back with other pages.
-        self._block_row_keys: list[tuple | None] = [None] * max_num_rows
+        self._views: dict[str, np.ndarray] = {}
+        # What each block-table row holds (PersistentBatch keeps it current): the first
+        # block_row_num_pages[i] pages of request block_row_owner[i] (its serial: an id may come
+        # back with other pages) as they stood at its block_row_preemptions[i]-th preemption.
+        # While a request runs its pages only grow; a preemption rebuilds them and bumps the
+        # count, so a row whose three values match is correct without being rewritten.
+        self.block_row_owner = np.full(max_num_rows, NO_OWNER, dtype=np.int64)
+        self.block_row_preemptions = np.zeros(max_num_rows, dtype=np.int64)
+        self.block_row_num_pages = np.zeros(max_num_rows, dtype=np.int64)
         self._uploaded = UploadFence(device)
 
     def wait_for_upload(self) -> None:
@@ -126,13 +131,12 @@ class InputBuffers:
         copies at most (it is not the step's result synchronisation)."""
         self._uploaded.wait()
 
-    def write_block_row(self, row: int, key: tuple, pages: list[int]) -> None:
-        if self._block_row_keys[row] == key:
-            return
+    def write_block_row(self, row: int, pages: list[int]) -> None:
+        """Row `row` of the block table holds `pages` and no request's (warm-up, capture)."""
         bt = self.np("block_table")
         bt[row, : len(pages)] = pages
         bt[row, len(pages) :] = SCRATCH_PAGE
-        self._block_row_keys[row] = key
+        self.block_row_owner[row] = NO_OWNER
 
     def data_ptrs(self) -> tuple[int, ...]:
         return tuple(
@@ -153,7 +157,10 @@ class InputBuffers:
 
     def np(self, name: str) -> np.ndarray:
         """The numpy view of a host staging buffer (writes go straight to pinned memory)."""
-        return getattr(self, f"{name}_cpu").numpy()
+        view = self._views.get(name)
+        if view is None:  # (made once: .numpy() costs microseconds, a dozen times per step)
+            view = self._views[name] = getattr(self, f"{name}_cpu").numpy()
+        return view
 
     def upload(self, layout: StepLayout) -> None:
         """Copy the used prefix of every staging buffer to the device (async when pinned)."""
@@ -205,4 +212,4 @@ class InputBuffers:
         self.np("cu_num_tokens")[start_row + 1 : r1 + 1] = np.arange(t0 + width, t1 + 1, width)
         self.np("seq_lens")[start_row:r1] = width
         self.np("block_table")[start_row:r1] = SCRATCH_PAGE
-        self._block_row_keys[start_row:r1] = [None] * num_pad_rows
+        self.block_row_owner[start_row:r1] = NO_OWNER

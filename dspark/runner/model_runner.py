@@ -18,13 +18,15 @@ import bisect
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from dspark.engine.kv_cache import pages_for
-from dspark.engine.scheduler import SampledTokens, ScheduledRow, StepPlan
+from dspark.engine.scheduler import SampledTokens, StepPlan
 from dspark.models.llama import LlamaForCausalLM
-from dspark.request import PENDING_TOKEN, TokenLogprobs
+from dspark.request import PENDING_TOKEN, Request, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
@@ -33,11 +35,15 @@ from dspark.runner.input_buffers import (
     host_to_device,
     to_host,
 )
+from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.spec_runner import SpecRunner
-from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
+from dspark.sample.sampler import sample, top_logprobs
+from dspark.sample.sampling_rows import SamplingRows
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
+
+_new_tuple = tuple.__new__
 
 
 @dataclass
@@ -54,7 +60,20 @@ class InFlightStep:
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
     is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it
+    sampled_serials: np.ndarray | None = None  # [len(plain)] the requests of `tokens`
     done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
+
+
+class Staged(NamedTuple):
+    """A staged step: its layout and graph size, and the per-row facts sampling needs."""
+
+    layout: StepLayout
+    graph_size: int | None
+    reqs: list[Request]  # the plan rows' requests
+    serials: np.ndarray  # [R] their serials
+    sampled_rows: np.ndarray  # [N] plan rows that sample one token (windows verify instead)
+    sampled_ends: np.ndarray  # [N] index of the token each samples (its position)
+    is_decode: bool = False  # every row one token that samples
 
 
 class ModelRunner:
@@ -82,6 +101,12 @@ class ModelRunner:
             max(max_num_tokens, max_rows), max_rows, pages_for(max_model_len, page_size), device
         )
         self.stats: Counter[str] = Counter()
+        # the rows' block tables and sampling parameters, applied by their changes each step
+        self.sampling_rows = SamplingRows(max_rows, self.vocab_size)
+        self.batch = PersistentBatch(self.buffers, self.sampling_rows)
+        # serials of the requests the previous launch sampled for, in its token order
+        self._last_sampled = np.empty(0, dtype=np.int64)
+        self._arange = np.arange(self.buffers.input_ids.shape[0] + 1)  # (sliced, never written)
         # sampled tokens come back through two persistent pinned buffers, alternately: under
         # async scheduling one holds the step being read while the next step's copy is queued
         self._token_host = None
@@ -107,18 +132,78 @@ class ModelRunner:
 
     # ---- staging --------------------------------------------------------------------------
 
-    def _stage(self, plan: StepPlan) -> tuple[StepLayout, int | None]:
-        """Write the plan into the host staging buffers; returns the layout and graph size.
+    def _stage(self, plan: StepPlan) -> Staged:
+        """Write the plan into the host staging buffers: the persistent rows (block table,
+        sampling parameters) by their changes, then the per-token inputs."""
+        self.buffers.wait_for_upload()
+        reqs = [r.request for r in plan.rows]
+        serials = self.batch.sync(reqs)
+        if plan.is_decode:
+            return self._stage_decode(plan, reqs, serials)
+        return self._stage_rows(plan, reqs, serials)
+
+    def _stage_decode(self, plan: StepPlan, reqs: list, serials: np.ndarray) -> Staged:
+        """A decode step, by numpy over the rows: row i feeds token `start` of its request at
+        position start, its KV slot read from its block-table row, and samples index start + 1.
+
+          page_size 4, starts [5, 9], block_table rows [[3, 8, ..], [2, 6, 7, ..]]
+          positions [5, 9]  slot_mapping [8*4 + 1, 7*4 + 1] = [33, 29]  seq_lens [6, 10]
+        """
+        b, ps, n = self.buffers, self.page_size, len(plan.rows)
+        starts = np.array([r.start for r in plan.rows], dtype=np.int64)  # [n]
+        ids = np.array([r.request.token_ids[r.start] for r in plan.rows], dtype=np.int64)
+        pending = np.flatnonzero(ids == PENDING_TOKEN)  # token i is row i's
+        num_fed = self._stage_feed(pending, serials[pending])
+        rows = self._arange[:n]
+        pages = b.np("block_table")[rows, starts // ps].astype(np.int64)  # [n]
+        b.np("input_ids")[:n] = ids  # (pending ones are written on the device)
+        b.np("positions")[:n] = starts
+        b.np("slot_mapping")[:n] = pages * ps + starts % ps
+        b.np("cu_num_tokens")[: n + 1] = self._arange[: n + 1]
+        b.np("seq_lens")[:n] = starts + 1
+        b.np("logits_indices")[:n] = rows
+        graph_size = self._graph_size(plan, is_decode=True)
+        size = n if graph_size is None else graph_size
+        if size > n:  # pad to the captured size; every token is scored
+            b.write_pad_rows(n, n, size - n)
+            b.np("logits_indices")[:size] = self._arange[:size]
+        seq_lens = (starts + 1).tolist() + [1] * (size - n)
+        layout = StepLayout(size, size, size, tuple(range(size + 1)), tuple(seq_lens),
+                            num_fed=num_fed)  # fmt: skip
+        return Staged(layout, graph_size, reqs, serials, rows, starts + 1, is_decode=True)
+
+    def _stage_feed(self, tokens: np.ndarray, serials: np.ndarray) -> int:
+        """Input token tokens[j] of the step is the previous launch's sampled token of request
+        serials[j], taken on the device (async scheduling); returns how many are fed.
+
+          previous launch sampled serials [4, 9, 2]; tokens [0, 2] of serials [9, 4]
+          feed_dst [0, 2], feed_src [1, 0]
+        """
+        if not tokens.size:
+            return 0
+        if np.array_equal(self._last_sampled, serials):  # the same rows, in the same order
+            src = np.arange(tokens.size)
+        else:
+            src = index_of(self._last_sampled, serials)
+            assert (src != NOT_FOUND).all(), "a pending token the previous launch did not sample"
+        b = self.buffers
+        b.np("feed_dst")[: tokens.size] = tokens
+        b.np("feed_src")[: tokens.size] = src
+        return int(tokens.size)
+
+    def _stage_rows(self, plan: StepPlan, reqs: list, serials: np.ndarray) -> Staged:
+        """Any other step (prefill chunks, windows, mixed), row by row (decode steps too: the
+        tests compare _stage_decode with it).
 
         Per-token values are gathered in Python lists and written with one numpy assignment
         each (per-row numpy calls cost more than the data at decode batch sizes).
         """
         b, ps = self.buffers, self.page_size
-        b.wait_for_upload()
         # every window K + 1 tokens wide when the step can replay a speculative graph
         window_width = self.spec_runner.window_width(plan) if self.spec_runner else None
         ids, positions, slots, cu, seq_lens, logits_idx = [], [], [], [0], [], []
-        fed_dst, fed_src = [], []  # input tokens still on the device (async scheduling)
+        fed_dst, fed_rows = [], []  # input tokens still on the device (async scheduling)
+        sampled_rows, sampled_ends = [], []  # plain rows that sample one token
         for i, row in enumerate(plan.rows):
             req, start, end = row.request, row.start, row.end
             pages = req.page_ids
@@ -126,7 +211,7 @@ class ModelRunner:
                 token = req.token_ids[start]
                 if token == PENDING_TOKEN:
                     fed_dst.append(cu[-1])
-                    fed_src.append(self._last_index[req.request_id])
+                    fed_rows.append(i)
                 ids.append(token)
                 positions.append(start)
                 slots.append(pages[start // ps] * ps + start % ps)
@@ -152,11 +237,12 @@ class ModelRunner:
                         logits_idx.append(cu[-1] + row.num_tokens - 1)
                 positions += range(start, end)
                 slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
+            if row.do_sample and not row.num_draft:
+                sampled_rows.append(i)
+                sampled_ends.append(row.end)
             cu.append(cu[-1] + end - start)
             seq_lens.append(end)
-            b.write_block_row(i, (req.serial, req.num_preemptions, len(pages)), pages)
-        b.np("feed_dst")[: len(fed_dst)] = fed_dst
-        b.np("feed_src")[: len(fed_src)] = fed_src
+        num_fed = self._stage_feed(np.array(fed_dst, dtype=np.int64), serials[fed_rows])
         t, num_rows, n = cu[-1], len(plan.rows), len(logits_idx)
         b.np("input_ids")[:t] = ids
         b.np("positions")[:t] = positions
@@ -164,7 +250,7 @@ class ModelRunner:
         b.np("cu_num_tokens")[: num_rows + 1] = cu
         b.np("seq_lens")[:num_rows] = seq_lens
         b.np("logits_indices")[:n] = logits_idx
-        graph_size = self._graph_size(plan)
+        graph_size = self._graph_size(plan, plan.is_decode)
         width = 1
         if (
             graph_size is None
@@ -181,9 +267,10 @@ class ModelRunner:
             seq_lens += [width] * pad
             t, num_rows = t + pad * width, graph_size
             n = t
-        layout = StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens), num_fed=len(fed_dst),
+        layout = StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens), num_fed=num_fed,
                             window_width=window_width)  # fmt: skip
-        return layout, graph_size
+        return Staged(layout, graph_size, reqs, serials, np.array(sampled_rows, dtype=np.int64),
+                      np.array(sampled_ends, dtype=np.int64))  # fmt: skip
 
     @torch.inference_mode()
     def _warm_up_eager(self, max_num_tokens: int) -> None:
@@ -203,19 +290,20 @@ class ModelRunner:
             b.np("slot_mapping")[:n] = [pages[p // ps] * ps + p % ps for p in range(n)]
             b.np("cu_num_tokens")[:2] = [0, n]
             b.np("seq_lens")[:1] = n
-            b.write_block_row(0, ("warm-up", n), pages)
+            b.write_block_row(0, pages)
             b.np("logits_indices")[:1] = n - 1
             layout = StepLayout(n, 1, 1, (0, n), (n,))
             b.upload(layout)
             self._forward(layout)
         torch.cuda.synchronize(self.device)
 
-    def _graph_size(self, plan: StepPlan) -> int | None:
+    def _graph_size(self, plan: StepPlan, is_decode: bool) -> int | None:
         """The captured size a pure-decode step pads to, or None (eager, reason counted)."""
-        if not self.graph_sizes or any(r.num_draft for r in plan.rows):
-            return None  # (a step with windows is the speculative runner's to count)
-        if not all(r.num_tokens == 1 and r.do_sample for r in plan.rows):
-            self.stats["eager_steps_not_decode"] += 1
+        if not self.graph_sizes:
+            return None
+        if not is_decode:
+            if not any(r.num_draft for r in plan.rows):  # (windows: the speculative runner's)
+                self.stats["eager_steps_not_decode"] += 1
             return None
         i = bisect.bisect_left(self.graph_sizes, len(plan.rows))
         if i == len(self.graph_sizes):
@@ -256,10 +344,13 @@ class ModelRunner:
         A row whose input is the previous launch's still-pending token (async scheduling) gets
         it on the device: input_ids[t] = last_tokens[j], j its row among those that sampled.
         """
-        layout, graph_size = self._stage(plan)
+        staged = self._stage(plan)
+        layout, graph_size = staged.layout, staged.graph_size
         self.buffers.upload(layout)
         self._feed_pending(layout)
-        window_rows = [i for i, r in enumerate(plan.rows) if r.num_draft]
+        window_rows = (
+            [] if staged.is_decode else [i for i, r in enumerate(plan.rows) if r.num_draft]
+        )
         spec_out = None
         if window_rows:
             spec_out = self.spec_runner.run(plan, layout, window_rows, graph_size)
@@ -270,25 +361,14 @@ class ModelRunner:
         else:  # (plain rows feed the drafter's context too)
             logits = self._forward(layout)
             self.stats["eager_steps"] += 1
-        plain, logit_row = [], 0
-        for i, row in enumerate(plan.rows):
-            if row.num_draft:
-                logit_row += row.num_tokens
-            elif row.do_sample:
-                plain.append((i, logit_row))
-                logit_row += 1
-        step = InFlightStep(plan, [i for i, _ in plain])
+        sampled = staged.sampled_rows
+        step = InFlightStep(plan, sampled.tolist())
         step.is_uniform = bool(window_rows) and layout.window_width is not None
-        if plain:
-            logit_rows = [r for _, r in plain]
-            if logit_rows[-1] == len(logit_rows) - 1:  # rows 0..n-1: a view, no gather
-                plain_logits = logits[: len(logit_rows)]
-            else:
-                plain_logits = logits[host_to_device(logit_rows, torch.int64, self.device)]
-            tokens, lp = self._sample(plain_logits, [plan.rows[i] for i in step.plain])
+        if sampled.size:
+            tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged)
             self._last_tokens = tokens
-            self._last_index = {plan.rows[i].request.request_id: j
-                                for j, i in enumerate(step.plain)}  # fmt: skip
+            serials = staged.serials if staged.is_decode else staged.serials[sampled]
+            self._last_sampled = step.sampled_serials = serials
             step.tokens = self._tokensto_host(tokens)
             step.logprobs = to_host(lp)
         if spec_out is not None:
@@ -297,6 +377,53 @@ class ModelRunner:
             step.done = torch.cuda.Event()
             step.done.record()
         return step
+
+    def _plain_logits(
+        self, plan: StepPlan, logits: torch.Tensor, staged: Staged
+    ) -> torch.Tensor:  # [N, vocab]
+        """The logits of the rows that sample one token: rows 0..N-1 of `logits` unless window
+        rows (which score all their tokens) come first.
+
+          rows [window of 3 tokens, plain, plain]: logits rows 0..2 the window's, plain 3, 4
+        """
+        if staged.is_decode:
+            return logits[: len(plan.rows)]
+        logit_rows, logit_row = [], 0
+        for row in plan.rows:
+            if row.num_draft:
+                logit_row += row.num_tokens
+            elif row.do_sample:
+                logit_rows.append(logit_row)
+                logit_row += 1
+        if logit_rows[-1] == len(logit_rows) - 1:  # rows 0..n-1: a view, no gather
+            return logits[: len(logit_rows)]
+        return logits[host_to_device(logit_rows, torch.int64, self.device)]
+
+    @staticmethod
+    def can_feed(plan: StepPlan, previous: InFlightStep) -> bool:
+        """May `plan` launch before `previous` is collected? A pending token may only be the
+        one input of a decode row, fed from `previous` (a preempted request re-admitted at once
+        would need its pending token on the host)."""
+        if plan.is_decode:
+            pending = [r.request.serial for r in plan.rows
+                       if r.request.token_ids[r.start] == PENDING_TOKEN]  # fmt: skip
+        else:
+            pending = []
+            for row in plan.rows:
+                tokens = row.request.token_ids
+                if row.num_tokens == 1:
+                    if tokens[row.start] == PENDING_TOKEN:
+                        pending.append(row.request.serial)
+                elif PENDING_TOKEN in tokens[row.start : row.end]:
+                    return False
+        if not pending:
+            return True
+        if previous.sampled_serials is None:
+            return False
+        pending = np.array(pending, dtype=np.int64)
+        if np.array_equal(previous.sampled_serials, pending):  # the same rows, in order
+            return True
+        return bool((index_of(previous.sampled_serials, pending) != NOT_FOUND).all())
 
     def _tokensto_host(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._token_host is None:  # CPU: already there
@@ -316,10 +443,14 @@ class ModelRunner:
     def collect(self, step: InFlightStep) -> list[SampledTokens | None]:
         """Wait for a launched step and assign its results to plan rows."""
         plan = step.plan
-        results: list[SampledTokens | None] = [None] * len(plan.rows)
         # sync: the one host synchronisation of the step; the host copies were queued behind it
         if step.done is not None:
             step.done.synchronize()
+        if step.plain and step.logprobs is None and len(step.plain) == len(plan.rows):
+            # a decode step: one token per row, each SampledTokens((tok,)) built by tuple.__new__
+            # (the NamedTuple's generated __new__ is a Python call, 256 times per step)
+            return [_new_tuple(SampledTokens, ((tok,), None)) for tok in step.tokens.tolist()]
+        results: list[SampledTokens | None] = [None] * len(plan.rows)
         if step.verified is not None:
             self.spec_runner.assign(step, results)
         if not step.plain:
@@ -336,46 +467,25 @@ class ModelRunner:
             results[i] = SampledTokens((tok,), logprobs)
         return results
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]):
-        """Tokens [N] (and logprobs) of the rows that sample one token, still on the device."""
-        masked = self._ban_stop_tokens(logits, rows)
-        if all(r.request.sampling_params.is_greedy for r in rows):
+    def _sample(self, logits: torch.Tensor, staged: Staged):
+        """Tokens [N] (and logprobs) of the rows that sample one token, still on the device.
+        Their parameters are the persistent sampling rows (written by PersistentBatch.sync)."""
+        rows, ends, params = staged.sampled_rows, staged.sampled_ends, self.sampling_rows
+        masked = self._ban_stop_tokens(logits, params.banned(rows, ends, staged.reqs))
+        if params.all_greedy(rows):
             tokens = masked.argmax(dim=-1)  # no sampling tensors to build or upload
-        else:
-            tokens = sample(masked, self._sampling_tensors(rows))
-        wants = [r.request.sampling_params.logprobs for r in rows]
-        lp = None
-        if any(n is not None for n in wants):
-            lp = top_logprobs(logits, tokens, max(n or 0 for n in wants))
+        else:  # (the token sampled at index `end` of its request: its position)
+            tokens = sample(masked, params.tensors(rows, ends, self.device))
+        num_top = params.max_logprobs(rows)
+        lp = None if num_top is None else top_logprobs(logits, tokens, num_top)
         return tokens, lp
 
-    def _sampling_tensors(self, rows: list[ScheduledRow]) -> SamplingTensors:
-        params = [r.request.sampling_params for r in rows]
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        dev = self.device
-        return SamplingTensors(
-            temperature=host_to_device([p.temperature for p in params], torch.float32, dev),
-            top_k=host_to_device(top_k, torch.int64, dev),
-            top_p=host_to_device([p.top_p for p in params], torch.float32, dev),
-            seeds=host_to_device([r.request.seed for r in rows], torch.int64, dev),
-            positions=host_to_device([r.end for r in rows], torch.int64, dev),
-            all_greedy=all(p.is_greedy for p in params),
-            any_top_k=any(k < self.vocab_size for k in top_k),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-        )
-
-    def _ban_stop_tokens(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> torch.Tensor:
-        """min_tokens: a request may not stop (EOS, stop token ids) before its minimum."""
-        banned_rows, banned_ids = [], []
-        for j, row in enumerate(rows):
-            req, sp = row.request, row.request.sampling_params
-            if not sp.min_tokens or row.end - req.num_prompt_tokens >= sp.min_tokens:
-                continue  # (outputs before this one reach the minimum)
-            ids = list(sp.stop_token_ids)
-            if req.eos_token_id is not None and not sp.ignore_eos:
-                ids.append(req.eos_token_id)
-            banned_rows.extend([j] * len(ids))
-            banned_ids.extend(ids)
+    def _ban_stop_tokens(
+        self, logits: torch.Tensor, banned: tuple[list[int], list[int]]
+    ) -> torch.Tensor:
+        """min_tokens: a request may not stop (EOS, stop token ids) before its minimum;
+        `banned` is (row, token id) pairs (SamplingRows.banned)."""
+        banned_rows, banned_ids = banned
         if not banned_rows:
             return logits
         logits = logits.clone()

@@ -1,0 +1,192 @@
+"""Host work of one decode step of the real engine at a large batch, phase by phase (CPU).
+
+    PYTHONPATH=. python bench/host_step_phases.py --batch 256 --steps 100 [--temperature 0.8]
+
+Runs the engine (async scheduling, eager CPU path laid out for the graph ladder, as on the GPU:
+pad rows included) on a tiny random Llama (1 layer) with SmolLM2's tokenizer and a 64-token
+vocabulary (so the argmax over it is cheap, as on the GPU),
+so the forward is cheap and the host work shows. `batch` requests decode with ignore_eos to a
+fixed length; once all decode, `--steps` engine steps are timed, each phase with
+time.perf_counter_ns around the engine's own functions, and the medians printed in
+microseconds:
+
+  schedule   Scheduler.schedule + advance
+  stage      ModelRunner._stage (positions, slots, block tables, seq lens, padding) + upload
+  sample     the sampling set-up around the forward's logits (stop-token bans, greedy check,
+             sampling tensors), argmax / sampling included
+  forward    the model (not host work; on the GPU a graph replay)
+  feed_check whether the step may launch before the previous one is read back
+  launch_rest  the rest of ModelRunner.launch (feeding pending tokens, result copies)
+  read_back  ModelRunner.collect (results to Python, SampledTokens per row)
+  update     Scheduler.update (tokens written, stops)
+  outputs    the rest of the engine's _update (detokenize, outputs)
+  other      the rest of the engine's step
+  host       the step's wall time minus forward
+
+`--no-forward` replaces the model's forward by zero logits (every row samples token 0): what the
+host does around a GPU step, whose forward (a graph replay) neither takes host time nor evicts
+the host's caches the way the CPU forward does; the default runs the real forward.
+`--profile` also prints the top functions by own time under cProfile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.runner.cuda_graph import graph_ladder
+from dspark.runner.model_runner import ModelRunner
+
+PHASES = (
+    "schedule",
+    "feed_check",
+    "stage",
+    "sample",
+    "launch_rest",
+    "forward",
+    "read_back",
+    "update",
+    "outputs",
+    "other",
+    "host",
+)
+
+
+def _tiny_model(directory: Path, vocab_size: int, num_layers: int) -> Path:
+    from transformers import AutoTokenizer
+
+    from dspark.models.loader import default_model_path
+    from tests.tiny_models import _llama_config, save_random_model
+
+    gguf = default_model_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # (the tokenizer decodes any id below its own size, so a smaller model vocabulary works)
+    save_random_model(directory, _llama_config(vocab_size, num_hidden_layers=num_layers))
+    tok.save_pretrained(directory)
+    return directory
+
+
+def _build(model_dir: Path, batch: int) -> LLM:
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_pages=64 * batch,
+              max_num_seqs=batch, max_num_batched_tokens=max(2048, batch))  # fmt: skip
+    e = llm.engine
+    e.runner = ModelRunner(  # the GPU's layout: batches padded to the graph ladder, run eagerly
+        e.model, e.runner.kv_caches, e.config.page_size, e.config.max_num_batched_tokens,
+        e.config.max_num_seqs, e.max_model_len, e.device, graph_sizes=graph_ladder(batch),
+        capture_graphs=False,
+    )  # fmt: skip
+    return llm
+
+
+class PhaseTimer:
+    """Wraps functions in place; each call adds its duration to the current step's phase."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, int] = defaultdict(int)
+
+    def wrap(self, owner: object, name: str, phase: str, minus: tuple[str, ...] = ()) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            inner = {m: self.step[m] for m in minus}
+            t0 = time.perf_counter_ns()
+            out = fn(*args, **kwargs)
+            elapsed = time.perf_counter_ns() - t0
+            self.step[phase] += elapsed - sum(self.step[m] - inner[m] for m in minus)
+            return out
+
+        setattr(owner, name, timed)
+
+
+def _instrument(llm: LLM, timer: PhaseTimer) -> None:
+    e, r = llm.engine, llm.engine.runner
+    timer.wrap(e.scheduler, "schedule", "schedule")
+    timer.wrap(e.scheduler, "advance", "schedule")
+    timer.wrap(r, "_stage", "stage")
+    timer.wrap(r.buffers, "upload", "stage")
+    timer.wrap(r, "launch", "launch_rest", minus=("stage", "sample", "forward"))
+    if hasattr(r, "can_feed"):
+        timer.wrap(r, "can_feed", "feed_check")
+    else:  # (before the persistent batch: the engine's own check)
+        timer.wrap(e, "_can_launch_ahead", "feed_check")
+    timer.wrap(r, "_forward", "forward")
+    timer.wrap(r, "_sample", "sample")
+    timer.wrap(r, "collect", "read_back")
+    timer.wrap(e.scheduler, "update", "update")
+    timer.wrap(e, "_update", "outputs", minus=("update",))
+
+
+def _start(llm: LLM, batch: int, prompt_len: int, params: SamplingParams) -> None:
+    e = llm.engine
+    vocab = e.model_config.vocab_size
+    for i in range(batch):
+        e.add_request(f"r{i}", [(i * 7 + j) % vocab for j in range(prompt_len)], params)
+    while e.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.running
+    ):
+        e.step()
+    for _ in range(3):
+        e.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--output-kind", default="final_only", choices=["final_only", "cumulative"])
+    parser.add_argument("--no-forward", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # (the host of a GPU step does no tensor math on the CPU)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = _build(_tiny_model(Path(tmp) / "model", args.vocab, args.layers), args.batch)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 200,
+                            ignore_eos=True, seed=1, output_kind=args.output_kind)  # fmt: skip
+    _start(llm, args.batch, args.prompt_len, params)
+    if args.no_forward:
+        runner = llm.engine.runner
+        runner._forward = lambda layout: torch.zeros(layout.num_logits, runner.vocab_size)
+    timer = PhaseTimer()
+    _instrument(llm, timer)
+    per_phase: dict[str, list[int]] = defaultdict(list)
+    profiler = cProfile.Profile() if args.profile else None
+    for _ in range(args.steps):
+        timer.step.clear()
+        if profiler:
+            profiler.enable()
+        t0 = time.perf_counter_ns()
+        llm.engine.step()
+        wall = time.perf_counter_ns() - t0
+        if profiler:
+            profiler.disable()
+        timer.step["host"] = wall - timer.step["forward"]
+        timer.step["other"] = timer.step["host"] - sum(
+            timer.step[p] for p in PHASES if p not in ("forward", "host", "other")
+        )
+        for phase in PHASES:
+            per_phase[phase].append(timer.step[phase])
+    assert len(llm.engine.scheduler.running) == args.batch, "every request decodes throughout"
+    print(f"batch {args.batch}, {args.steps} steps, temperature {args.temperature}, "
+          f"{args.output_kind} outputs (median us per step):")  # fmt: skip
+    for phase in PHASES:
+        print(f"  {phase:>9}: {statistics.median(per_phase[phase]) / 1e3:7.0f}")
+    print(f"  runner stats: {dict(llm.engine.runner.stats)}")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,9 @@ set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
 DRAFTER=dspark/drafters/smollm2_135m_instruct
-python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/pytest_gpu.txt"
+# PYTEST_ARGS narrows the GPU tests (default: every one)
+python3 -m pytest -q ${PYTEST_ARGS:--m gpu tests} -p no:cacheprovider 2>&1 | tail -3 \
+  | tee "$OUT/pytest_gpu.txt"
 if [ "${CALIBRATE:-0}" = 1 ]; then  # the calibration first: the table's fingerprint hashes it
   python3 -m dspark.cli calibrate --drafter "$DRAFTER" --prompts-dir "${PROMPTS_DIR:-.data}" \
     --no-progress --plot "$OUT/reliability.png" 2>&1 | grep -v "^INFO" | tail -22 | tee "$OUT/calibrate.txt"

@@ -119,4 +119,3 @@ def test_an_aborted_delta_request_reports_its_end(engine):
     tokens = [t for d in deltas for t in d.token_ids]
     assert final.num_output_tokens == len(tokens) >= 3
     assert "".join(d.text for d in deltas) == engine.tokenizer.decode(tokens)
-

@@ -79,6 +79,10 @@ def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[in
     gc.collect()
     gc.freeze()
     EngineServer(engine, conn).serve()
+    # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
+    # bindings report their objects as leaked when finalised); nothing is left to flush but logs
+    logging.shutdown()
+    os._exit(0)
 
 
 def _exit_with_parent() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -80,8 +81,20 @@ class LiveServer:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """Stop the server; its engine process must have exited with it."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        process = self.state.engine_loop.process
+        assert process is None or not process.is_alive(), "the engine process outlived the server"
+
+
+def is_running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
 def engine_config(model_dir, **overrides) -> EngineConfig:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,14 @@ from dspark.server import serving
 from dspark.server.app import build_app
 from dspark.server.config import ServerConfig
 from dspark.server.engine_process import engine_factory
-from tests.server.conftest import MODEL, LiveServer, auth, engine_config, start_server
+from tests.server.conftest import (
+    MODEL,
+    LiveServer,
+    auth,
+    engine_config,
+    is_running,
+    start_server,
+)
 from tests.server.engine_factories import gated_engine
 
 LONG = 4000  # tokens: a request that runs for seconds on the tiny model
@@ -193,6 +201,8 @@ def test_dspark_serve_finishes_in_flight_requests_on_sigterm(long_llama_dir, tmp
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for(lambda: _healthy(url, process), timeout=120)
+        children = _children(process.pid)  # the engine process (and multiprocessing's tracker)
+        assert children
         headers = {"Authorization": "Bearer from-file"}
         body = {**_body("Hi", 1500), "model": "yaml-name", "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
@@ -209,11 +219,17 @@ def test_dspark_serve_finishes_in_flight_requests_on_sigterm(long_llama_dir, tmp
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")
+        _wait_for(lambda: not any(is_running(pid) for pid in children), timeout=10)
     finally:
         if process.poll() is None:
             process.kill()
         output = process.communicate()[0]
     assert "Application shutdown complete" in output, output[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return [int(child) for task in tasks for child in (task / "children").read_text().split()]
 
 
 def _healthy(url: str, process: subprocess.Popen) -> bool:

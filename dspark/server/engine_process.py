@@ -78,7 +78,11 @@ def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[in
     # it too)
     gc.collect()
     gc.freeze()
-    EngineServer(engine, conn).serve()
+    try:
+        EngineServer(engine, conn).serve()
+    except (EOFError, OSError):  # the pipe closed under a send or a receive: the server is gone
+        logger.warning("the server closed the pipe: the engine process exits")
+        os._exit(PARENT_GONE_EXIT)
     # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
     # bindings report their objects as leaked when finalised); nothing is left to flush but logs
     logging.shutdown()
@@ -105,11 +109,8 @@ class EngineServer:
         while True:
             if not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S):
                 continue
-            try:
-                if not self._apply_commands():
-                    break
-            except (EOFError, OSError):  # the server is gone
-                return
+            if not self._apply_commands():
+                break
             if not engine.has_unfinished_requests():
                 continue
             try:

@@ -7,15 +7,15 @@ For each level C, three arms decode the same prompts (GSM8K, Vicuna, Alpaca) gre
 
     offline        `dspark bench`: C requests in one generate call (outputs only at the end)
     engine stream  the engine alone as the server drives it: C requests at once, outputs
-                   "cumulative" (a RequestOutput per running request per step, text decoded
-                   token by token), no HTTP
+                   "delta" (a DeltaOutput per running request per step, text decoded token
+                   by token), no HTTP
     served         `dspark serve` loaded by `dspark bench serve`: C streamed chat requests in
                    flight, 4 C in all
 
 served / offline is the loss issue 7 bounds (at most 10%); served / engine stream is the HTTP
 server's own share of it, the rest is the engine's cost of streaming outputs. Beside them, the
-CPU used per output token by the server's event-loop thread, its other threads (the engine)
-and the load generator, so a saturated client is seen as such.
+CPU used per output token by the server's event-loop thread, its other threads, the engine
+process (all its threads) and the load generator, so a saturated client is seen as such.
 
 The model is built once under --model-dir: a 1-layer, 32-wide Llama over a 1,024-word
 vocabulary (the prompts' most common words, whitespace-split, so every prompt encodes), with a
@@ -28,7 +28,9 @@ reference loops over requests on the host (some 15 small ops per request per lay
 which would make the CPU engine's host cost per token ten times the GPU's and hide the server's
 share; the stand-in attends to every decode row in one padded SDPA (prefill rows still go
 through the reference). Every arm runs it, in child processes of this script (`--child`), so the
-ratio compares like with like. --attention reference keeps the reference.
+ratio compares like with like; the server's engine process, spawned, imports this script as
+`__mp_main__` with the server's arguments and installs it there too (at the end of the file).
+--attention reference keeps the reference.
 
 --client-ceiling measures the load generator alone against a stub server that answers every
 request with pre-rendered chunks at once: the most events/s the client can take.
@@ -169,9 +171,8 @@ def _cumsum(values: list[int]) -> list[int]:
     return sums
 
 
-def run_child(attention: str, argv: list[str]) -> int:
-    """`dspark ARGV` in this process (or, for ARGV `engine-stream ...`, engine_stream), with
-    the attention stand-in when asked for."""
+def child_settings(attention: str) -> None:
+    """One torch thread, and the attention stand-in when asked for."""
     import torch
 
     torch.set_num_threads(1)  # two threads on a small VM are slower than one
@@ -179,6 +180,12 @@ def run_child(attention: str, argv: list[str]) -> int:
         import dspark.layers.attention as attention_module
 
         attention_module.paged_attention_ref = batched_decode_attention
+
+
+def run_child(attention: str, argv: list[str]) -> int:
+    """`dspark ARGV` in this process (or, for ARGV `engine-stream ...`, engine_stream), with
+    child_settings."""
+    child_settings(attention)
     if argv[0] == "engine-stream":
         engine_stream(Path(argv[1]), [int(c) for c in argv[2].split(",")], int(argv[3]), argv[4])
         return 0
@@ -188,9 +195,9 @@ def run_child(attention: str, argv: list[str]) -> int:
 
 
 def engine_stream(model: Path, levels: list[int], output_len: int, out: str) -> None:
-    """The engine alone, no HTTP, as the server drives it: outputs "cumulative" (a
-    RequestOutput per running request per step, incremental detokenization), C requests
-    added at once as in the offline bench, the same prompts; output tokens/s per level."""
+    """The engine alone, no HTTP, as the server drives it: outputs "delta" (a DeltaOutput
+    per running request per step, incremental detokenization), C requests added at once as
+    in the offline bench, the same prompts; output tokens/s per level."""
     from dspark.benchmarks.offline import cycle, truncate
     from dspark.benchmarks.prompts import default_prompts_dir, load_prompts
     from dspark.config import EngineConfig
@@ -203,7 +210,8 @@ def engine_stream(model: Path, levels: list[int], output_len: int, out: str) -> 
     conversations = load_prompts(default_prompts_dir(), tuple(SOURCES.split(",")), 0, "eval")
     prompts = [truncate(engine.tokenizer.apply_chat_template(c), 512)
                for c in cycle(conversations, max(levels))]  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind="delta")  # fmt: skip
     rates = {}
     for c in [4, *levels]:  # the first level warms up
         for i, ids in enumerate(prompts[:c]):
@@ -261,6 +269,23 @@ def thread_cpu_s(pid: int) -> tuple[float, float]:
     return main_s, other_s
 
 
+def children_cpu_s(pid: int) -> float:
+    """CPU seconds of a process's child processes (the server's engine process), from /proc."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for child in children:
+            try:
+                fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
 def start_server(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen:
     argv = ["serve", str(model), "--dtype", "float32", "--device", "cpu", "--port", str(port),
             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-pages", str(NUM_KV_PAGES),
@@ -301,14 +326,17 @@ def run_served(args: argparse.Namespace, model: Path) -> dict[int, dict]:
         run_client(args, url, 4, args.work_dir / "warmup.json")
         for c in (int(v) for v in args.levels.split(",")):
             loop_0, other_0 = thread_cpu_s(server.pid)
+            engine_0 = children_cpu_s(server.pid)
             summary, client_s = run_client(args, url, c, args.work_dir / f"served_c{c}.json")
             loop_1, other_1 = thread_cpu_s(server.pid)
+            engine_1 = children_cpu_s(server.pid)
             tokens = summary["output_tokens"]
             results[c] = {
                 "summary": summary,
                 "us_per_token": {
                     "server_loop": 1e6 * (loop_1 - loop_0) / tokens,
                     "server_other": 1e6 * (other_1 - other_0) / tokens,
+                    "engine_process": 1e6 * (engine_1 - engine_0) / tokens,
                     "client": 1e6 * client_s / tokens,
                 },
             }
@@ -320,10 +348,11 @@ def run_served(args: argparse.Namespace, model: Path) -> dict[int, dict]:
 
 def format_table(offline: dict, streaming: dict, served: dict) -> str:
     """tok/s of the three arms, served / offline, served / engine streaming, latencies, and
-    the CPU each thread used per output token."""
+    the CPU each thread used per output token (loop: the server's event loop; other: the
+    server's other threads; engine: the engine process)."""
     head = f"{'C':>5} {'offline':>8} {'eng.str':>8} {'served':>8} {'/off':>5} {'/str':>5}"
     head += f" {'TTFT ms':>8} {'TPOT ms':>8} {'ITL ms':>7}  {'us/token: loop':>14}"
-    head += f" {'engine':>7} {'client':>7}"
+    head += f" {'other':>7} {'engine':>7} {'client':>7}"
     lines = [head]
     for c, level in served.items():
         s, cpu = level["summary"], level["us_per_token"]
@@ -332,7 +361,8 @@ def format_table(offline: dict, streaming: dict, served: dict) -> str:
         row += f" {rate / offline[c]:>5.2f} {rate / streaming[c]:>5.2f}"
         row += f" {s['ttft_ms']['median']:>8.1f} {s['tpot_ms']['median']:>8.2f}"
         row += f" {s['itl_ms']['median'] or math.nan:>7.2f}  {cpu['server_loop']:>14.1f}"
-        row += f" {cpu['server_other']:>7.1f} {cpu['client']:>7.1f}"
+        row += f" {cpu['server_other']:>7.1f} {cpu.get('engine_process', 0.0):>7.1f}"
+        row += f" {cpu['client']:>7.1f}"
         lines.append(row)
     return "\n".join(lines)
 
@@ -448,6 +478,9 @@ def main() -> None:
         results = {"offline": offline, "engine_stream": streaming, "served": served}
         args.out.write_text(json.dumps(results, indent=1))
 
+
+if __name__ == "__mp_main__" and "--child" in sys.argv:  # the server's engine process
+    child_settings(sys.argv[sys.argv.index("--attention") + 1])
 
 if __name__ == "__main__":
     main()

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 # A seed is folded to 64 bits before hashing; larger values are a user error, not silently wrapped.
 MAX_SEED = 2**63 - 1
-# What step() reports for a request, as vLLM's RequestOutputKind: "cumulative" (every step, the
-# text so far) or "final_only" (once, when it finishes: no per-step outputs or detokenization).
-OUTPUT_KINDS = ("cumulative", "final_only")
+# What step() reports for a request, as vLLM's RequestOutputKind: "cumulative" (a RequestOutput
+# every step, the text so far), "final_only" (once, when it finishes: no per-step outputs or
+# detokenization) or "delta" (a DeltaOutput per step it changed in: only the new text and
+# tokens, the finish reason and usage on the last; dspark/outputs.py).
+OUTPUT_KINDS = ("cumulative", "final_only", "delta")
 
 
 @dataclass

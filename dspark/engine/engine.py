@@ -43,6 +43,7 @@ from pathlib import Path
 
 from dspark.config import EngineConfig
 from dspark.drafters import SHIPPED, shipped_drafter
+from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
@@ -52,7 +53,7 @@ from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
-from dspark.outputs import CompletionOutput, RequestOutput
+from dspark.outputs import CompletionOutput, DeltaOutput, FinalInfo, RequestOutput
 from dspark.request import FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
@@ -149,6 +150,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
+        self._cursors: dict[str, DeltaCursor] = {}  # the delta requests' (engine/delta.py)
         self._aborted: list[Request] = []
         # with speculation, drafting steps run asynchronously only with async_spec_steps too
         self.async_scheduling = config.async_scheduling
@@ -318,8 +320,10 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens,
             stop_strings=params.stop_strings,
             include_stop_str_in_output=params.include_stop_str_in_output,
-            incremental=params.output_kind == "cumulative" or bool(params.stop_strings),
+            incremental=params.output_kind != "final_only" or bool(params.stop_strings),
         )
+        if params.output_kind == "delta":
+            self._cursors[request_id] = DeltaCursor(params)
         self.scheduler.add(req)
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -366,11 +370,12 @@ class LLMEngine:
             self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or self._in_flight is not None
+        """Whether step() has more to report (an aborted request's final output included)."""
+        return self.scheduler.has_unfinished or self._in_flight is not None or bool(self._aborted)
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | DeltaOutput]:
         if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
             running = [r.request_id for r in self.scheduler.running]
             self.scheduler.drafting = self.policy.decide(running).drafting
@@ -449,16 +454,16 @@ class LLMEngine:
                 del req.logprobs[req.num_output_tokens :]
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.STOP, hit.stop)
-            if req.is_finished or req.sampling_params.output_kind == "cumulative":
-                outputs.append(self._output(req))
+            if req.is_finished or req.sampling_params.output_kind != "final_only":
+                outputs.append(self._report(req))
         return outputs
 
-    def _collect_aborted(self) -> list[RequestOutput]:
+    def _collect_aborted(self) -> list[RequestOutput | DeltaOutput]:
         # aborted requests emit nothing more: reported once here, then forgotten
         done, self._aborted = self._aborted, []
-        return [self._output(r) for r in done]
+        return [self._report(r) for r in done]
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _report(self, req: Request) -> RequestOutput | DeltaOutput:
         detok = self._detokenizers[req.request_id]
         if req.is_finished:
             detok.flush()
@@ -466,6 +471,21 @@ class LLMEngine:
                 self.policy.forget(req.request_id)
             self._requests.pop(req.request_id, None)
             self._detokenizers.pop(req.request_id, None)
+        cursor = self._cursors.get(req.request_id)
+        if cursor is None:
+            return self._output(req, detok)
+        final = None
+        if req.is_finished:
+            del self._cursors[req.request_id]
+            cumulative = None
+            if req.sampling_params.logprobs is not None:
+                cumulative = sum(lp.logprob for lp in req.logprobs)
+            num_output = len(req.output_token_ids)
+            final = FinalInfo(req.finish_reason.value, req.stop_reason, req.num_prompt_tokens,
+                              num_output, cumulative, self._metrics(req))  # fmt: skip
+        return cursor.advance(req, detok, final)
+
+    def _output(self, req: Request, detok: Detokenizer) -> RequestOutput:
         logprobs = None
         cumulative = None
         if req.sampling_params.logprobs is not None:
@@ -480,6 +500,10 @@ class LLMEngine:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             stop_reason=req.stop_reason,
         )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                             req.is_finished, self._metrics(req))  # fmt: skip
+
+    def _metrics(self, req: Request) -> dict[str, float]:
         metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions}
         if self.spec is not None:
             metrics["num_drafts"] = req.num_drafts
@@ -489,6 +513,4 @@ class LLMEngine:
             metrics["first_token_time"] = req.first_token_time
         if req.finished_time is not None:
             metrics["finished_time"] = req.finished_time
-        return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished, metrics
-        )
+        return metrics

@@ -6,11 +6,11 @@
     GET  /metrics               Prometheus text (metrics.py)
     GET  /version
 
-The engine is built by its own thread when the application starts (engine_loop.py), so the
-server answers /health while a large model loads; generation routes answer 503 until it is
-ready. On shutdown (uvicorn's SIGTERM handling first lets open requests finish, for up to
-ServerConfig.shutdown_timeout_s, then cancels them, which aborts them) the engine thread aborts
-whatever is left and exits.
+The engine is built by its own process when the application starts (engine_loop.py,
+engine_process.py), so the server answers /health while a large model loads; generation routes
+answer 503 until it is ready. On shutdown (uvicorn's SIGTERM handling first lets open requests
+finish, for up to ServerConfig.shutdown_timeout_s, then cancels them, which aborts them) the
+engine process aborts whatever is left and exits.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 import dspark
-from dspark.engine.engine import LLMEngine
 from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
@@ -46,7 +45,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class ServerState:
     """What the routes share: the config, the engine loop and the metrics."""
 
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> None:
+    def __init__(self, config: ServerConfig, engine_factory: Callable) -> None:
         self.config = config
         self.metrics = ServerMetrics(config.served_model_name)
         self.engine_loop = EngineLoop(
@@ -69,7 +68,9 @@ class ServerState:
             )
 
 
-def build_app(config: ServerConfig, engine_factory: Callable[[], LLMEngine]) -> FastAPI:
+def build_app(config: ServerConfig, engine_factory: Callable) -> FastAPI:
+    """engine_factory builds the LLMEngine in the engine process: it must pickle (a module
+    function or a functools.partial of one, e.g. engine_process.engine_factory(config))."""
     state = ServerState(config, engine_factory)
 
     @asynccontextmanager
@@ -111,7 +112,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
         state.check_model(body.model)
         try:
             loop.check_serving()
-            prep: Prepared = prep_fn(body, loop.engine.tokenizer)
+            prep: Prepared = prep_fn(body, loop.info.tokenizer)
             stream = await loop.submit(prep.subs)
         except APIError as e:
             if e.status == 503:
@@ -142,13 +143,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
 
     @app.get("/v1/models", dependencies=[auth])
     async def models():
-        engine = loop.engine
+        info = loop.info
         card = {
             "id": state.config.served_model_name,
             "object": "model",
             "created": state.created,
             "owned_by": "dspark",
-            "max_model_len": engine.max_model_len if engine is not None else None,
+            "max_model_len": info.max_model_len if info is not None else None,
         }
         return {"object": "list", "data": [card]}
 

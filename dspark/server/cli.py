@@ -173,11 +173,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         message = f"dspark serve needs the serve extra ({e}): pip install 'dspark[serve]'"
         raise ValueError(message) from None
-    from dspark.engine.engine import LLMEngine
+    from dspark.server.engine_process import engine_factory
 
     options = resolve_options(args)
     engine_config, server_config = build_configs(options)
-    app = build_app(server_config, lambda: LLMEngine(engine_config))
+    app = build_app(server_config, engine_factory(engine_config))
     config = uvicorn.Config(
         app,
         host=server_config.host,

@@ -1,55 +1,53 @@
-"""The bridge between the synchronous engine and the asyncio server: one engine thread.
+"""The server's side of the engine process: commands out, outputs routed to their streams.
 
-The engine is not thread-safe and its step() blocks, so exactly one thread owns it: it builds
-the engine (the server answers /health 503 meanwhile), then loops
+The engine runs in its own process (engine_process.py), so its step loop and the event loop's
+HTTP work do not share an interpreter lock. Everything here runs on the event loop: `start`
+spawns the engine process and watches its end of the pipe with `add_reader` (no thread: a
+message is read when the loop is free, and a thread handing the lock back and forth would cost
+more than it saves); commands are sent on the loop too (small, and the engine drains its pipe
+every step).
 
-    apply queued commands (add, abort, stop)   # the only way other threads reach the engine
-    step() once if anything is unfinished
-    post the step's outputs and a stats snapshot to the event loop (one call_soon_threadsafe)
+`submit` registers a `RequestStream` per HTTP request before its add command is sent, so no
+output can arrive unrouted; outputs are routed by request id until each request's final
+output, which is also where the server's metrics see every request, aborted ones included.
+A stream gathers what its choices gained and sends it when its pacing allows
+(request_stream.py).
 
-and blocks on the command queue while idle. On the event loop, `submit` registers a
-`RequestStream` per HTTP request before its add command is queued, so no output can arrive
-unrouted; outputs are routed by request id until each request's final output, which is also
-where the server's metrics see every request, aborted ones included. A stream keeps only each
-choice's latest output and sends it when its pacing allows (request_stream.py): under load a
-chunk carries the tokens of several steps, so the loop's share of the interpreter lock, which
-the engine's host loop needs too, stays bounded.
+Admission control lives here: a submission is refused with 503 when the requests (or prompt
+tokens) waiting for the scheduler, per the engine's latest stats, plus those sent but not yet
+acknowledged, would pass the configured limits. A group of sub-requests (n choices, several
+prompts) is added atomically: the engine validates all before it adds any.
 
-The tokenizer is the one thing both threads touch: prompts are encoded (with default settings,
-so nothing in it is reconfigured) on the event loop while the engine thread decodes outputs;
-each call into the Rust tokenizer holds the GIL, so the two never interleave inside it.
-
-Admission control lives on the event loop: a submission is refused with 503 when the requests
-(or prompt tokens) waiting for the scheduler, plus those queued but not yet added, would pass
-the configured limits. A group of sub-requests (n choices, several prompts) is added atomically:
-all are validated before any is queued.
-
-Failures: a request the engine refuses (ValueError: prompt too long, ...) fails its submission
-with a 400. If step() raises, the engine's state is unknown: the loop stops, every open stream
-ends with EngineFailed (finish_reason "error") and /health answers 503 with the reason.
+Failures: a request the engine refuses (prompt too long, a token outside the vocabulary) fails
+its submission with a 400, before any response starts. If the engine fails to load, a step
+raises, or its process ends for any reason (killed, crashed), every open stream ends with
+EngineFailed (finish_reason "error") and /health answers 503 with the reason. `stop` asks the
+engine to abort what is left and waits for the process to exit (killing it if it does not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import gc
+import itertools
 import logging
-import queue
-import threading
+import multiprocessing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from dspark.engine.engine import LLMEngine
-from dspark.outputs import RequestOutput
+from dspark.outputs import DeltaOutput
 from dspark.sampling_params import SamplingParams
+from dspark.server import wire
+from dspark.server.engine_process import run_engine_process
 from dspark.server.errors import APIError, bad_request
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
+from dspark.server.wire import EngineInfo, EngineStats, decode_output
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5  # an idle engine thread wakes at least this often (to notice a stop)
 RETRY_AFTER_S = 1
+STOP_TIMEOUT_S = 30.0  # an engine that has not stopped by then is killed
+EXIT_WAIT_S = 5.0  # how long a process whose pipe closed may take to report its exit status
 
 
 class EngineState(str, enum.Enum):
@@ -57,19 +55,6 @@ class EngineState(str, enum.Enum):
     SERVING = "serving"
     STOPPING = "stopping"
     DEAD = "dead"
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine looked like after its last step (read by /metrics and admission)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_tokens: int = 0  # tokens the waiting requests still have to prefill
-    num_kv_pages_used: int = 0
-    num_kv_pages: int = 0
-    num_preemptions: int = 0
-    spec: dict = field(default_factory=dict)  # LLMEngine.get_metrics()
 
 
 @dataclass(frozen=True)
@@ -82,65 +67,107 @@ class SubRequest:
     prompt_text: str | None = None
 
 
-@dataclass(frozen=True)
-class _Add:
-    subs: tuple[SubRequest, ...]
-    done: asyncio.Future
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_ids: tuple[str, ...]
-
-
-class _Stop:
-    pass
-
-
-def stats_of(engine: LLMEngine) -> EngineStats:
-    sched, alloc = engine.scheduler, engine.allocator
-    return EngineStats(
-        num_running=len(sched.running),
-        num_waiting=len(sched.waiting),
-        num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
-        num_kv_pages_used=alloc.num_usable - alloc.num_free,
-        num_kv_pages=alloc.num_usable,
-        num_preemptions=sched.num_preemptions,
-        spec=engine.get_metrics(),
-    )
-
-
 class EngineLoop:
     def __init__(
         self,
-        engine_factory: Callable[[], LLMEngine],
+        engine_factory: Callable,
         max_queued_requests: int,
         max_queued_tokens: int,
-        on_finished: Callable[[RequestOutput], None] = lambda out: None,
+        on_finished: Callable[[DeltaOutput], None] = lambda out: None,
         stream_budget: float | None = None,
     ) -> None:
-        self._factory = engine_factory
+        self._factory = engine_factory  # called in the engine process: it must pickle
         self.pacer = StreamPacer(stream_budget)  # shared by the streaming requests
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self._on_finished = on_finished
         self.state = EngineState.LOADING
         self.failure: str | None = None  # why the engine died
-        self.engine: LLMEngine | None = None  # set by the engine thread once built
+        self.info: EngineInfo | None = None  # sent by the engine once built
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._conn = None
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # request id -> (stream, index)
-        self._pending: dict[asyncio.Future, tuple[int, int]] = {}  # adds not yet acknowledged
+        self._pending: dict[int, tuple[asyncio.Future, tuple[SubRequest, ...], int]] = {}
+        self._ack_ids = itertools.count()
+        self._stopped: asyncio.Future | None = None  # set when the engine process has ended
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._live: set[str] = set()  # the engine thread's own record of unfinished requests
 
-    # ---- the event loop's side --------------------------------------------------------------
+    # ---- the engine process -----------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-        self._thread.start()
+        self._stopped = self._loop.create_future()
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        levels = (logging.getLogger().level, logging.getLogger("dspark").getEffectiveLevel())
+        self.process = context.Process(
+            target=run_engine_process, args=(self._factory, child_conn, levels),
+            name="dspark-engine", daemon=True,
+        )  # fmt: skip
+        self.process.start()
+        child_conn.close()  # only the child holds its end: its exit closes the pipe
+        self._loop.add_reader(self._conn.fileno(), self._read)
+
+    def _read(self) -> None:
+        """Every message that has arrived; the pipe's end is the process's end."""
+        try:
+            while self._conn.poll(0):
+                self._dispatch(self._conn.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())
+            asyncio.ensure_future(self._reap())
+
+    def _dispatch(self, message: tuple) -> None:
+        tag = message[0]
+        if tag == wire.STEP:
+            self._deliver(message[1], message[2])
+        elif tag == wire.ADDED:
+            self._acknowledge(message[1], message[2])
+        elif tag == wire.READY:
+            self.info = message[1]
+            if self.state == EngineState.LOADING:
+                self.state = EngineState.SERVING
+            logger.info("engine process %d ready: serving", self.info.pid)
+        elif tag == wire.FAILED:
+            self._die(message[1])
+        else:
+            assert tag == wire.STOPPED, f"unknown message {tag!r}"
+
+    async def _reap(self) -> None:
+        """The engine process ended: why, and every open stream ends with an error."""
+        process = self.process
+        await asyncio.to_thread(process.join, EXIT_WAIT_S)
+        if self.state not in (EngineState.DEAD, EngineState.STOPPING):  # (stop() fails all)
+            self._die(f"the engine process exited unexpectedly ({_exit_status(process)})")
+        self._stopped.set_result(process.exitcode)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError):  # the process is gone: _read will say so
+            pass
+
+    async def stop(self) -> None:
+        """Abort whatever is still running, then wait for the engine process to exit."""
+        if self.process is None:
+            return
+        if self.state == EngineState.LOADING:
+            self.process.kill()  # loading: it would only read the stop once loaded
+        elif self.state == EngineState.SERVING:
+            self._send((wire.STOP,))
+        if self.state in (EngineState.LOADING, EngineState.SERVING):
+            self.state = EngineState.STOPPING
+        try:
+            await asyncio.wait_for(asyncio.shield(self._stopped), STOP_TIMEOUT_S)
+        except TimeoutError:
+            logger.error("the engine process did not stop in %.0f s: killed", STOP_TIMEOUT_S)
+            self.process.kill()
+            await self._stopped
+        self._conn.close()
+        self._fail_all("the server shut down")
+
+    # ---- requests -----------------------------------------------------------------------------
 
     @property
     def num_in_flight(self) -> int:
@@ -161,8 +188,9 @@ class EngineLoop:
         raise APIError(503, f"the engine is {self.state.value}{reason}", code="unavailable")
 
     def _check_capacity(self, num_requests: int, num_tokens: int) -> None:
-        queued_requests = self.stats.num_waiting + sum(n for n, _ in self._pending.values())
-        queued_tokens = self.stats.num_waiting_tokens + sum(t for _, t in self._pending.values())
+        pending = self._pending.values()
+        queued_requests = self.stats.num_waiting + sum(len(subs) for _, subs, _ in pending)
+        queued_tokens = self.stats.num_waiting_tokens + sum(t for _, _, t in pending)
         if (
             queued_requests + num_requests > self.max_queued_requests
             or queued_tokens + num_tokens > self.max_queued_tokens
@@ -177,7 +205,7 @@ class EngineLoop:
             )
 
     async def submit(self, subs: list[SubRequest]) -> RequestStream:
-        """Queue a group of engine requests; returns once the engine has accepted all of them
+        """Send a group of engine requests; returns once the engine has accepted all of them
         (400 if it refused one, 503 if the server cannot take them now)."""
         self.check_serving()
         num_tokens = sum(len(s.prompt_ids) for s in subs)
@@ -188,15 +216,16 @@ class EngineLoop:
                 f"{self.max_queued_tokens} prompt tokens): it could never be admitted"
             )
         self._check_capacity(len(subs), num_tokens)
-        is_streaming = subs[0].params.output_kind == "cumulative"
+        is_streaming = subs[0].params.output_kind == "delta"
         stream = RequestStream(
             [s.request_id for s in subs], self.abort, self.pacer if is_streaming else None
         )
         for index, sub in enumerate(subs):
             self._routes[sub.request_id] = (stream, index)
-        done = self._loop.create_future()
-        self._pending[done] = (len(subs), num_tokens)
-        self._commands.put(_Add(tuple(subs), done))
+        done, ack_id = self._loop.create_future(), next(self._ack_ids)
+        self._pending[ack_id] = (done, tuple(subs), num_tokens)
+        encoded = tuple((s.request_id, s.prompt_ids, s.params, s.prompt_text) for s in subs)
+        self._send((wire.ADD, ack_id, encoded))
         try:
             await done
         except asyncio.CancelledError:  # the client left while the engine was adding it
@@ -207,160 +236,64 @@ class EngineLoop:
             raise bad_request(str(e)) from None
         return stream
 
-    def _unroute(self, subs: tuple[SubRequest, ...]) -> None:
-        for sub in subs:
-            self._routes.pop(sub.request_id, None)
-
     def abort(self, request_ids: list[str]) -> None:
         """Ask the engine to abort these requests (their pages are freed at its next
         iteration); their final outputs still come back for the metrics."""
         if request_ids and self.state in (EngineState.SERVING, EngineState.STOPPING):
-            self._commands.put(_Abort(tuple(request_ids)))
+            self._send((wire.ABORT, tuple(request_ids)))
 
-    async def stop(self) -> None:
-        """Abort whatever is still running, then end the engine thread."""
-        if self._thread is None:
-            return
-        if self.state in (EngineState.LOADING, EngineState.SERVING):
-            self.state = EngineState.STOPPING
-        self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join)
-        self._fail_all("the server shut down")
-
-    def _acknowledge(self, acks: list[tuple[_Add, BaseException | None]], stats) -> None:
-        self.stats = stats
-        for command, error in acks:
-            self._pending.pop(command.done, None)
+    def _acknowledge(self, acks: tuple, stats: tuple) -> None:
+        self.stats = EngineStats(*stats)
+        for ack_id, error in acks:
+            done, subs, _ = self._pending.pop(ack_id)
             if error is not None:
-                self._unroute(command.subs)  # even when its submitter left meanwhile
-            if command.done.done():  # cancelled by its client meanwhile
+                for sub in subs:  # even when its submitter left meanwhile
+                    self._routes.pop(sub.request_id, None)
+            if done.done():  # cancelled by its client meanwhile
                 continue
             if error is None:
-                command.done.set_result(None)
+                done.set_result(None)
+            elif error[0] == wire.INVALID:
+                done.set_exception(ValueError(error[1]))
             else:
-                command.done.set_exception(error)
+                done.set_exception(RuntimeError(f"the engine failed to add it: {error[1]}"))
 
-    def _deliver(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
-        """One step's outputs, in one call (the engine thread posts one per step)."""
-        self.stats = stats
+    def _deliver(self, outputs: list[tuple], stats: tuple) -> None:
+        """One step's outputs (one message per step)."""
+        self.stats = EngineStats(*stats)
         routes, now = self._routes, self._loop.time()
-        for out in outputs:
-            route = routes.get(out.request_id)
+        for encoded in outputs:
+            route = routes.get(encoded[0])
             if route is None:
                 continue
-            if out.finished:
+            out = decode_output(encoded)
+            if out.final is not None:
                 del routes[out.request_id]
                 self._on_finished(out)
             stream, index = route
             stream.put(index, out, now)
+
+    def _die(self, reason: str) -> None:
+        logger.error("the engine is dead: %s", reason)
+        self.failure = reason
+        self.state = EngineState.DEAD
+        self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         now = self._loop.time()
         for stream, index in self._routes.values():
             stream.put(index, EngineFailed(reason), now)
         self._routes.clear()
-        for done in self._pending:
+        for done, _, _ in self._pending.values():
             if not done.done():
                 done.set_exception(APIError(503, f"the engine is unavailable: {reason}"))
         self._pending.clear()
 
-    # ---- the engine thread ------------------------------------------------------------------
 
-    def _post(self, callback, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is closed: nobody is left to tell
-            pass
-
-    def _run(self) -> None:
-        try:
-            engine = self._factory()
-        except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
-            logger.exception("the engine failed to load")
-            self._die(f"the engine failed to load: {type(e).__name__}: {e}")
-            return
-        self.engine = engine
-        # what exists now (modules, weights' wrappers, the tokenizer) lives as long as the
-        # server: frozen, the oldest generation's collections skip it (a full collection of
-        # this heap paused both threads ~0.27 s every few seconds under load on the CPU; vLLM
-        # freezes it too). Unfrozen at the end, so the exit's collection still frees it.
-        gc.collect()
-        gc.freeze()
-        try:
-            self._serve(engine)
-        finally:
-            gc.unfreeze()
-
-    def _serve(self, engine: LLMEngine) -> None:
-        if self.state == EngineState.LOADING:
-            self.state = EngineState.SERVING
-        self._post(self._deliver, [], stats_of(engine))
-        logger.info("engine ready: serving")
-        while self._apply_commands(engine, block=not engine.has_unfinished_requests()):
-            if not engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = self._step(engine)
-            except Exception as e:
-                logger.exception("engine step failed")
-                self._die(f"an engine step failed: {type(e).__name__}: {e}")
-                return
-            self._post(self._deliver, outputs, stats_of(engine))
-        self._abort_everything(engine)
-
-    def _apply_commands(self, engine: LLMEngine, block: bool) -> bool:
-        """Apply every queued command; False once a stop was asked for."""
-        commands = []
-        try:
-            commands.append(self._commands.get(timeout=IDLE_POLL_S if block else 0))
-            while True:
-                commands.append(self._commands.get_nowait())
-        except queue.Empty:
-            pass
-        acks, keep_running = [], True
-        for command in commands:
-            if isinstance(command, _Add):
-                acks.append((command, self._add(engine, command.subs)))
-            elif isinstance(command, _Abort):
-                for request_id in command.request_ids:
-                    engine.abort_request(request_id)
-            else:
-                keep_running = False
-        if acks:
-            self._post(self._acknowledge, acks, stats_of(engine))
-        return keep_running
-
-    def _add(self, engine: LLMEngine, subs: tuple[SubRequest, ...]) -> BaseException | None:
-        """Validate the whole group, then add it: a refused request queues none of its group."""
-        try:
-            for sub in subs:
-                engine.validate_request(sub.request_id, sub.prompt_ids, sub.params)
-            for sub in subs:
-                engine.add_request(sub.request_id, sub.prompt_ids, sub.params, sub.prompt_text)
-                self._live.add(sub.request_id)
-        except Exception as e:  # noqa: BLE001 - handed to the submitter, who answers it
-            for sub in subs:
-                engine.abort_request(sub.request_id)
-            return e
-        return None
-
-    def _step(self, engine: LLMEngine) -> list[RequestOutput]:
-        outputs = engine.step()
-        self._live.difference_update(out.request_id for out in outputs if out.finished)
-        return outputs
-
-    def _abort_everything(self, engine: LLMEngine) -> None:
-        """At stop: abort what is left and hand back its final outputs (an aborted request
-        reports at the next step; an in-flight step needs one more to be collected)."""
-        for request_id in self._live:
-            engine.abort_request(request_id)
-        outputs = self._step(engine)
-        for _ in range(2):
-            if engine.has_unfinished_requests():
-                outputs += self._step(engine)
-        self._post(self._deliver, outputs, stats_of(engine))
-
-    def _die(self, reason: str) -> None:
-        self.failure = reason
-        self.state = EngineState.DEAD
-        self._post(self._fail_all, reason)
+def _exit_status(process: multiprocessing.process.BaseProcess) -> str:
+    code = process.exitcode
+    if code is None:
+        return "still running after its pipe closed"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exit status {code}"

@@ -19,8 +19,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from dspark.outputs import RequestOutput
-from dspark.server.engine_loop import EngineStats
+from dspark.outputs import DeltaOutput
+from dspark.server.wire import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
@@ -111,13 +111,14 @@ class ServerMetrics:
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
-    def record(self, out: RequestOutput) -> None:
-        completion = out.outputs[0]
-        num_output = len(completion.token_ids)
-        self.prompt_tokens += len(out.prompt_token_ids)
+    def record(self, out: DeltaOutput) -> None:
+        """A request's final output."""
+        final = out.final
+        num_output = final.num_output_tokens
+        self.prompt_tokens += final.num_prompt_tokens
         self.generation_tokens += num_output
-        self.finished[completion.finish_reason or "unknown"] += 1
-        m = out.metrics
+        self.finished[final.finish_reason] += 1
+        m = final.metrics
         first, end, start = m.get("first_token_time"), m.get("finished_time"), m["arrival_time"]
         if first is not None:
             self.ttft.observe(first - start)

@@ -92,7 +92,7 @@ class _Request(BaseModel):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 use_speculation=self.use_speculation,
-                output_kind="cumulative" if self.stream else "final_only",
+                output_kind="delta" if self.stream else "final_only",
             )
         except ValueError as e:
             raise bad_request(str(e)) from None

@@ -1,17 +1,16 @@
 """One HTTP request's view of its engine requests: outputs in, paced and coalesced updates out.
 
-The engine reports each request cumulatively (the text and tokens so far), so only the latest
-output per choice matters: `put` keeps it in the choice's slot, and `updates()` yields
-{choice index: latest output} whenever the slots hold something new. A consumer that falls
-behind therefore gets several tokens per chunk instead of a growing backlog, and nothing is lost
-or repeated: each chunk is the difference between two cumulative outputs.
+The engine reports what each request gained per step (DeltaOutput), so `put` appends it to the
+choice's slot, and `updates()` yields {choice index: everything gained since the last update,
+as one delta} whenever the slots hold something new. A consumer that falls behind therefore
+gets several tokens per chunk instead of one chunk per step, and nothing is lost or repeated.
 
-    put (0, "He")  put (1, "A")  put (0, "Hello")     -> one update {0: "Hello", 1: "A"}
+    put (0, "He")  put (1, "A")  put (0, "llo")     -> one update {0: "Hello", 1: "A"}
 
-Pacing. The event loop and the engine thread share one interpreter lock, so the loop's time
-turning outputs into SSE chunks is time the engine's host loop waits: one chunk per token per
-stream costs some 20-50 us of loop CPU each, which with a few hundred streams is about a whole
-engine step. So a stream sends at most one chunk per `StreamPacer.interval_s`,
+Pacing. Each chunk costs the event loop some 20-50 us of CPU, which with a few hundred streams
+is the loop's whole time if every step made a chunk per stream (and, with the engine in the
+server's process, time the engine's host loop waited for the interpreter lock). So a stream
+sends at most one chunk per `StreamPacer.interval_s`,
 
     interval = open streams x loop CPU per chunk (moving average) / budget
 
@@ -33,7 +32,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-from dspark.outputs import RequestOutput
+from dspark.outputs import DeltaOutput
 
 COST_WEIGHT = 0.05  # of the newest chunk in the moving average of the CPU per chunk
 
@@ -47,7 +46,22 @@ class EngineFailed:
         self.reason = reason
 
 
-Update = RequestOutput | EngineFailed
+Update = DeltaOutput | EngineFailed
+
+
+def joined(updates: list[Update]) -> Update:
+    """Consecutive updates of one choice as one: deltas concatenated, a failure kept."""
+    if len(updates) == 1 or isinstance(updates[-1], EngineFailed):
+        return updates[-1]
+    first = updates[0]
+    logprobs = None if first.logprobs is None else [lp for u in updates for lp in u.logprobs]
+    return DeltaOutput(
+        first.request_id,
+        "".join(u.text for u in updates),
+        [t for u in updates for t in u.token_ids],
+        logprobs,
+        updates[-1].final,
+    )
 
 
 class StreamPacer:
@@ -96,9 +110,9 @@ class RequestStream:
         self.request_ids = request_ids
         self._abort = abort
         self._pacer = pacer
-        self._latest: dict[int, Update] = {}  # choice -> newest update not yet taken
-        self._has_last = False  # _latest holds a choice's last update: send it at once
-        self._due = 0.0  # loop time before which other updates wait in _latest
+        self._gained: dict[int, list[Update]] = {}  # choice -> updates not yet taken
+        self._has_last = False  # _gained holds a choice's last update: send it at once
+        self._due = 0.0  # loop time before which other updates wait in _gained
         self._waiter: asyncio.Future | None = None  # set while updates() waits
         self._timer: asyncio.TimerHandle | None = None  # wakes the waiter at the due time
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,7 +125,11 @@ class RequestStream:
         """Called on the event loop; `now` is the loop's time."""
         if self._closed:
             return
-        self._latest[index] = update
+        gained = self._gained.get(index)
+        if gained is None:
+            self._gained[index] = [update]
+        else:
+            gained.append(update)
         if update.finished:
             self._has_last = True
         if self._waiter is None:
@@ -126,12 +144,13 @@ class RequestStream:
         return len(self._ended) == len(self.request_ids)
 
     async def updates(self) -> AsyncIterator[dict[int, Update]]:
-        """Yield the latest update per choice, at most once per pacing interval, until every
-        choice has ended."""
+        """Yield what each choice gained, at most once per pacing interval, until every choice
+        has ended."""
         loop = self._loop = asyncio.get_running_loop()
         while not self.is_done:
             await self._ready(loop)
-            batch, self._latest, self._has_last = self._latest, {}, False
+            gained, self._gained, self._has_last = self._gained, {}, False
+            batch = {index: joined(updates) for index, updates in gained.items()}
             self._ended.update(i for i, update in batch.items() if update.finished)
             start = time.thread_time()
             yield batch
@@ -141,9 +160,9 @@ class RequestStream:
 
     async def _ready(self, loop: asyncio.AbstractEventLoop) -> None:
         """Until the slots hold an update that may go now."""
-        while not (self._latest and (self._has_last or loop.time() >= self._due)):
+        while not (self._gained and (self._has_last or loop.time() >= self._due)):
             self._waiter = loop.create_future()
-            if self._latest:  # held until due (put arms the timer for later arrivals)
+            if self._gained:  # held until due (put arms the timer for later arrivals)
                 self._timer = loop.call_at(self._due, self._wake)
             try:
                 await self._waiter

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 
 from dspark.models.tokenizer import Tokenizer
-from dspark.outputs import RequestOutput
+from dspark.outputs import FinalInfo
 
 
 @dataclass
@@ -40,16 +40,17 @@ class Delta:
 to_json = json.JSONEncoder(ensure_ascii=False).encode
 
 
-def usage(outputs: list[RequestOutput], num_prompt_tokens: int) -> dict:
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+def usage(finals: list[FinalInfo], num_prompt_tokens: int) -> dict:
+    """The usage of a request whose choices ended as `finals`."""
+    completion = sum(f.num_output_tokens for f in finals)
     body = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": num_prompt_tokens + completion,
     }
-    if outputs and "num_drafts" in outputs[0].metrics:
+    if finals and "num_drafts" in finals[0].metrics:
         keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-        spec = {k: sum(int(o.metrics.get(k, 0)) for o in outputs) for k in keys}
+        spec = {k: sum(int(f.metrics.get(k, 0)) for f in finals) for k in keys}
         drafts, accepted = spec["num_drafts"], spec["num_accepted_tokens"]
         spec["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
         body["speculation"] = spec

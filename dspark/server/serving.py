@@ -2,16 +2,11 @@
 a whole response or a stream of SSE chunks.
 
 A request with P prompts and n choices becomes P x n engine requests; choice i * n + j is
-prompt i's j-th sample. Streaming sends, per chunk, what each choice gained since the last one
-(several tokens when the client or the event loop fell behind: see request_stream.py) and ends
-with an optional usage chunk and `data: [DONE]`.
-
-Stop strings and streaming: the engine cuts a choice's text before a stop string once the
-string is complete, but its first characters may have arrived a step earlier. So while a
-choice with stop strings runs, its last (longest stop - 1) characters are held back:
-
-    stop ["END"], text so far "abcEN"  -> sent "abc"; next step "abcEND" is cut to "abc": no
-    character that the final text lacks was ever sent.
+prompt i's j-th sample. Streaming requests are "delta" engine requests: each chunk sends what a
+choice gained since the last one (several steps' worth when the client or the event loop fell
+behind: see request_stream.py), and the stream ends with an optional usage chunk and
+`data: [DONE]`. (Text a stop string might still cut is held back by the engine:
+dspark/engine/delta.py.) Whole responses are "final_only": one output per choice, at its end.
 
 A failure while streaming one request (its engine died, or formatting it raised) ends that
 request's unfinished choices with finish_reason "error" and an error event; other requests
@@ -31,7 +26,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from dspark.models.tokenizer import Tokenizer
-from dspark.outputs import RequestOutput
+from dspark.outputs import DeltaOutput, FinalInfo
 from dspark.server.engine_loop import SubRequest
 from dspark.server.errors import APIError, bad_request, error_body
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -58,7 +53,6 @@ class Prepared:
     fmt: CompletionFormat | ChatFormat
     stream: bool
     include_usage: bool
-    holdback: int  # characters held back while a choice runs (see the module docstring)
 
 
 def _encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
@@ -66,13 +60,6 @@ def _encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
         return tokenizer.encode(text)
     except Exception as e:  # noqa: BLE001 - unencodable text (lone surrogates) is bad input
         raise bad_request(f"{param} could not be tokenized: {e}", param) from None
-
-
-def _holdback(body: CompletionRequest | ChatCompletionRequest) -> int:
-    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    if not body.stream or not stops or body.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in stops) - 1
 
 
 def _fan_out(
@@ -116,9 +103,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
 
 def _prepared(body, request_id, subs, num_prompt_tokens, fmt) -> Prepared:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(
-        request_id, subs, num_prompt_tokens, fmt, body.stream, include_usage, _holdback(body)
-    )
+    return Prepared(request_id, subs, num_prompt_tokens, fmt, body.stream, include_usage)
 
 
 # ---- whole responses ------------------------------------------------------------------------
@@ -131,7 +116,7 @@ async def _until_disconnected(request: Request) -> None:
 
 async def full_response(prep: Prepared, stream: RequestStream, request: Request, model: str):
     """Wait for every choice; a client that leaves first gets its requests aborted."""
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, DeltaOutput] = {}  # each choice's one output, all of it
 
     async def collect() -> None:
         async for batch in stream.updates():
@@ -158,13 +143,13 @@ async def full_response(prep: Prepared, stream: RequestStream, request: Request,
         stream.close()
     choices = [prep.fmt.choice(i, _whole(finals[i])) for i in sorted(finals)]
     body = envelope(prep.fmt.object_name, prep.request_id, int(time.time()), model, choices)
-    body["usage"] = usage([finals[i] for i in sorted(finals)], prep.num_prompt_tokens)
+    body["usage"] = usage([finals[i].final for i in sorted(finals)], prep.num_prompt_tokens)
     return body
 
 
-def _whole(out: RequestOutput) -> Delta:
-    c = out.outputs[0]
-    return Delta(c.text, list(c.token_ids), c.logprobs, c.finish_reason, c.stop_reason)
+def _whole(out: DeltaOutput) -> Delta:
+    final = out.final
+    return Delta(out.text, out.token_ids, out.logprobs, final.finish_reason, final.stop_reason)
 
 
 # ---- streams --------------------------------------------------------------------------------
@@ -172,13 +157,11 @@ def _whole(out: RequestOutput) -> Delta:
 
 @dataclass
 class _Cursor:
-    """How much of one choice was already sent."""
+    """Where one choice's stream is."""
 
-    num_chars: int = 0
-    num_tokens: int = 0
     is_started: bool = False
     is_ended: bool = False
-    latest: RequestOutput | None = None
+    final: FinalInfo | None = None  # for the usage chunk
 
 
 @dataclass
@@ -204,33 +187,25 @@ class StreamWriter:
         usage_text = f', "usage": {to_json(usage_body)}' if self.prep.include_usage else ""
         return f"{self._head}{', '.join(choices)}]{usage_text}}}\n\n"
 
-    def delta(self, index: int, out: RequestOutput) -> str | None:
-        """The choice's chunk for its newest output, or None when there is nothing to send."""
+    def delta(self, index: int, out: DeltaOutput) -> str | None:
+        """The choice's chunk for what it gained, or None when there is nothing to send."""
         cursor = self.cursors.get(index)
         if cursor is None:
             cursor = self.cursors[index] = _Cursor()
-        cursor.latest = out
-        c, fmt = out.outputs[0], self.prep.fmt
-        end = (
-            len(c.text) if out.finished else max(cursor.num_chars, len(c.text) - self.prep.holdback)
-        )
-        if cursor.is_started and not out.finished and not fmt.wants_tokens:
-            if end == cursor.num_chars:
+        final, fmt = out.final, self.prep.fmt
+        if cursor.is_started and final is None and not fmt.wants_tokens:
+            if not out.text:
                 return None
-            chunk = fmt.text_delta_json(index, c.text[cursor.num_chars : end])
+            chunk = fmt.text_delta_json(index, out.text)
         else:
-            delta = Delta(
-                c.text[cursor.num_chars : end],
-                list(c.token_ids[cursor.num_tokens :]),
-                c.logprobs[cursor.num_tokens :] if c.logprobs is not None else None,
-                c.finish_reason,
-                c.stop_reason,
+            reason, stop_reason = (
+                (final.finish_reason, final.stop_reason) if final else (None, None)
             )
-            if not (delta.text or out.finished or (delta.token_ids and fmt.wants_tokens)):
+            delta = Delta(out.text, out.token_ids, out.logprobs, reason, stop_reason)
+            if not (delta.text or final or (delta.token_ids and fmt.wants_tokens)):
                 return None
             chunk = to_json(fmt.delta_choice(index, delta, is_first=not cursor.is_started))
-        cursor.num_chars, cursor.num_tokens = end, len(c.token_ids)
-        cursor.is_started, cursor.is_ended = True, out.finished
+        cursor.is_started, cursor.is_ended, cursor.final = True, final is not None, final
         return chunk
 
     def failed(self, reason: str) -> list[str]:
@@ -245,8 +220,8 @@ class StreamWriter:
         return [self.sse(choices), f"data: {json.dumps(error)}\n\n"]
 
     def usage_chunk(self) -> str:
-        outputs = [c.latest for c in self.cursors.values() if c.latest is not None]
-        return self.sse([], usage(outputs, self.prep.num_prompt_tokens))
+        finals = [c.final for c in self.cursors.values() if c.final is not None]
+        return self.sse([], usage(finals, self.prep.num_prompt_tokens))
 
 
 async def stream_response(prep: Prepared, stream: RequestStream, model: str) -> AsyncIterator[str]:

@@ -1,10 +1,12 @@
 """Real servers for the server tests: the application under uvicorn on 127.0.0.1 (an ephemeral
-port), in a thread of the test process so a test can also look inside the engine it serves."""
+port), in a thread of the test process so a test can also look inside the server; the engine
+runs in its own process, as under `dspark serve`."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,9 +15,9 @@ pytest.importorskip("fastapi")
 import uvicorn  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
-from dspark.engine.engine import LLMEngine  # noqa: E402
 from dspark.server.app import build_app  # noqa: E402
 from dspark.server.config import ServerConfig  # noqa: E402
+from dspark.server.engine_process import engine_factory  # noqa: E402
 from tests.tiny_models import make_tiny_drafter, make_tiny_llama  # noqa: E402
 
 API_KEY = "test-key"
@@ -37,8 +39,17 @@ class LiveServer:
         return self.app.state.server
 
     @property
-    def engine(self) -> LLMEngine:
-        return self.state.engine_loop.engine
+    def tokenizer(self):
+        return self.state.engine_loop.info.tokenizer
+
+    @property
+    def stats(self):
+        """The engine's stats after its last step."""
+        return self.state.engine_loop.stats
+
+    def assert_pages_free(self) -> None:
+        stats = self.stats
+        assert stats.num_kv_pages_used == 0, f"{stats.num_kv_pages_used} KV pages still used"
 
     def start(self, wait_healthy: bool = True) -> LiveServer:
         self.thread.start()
@@ -65,13 +76,25 @@ class LiveServer:
         """Until the engine has nothing left and the server routes no request."""
         deadline = time.monotonic() + timeout
         loop = self.state.engine_loop
-        while loop.num_in_flight or self.engine.has_unfinished_requests():
+        while loop.num_in_flight or loop.stats.num_running or loop.stats.num_waiting:
             assert time.monotonic() < deadline, "the server did not become idle"
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """Stop the server; its engine process must have exited with it."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        process = self.state.engine_loop.process
+        assert process is None or not process.is_alive(), "the engine process outlived the server"
+
+
+def is_running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
 def engine_config(model_dir, **overrides) -> EngineConfig:
@@ -82,7 +105,7 @@ def engine_config(model_dir, **overrides) -> EngineConfig:
 
 def start_server(config: EngineConfig, **server_overrides) -> LiveServer:
     server_config = ServerConfig(**({"served_model_name": MODEL} | server_overrides))
-    return LiveServer(build_app(server_config, lambda: LLMEngine(config))).start()
+    return LiveServer(build_app(server_config, engine_factory(config))).start()
 
 
 @pytest.fixture(scope="session")

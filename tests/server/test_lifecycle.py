@@ -9,18 +9,26 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from dspark.benchmarks.serve_bench import free_port
-from dspark.engine.engine import LLMEngine
 from dspark.server import serving
 from dspark.server.app import build_app
 from dspark.server.config import ServerConfig
-from tests.server.conftest import MODEL, LiveServer, auth, engine_config, start_server
+from dspark.server.engine_process import engine_factory
+from tests.server.conftest import (
+    MODEL,
+    LiveServer,
+    auth,
+    engine_config,
+    is_running,
+    start_server,
+)
+from tests.server.engine_factories import gated_engine
 
 LONG = 4000  # tokens: a request that runs for seconds on the tiny model
 
@@ -53,14 +61,9 @@ def _wait_for(condition, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def test_health_is_503_while_loading_then_200(tiny_llama_dir):
-    gate = threading.Event()
-    config = engine_config(tiny_llama_dir)
-
-    def slow_engine() -> LLMEngine:
-        assert gate.wait(30)
-        return LLMEngine(config)
-
+def test_health_is_503_while_loading_then_200(tiny_llama_dir, tmp_path):
+    gate = tmp_path / "gate"
+    slow_engine = gated_engine(gate, engine_config(tiny_llama_dir))
     live = LiveServer(build_app(ServerConfig(served_model_name=MODEL), slow_engine))
     live.start(wait_healthy=False)
     try:
@@ -72,18 +75,18 @@ def test_health_is_503_while_loading_then_200(tiny_llama_dir):
         assert (
             'dspark:engine_serving{model_name="tiny"} 0.0' in httpx.get(f"{live.url}/metrics").text
         )
-        gate.set()
+        gate.touch()
         assert live.wait_for_health(200).status_code == 200
         done = httpx.post(f"{live.url}/v1/completions", json=_body("Hi", 2))
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
     finally:
-        gate.set()
+        gate.touch()
         live.stop()
 
 
 def test_health_is_503_with_the_reason_when_the_engine_died(tmp_path):
     config = engine_config(tmp_path / "no_such_model")
-    live = LiveServer(build_app(ServerConfig(), lambda: LLMEngine(config))).start(False)
+    live = LiveServer(build_app(ServerConfig(), engine_factory(config))).start(False)
     try:
         health = live.wait_for_health(503)
         while health.json()["status"] == "loading":
@@ -138,8 +141,7 @@ def test_a_client_that_leaves_a_whole_response_aborts_it(small_server):
         httpx.post(f"{small_server.url}/v1/completions", json=_body("Hi", LONG), timeout=0.3)
     _wait_for(lambda: _count(small_server, "abort") == aborted + 1)
     small_server.wait_idle()
-    engine = small_server.engine
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    small_server.assert_pages_free()
 
 
 def test_a_failing_request_ends_with_error_and_the_others_finish(server, monkeypatch):
@@ -148,7 +150,7 @@ def test_a_failing_request_ends_with_error_and_the_others_finish(server, monkeyp
     real_delta = serving.StreamWriter.delta
 
     def delta(self, index, out):
-        if "FAIL" in (out.prompt or ""):
+        if "FAIL" in (self.prep.subs[index].prompt_text or ""):
             raise RuntimeError("injected formatting failure")
         return real_delta(self, index, out)
 
@@ -199,6 +201,8 @@ def test_dspark_serve_finishes_in_flight_requests_on_sigterm(long_llama_dir, tmp
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for(lambda: _healthy(url, process), timeout=120)
+        children = _children(process.pid)  # the engine process (and multiprocessing's tracker)
+        assert children
         headers = {"Authorization": "Bearer from-file"}
         body = {**_body("Hi", 1500), "model": "yaml-name", "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
@@ -215,11 +219,17 @@ def test_dspark_serve_finishes_in_flight_requests_on_sigterm(long_llama_dir, tmp
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")
+        _wait_for(lambda: not any(is_running(pid) for pid in children), timeout=10)
     finally:
         if process.poll() is None:
             process.kill()
         output = process.communicate()[0]
     assert "Application shutdown complete" in output, output[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return [int(child) for task in tasks for child in (task / "children").read_text().split()]
 
 
 def _healthy(url: str, process: subprocess.Popen) -> bool:

@@ -76,7 +76,7 @@ def test_concurrent_streams_with_a_third_cancelled(server):
     cancelled = set(random.Random(0).sample(range(NUM_REQUESTS), NUM_REQUESTS // 3))
     before = _finished_by_reason(server)
     results, statuses = asyncio.run(_run_load(server, cancelled))
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.tokenizer
     for r in results:
         assert len(r["ids"]) == 1  # every chunk of a stream carries its one id
         if r["index"] in cancelled:
@@ -93,7 +93,7 @@ def test_concurrent_streams_with_a_third_cancelled(server):
     assert delta["abort"] == len(cancelled)
     assert delta["length"] == NUM_REQUESTS - len(cancelled)
     assert sum(delta.values()) == NUM_REQUESTS
-    assert server.engine.allocator.num_free == server.engine.allocator.num_usable
+    server.assert_pages_free()
     metrics = httpx.get(f"{server.url}/metrics").text
     assert re.search(r"^dspark:kv_cache_pages_used\{.*\} 0\.0$", metrics, re.M)
     assert statuses and set(statuses) == {200}

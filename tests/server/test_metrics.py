@@ -7,9 +7,9 @@ import re
 import pytest
 
 pytest.importorskip("fastapi")
-from dspark.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from dspark.server.engine_loop import EngineStats  # noqa: E402
+from dspark.outputs import DeltaOutput, FinalInfo  # noqa: E402
 from dspark.server.metrics import Histogram, ServerMetrics, spec_families  # noqa: E402
+from dspark.server.wire import EngineStats  # noqa: E402
 
 LABELS = {"model_name": "m"}
 
@@ -53,9 +53,9 @@ def test_every_spec_row_kind_renders_and_missing_keys_are_left_out():
 
 def test_server_metrics_record_finished_requests():
     metrics = ServerMetrics('a "quoted" name')
-    completion = CompletionOutput(0, "hey", [5, 6, 7], None, None, finish_reason="length")
     times = {"arrival_time": 10.0, "first_token_time": 10.5, "finished_time": 11.5}
-    metrics.record(RequestOutput("r", None, [1, 2], [completion], True, times))
+    final = FinalInfo("length", None, 2, 3, None, times)
+    metrics.record(DeltaOutput("r", "y", [7], None, final))  # (the last of 3 tokens)
     text = metrics.render(EngineStats(num_running=1, num_kv_pages_used=3, num_kv_pages=12), True)
     labels = 'model_name="a \\"quoted\\" name"'
     assert f"vllm:prompt_tokens_total{{{labels}}} 2.0" in text

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from dspark.outputs import CompletionOutput, RequestOutput
+from dspark.outputs import DeltaOutput, FinalInfo
 from dspark.server.request_stream import COST_WEIGHT, EngineFailed, RequestStream, StreamPacer
 from dspark.server.responses import ChatFormat, CompletionFormat, Delta, envelope, to_json
 from dspark.server.serving import Prepared, StreamWriter
@@ -20,10 +20,10 @@ from tests.server.conftest import MODEL, engine_config, start_server
 NUM_TOKENS = 48
 
 
-def _out(text: str, finished: bool = False, request_id: str = "r-0") -> RequestOutput:
-    ids = list(range(len(text)))
-    completion = CompletionOutput(0, text, ids, None, None, "length" if finished else None)
-    return RequestOutput(request_id, None, [1], [completion], finished)
+def _out(text: str, finished: bool = False, request_id: str = "r-0") -> DeltaOutput:
+    """A delta of `text` (a token per character)."""
+    final = FinalInfo("length", None, 1, len(text), None, {}) if finished else None
+    return DeltaOutput(request_id, text, list(range(len(text))), None, final)
 
 
 # ---- RequestStream and StreamPacer ----------------------------------------------------------
@@ -47,11 +47,11 @@ def test_outputs_that_arrive_together_become_one_update():
     async def scenario():
         stream = RequestStream(["a", "b"], abort=lambda ids: None)
         loop = asyncio.get_running_loop()
-        for index, text in ((0, "He"), (1, "A"), (0, "Hello")):
+        for index, text in ((0, "He"), (1, "A"), (0, "llo")):
             stream.put(index, _out(text), loop.time())
         updates = stream.updates()
         first = await updates.__anext__()
-        stream.put(0, _out("Hello!", finished=True), loop.time())
+        stream.put(0, _out("!", finished=True), loop.time())
         stream.put(1, EngineFailed("gone"), loop.time())
         second = await updates.__anext__()
         with pytest.raises(StopAsyncIteration):
@@ -59,8 +59,9 @@ def test_outputs_that_arrive_together_become_one_update():
         return first, second
 
     first, second = asyncio.run(scenario())
-    assert {i: u.outputs[0].text for i, u in first.items()} == {0: "Hello", 1: "A"}
-    assert second[0].finished and isinstance(second[1], EngineFailed)
+    assert {i: u.text for i, u in first.items()} == {0: "Hello", 1: "A"}
+    assert first[0].token_ids == [0, 1, 0, 1, 2]  # the deltas' tokens, in order
+    assert second[0].finished and second[0].text == "!" and isinstance(second[1], EngineFailed)
 
 
 def test_a_paced_stream_holds_outputs_until_due_but_never_its_last():
@@ -77,25 +78,25 @@ def test_a_paced_stream_holds_outputs_until_due_but_never_its_last():
 
         async def consume():
             async for batch in stream.updates():
-                taken.append((loop.time(), batch[0].outputs[0].text))
+                taken.append((loop.time(), batch[0].text))
 
         consumer = asyncio.ensure_future(consume())
         start = loop.time()
         stream.put(0, _out("a"), loop.time())
         await asyncio.sleep(0.005)
-        stream.put(0, _out("ab"), loop.time())
-        stream.put(0, _out("abc"), loop.time())
-        await asyncio.sleep(0.1)  # past the due time: "abc" went when it was due
-        stream.put(0, _out("abcd"), loop.time())
-        stream.put(0, _out("abcde", finished=True), loop.time())  # due in 50 ms, sent now
+        stream.put(0, _out("b"), loop.time())
+        stream.put(0, _out("c"), loop.time())
+        await asyncio.sleep(0.1)  # past the due time: "bc" went when it was due
+        stream.put(0, _out("d"), loop.time())
+        stream.put(0, _out("e", finished=True), loop.time())  # due in 50 ms, sent now
         await asyncio.wait_for(consumer, 0.03)
         return start, pacer.interval_s, taken
 
     start, interval, taken = asyncio.run(scenario())
     assert interval == pytest.approx(0.05)
-    assert [text for _, text in taken] == ["a", "abc", "abcde"]
+    assert [text for _, text in taken] == ["a", "bc", "de"]
     assert taken[0][0] - start < 0.02  # the first output was not held
-    assert taken[1][0] - taken[0][0] >= 0.045  # "abc" waited for its due time
+    assert taken[1][0] - taken[0][0] >= 0.045  # "bc" waited for its due time
     assert taken[2][0] - taken[1][0] < 0.09  # the final one did not wait for the next
 
 
@@ -132,7 +133,7 @@ def test_templated_chunks_equal_the_dict_rendering(fmt_class):
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_an_event_equals_json_dumps_of_its_envelope(include_usage):
     fmt = ChatFormat(None, False, None)
-    prep = Prepared("chatcmpl-x", [], 3, fmt, True, include_usage, 0)
+    prep = Prepared("chatcmpl-x", [], 3, fmt, True, include_usage)
     writer = StreamWriter(prep, 'model "m"', created=17)
     choice = fmt.delta_choice(0, Delta("hi é", [], None, None), is_first=True)
     body = envelope(fmt.chunk_object_name, "chatcmpl-x", 17, 'model "m"', [choice, choice])
@@ -145,11 +146,11 @@ def test_an_event_equals_json_dumps_of_its_envelope(include_usage):
 
 def test_a_choice_past_its_first_chunk_is_templated_and_the_final_is_not():
     fmt = ChatFormat(None, False, None)
-    writer = StreamWriter(Prepared("chatcmpl-x", [], 3, fmt, True, False, 0), "m", created=0)
+    writer = StreamWriter(Prepared("chatcmpl-x", [], 3, fmt, True, False), "m", created=0)
     first = json.loads(writer.delta(0, _out("Hel")))
-    middle = json.loads(writer.delta(0, _out("Hello wor")))
-    assert writer.delta(0, _out("Hello wor")) is None  # nothing new
-    last = json.loads(writer.delta(0, _out("Hello world", finished=True)))
+    middle = json.loads(writer.delta(0, _out("lo wor")))
+    assert writer.delta(0, _out("")) is None  # nothing new
+    last = json.loads(writer.delta(0, _out("ld", finished=True)))
     assert first["delta"] == {"role": "assistant", "content": "Hel"}
     assert middle["delta"] == {"content": "lo wor"} and middle["finish_reason"] is None
     assert last["delta"] == {"content": "ld"} and last["finish_reason"] == "length"

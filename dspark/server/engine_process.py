@@ -1,0 +1,174 @@
+"""The engine's own process: it builds the engine and runs the step loop (vLLM's "engine core").
+
+The server process (engine_loop.py) starts it with the `spawn` method (CUDA cannot be used in a
+forked child) and talks to it over one multiprocessing Pipe, in wire.py's messages. Apart, the
+two share no interpreter lock: the event loop's HTTP work no longer takes host time from the
+engine's step loop, which on a GPU is what bounds throughput at large batches. The loop:
+
+    apply the commands that arrived (add, abort, stop)    # acknowledged at once, with stats
+    step() once if anything is unfinished
+    send the step's outputs and a stats snapshot           # one message per step
+
+and it waits on the pipe while idle. Requests are "delta" (streams: only what is new each step)
+or "final_only" (whole responses): the per-step cost stays proportional to the new tokens.
+
+Detokenization stays here: the engine decodes anyway to find stop strings (and which token
+completed one, to drop the tokens after it), so the text is sent with the tokens; decoding
+again on the server's side would double the work and move it to the process that does the
+HTTP work.
+
+Lifetime: SIGINT is ignored (a Ctrl-C reaches the whole process group; the server shuts down
+on it and decides when the engine stops: STOP aborts what is left, reports it and exits).
+SIGTERM ends the process, as vLLM's engine core (send it to the server, which stops the engine
+in order; multiprocessing's exit handler terminates a daemon child the server left behind).
+The process ends on its own when its parent is gone: a watchdog thread waits on the parent's
+sentinel (also while the model loads), and a closed pipe ends the loop. If the engine fails to
+load or a step raises, FAILED carries the reason and the process exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+from dspark.server import wire
+from dspark.server.wire import EngineInfo, encode_outputs, stats_of
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # an idle engine wakes at least this often
+PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
+
+
+def build_engine(config):
+    """The usual factory: LLMEngine(config) (a module function, so it pickles for spawn)."""
+    from dspark.engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def engine_factory(config) -> Callable:
+    return functools.partial(build_engine, config)
+
+
+def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[int, int]) -> None:
+    """The spawned process's entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    root_level, dspark_level = log_levels
+    logging.basicConfig(level=root_level, format="%(levelname)s %(name)s (engine): %(message)s")
+    logging.getLogger("dspark").setLevel(dspark_level)
+    threading.Thread(target=_exit_with_parent, name="dspark-parent-watch", daemon=True).start()
+    try:
+        engine = factory()
+    except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
+        logger.exception("the engine failed to load")
+        conn.send((wire.FAILED, f"the engine failed to load: {type(e).__name__}: {e}"))
+        return
+    conn.send((wire.READY, EngineInfo(engine.tokenizer, engine.max_model_len, os.getpid())))
+    # what exists now (modules, weights' wrappers, the tokenizer) lives as long as the
+    # process: frozen, the oldest generation's collections skip it (a full collection of this
+    # heap paused the step loop ~0.27 s every few seconds under load on the CPU; vLLM freezes
+    # it too)
+    gc.collect()
+    gc.freeze()
+    try:
+        EngineServer(engine, conn).serve()
+    except (EOFError, OSError):  # the pipe closed under a send or a receive: the server is gone
+        logger.warning("the server closed the pipe: the engine process exits")
+        os._exit(PARENT_GONE_EXIT)
+    # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
+    # bindings report their objects as leaked when finalised); nothing is left to flush but logs
+    logging.shutdown()
+    os._exit(0)
+
+
+def _exit_with_parent() -> None:
+    wait([multiprocessing.parent_process().sentinel])
+    os._exit(PARENT_GONE_EXIT)  # no cleanup to wait for: nobody is left to answer
+
+
+class EngineServer:
+    """The step loop over one pipe (see the module docstring)."""
+
+    def __init__(self, engine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self._live: set[str] = set()  # unfinished requests, to abort at STOP
+
+    def serve(self) -> None:
+        engine, conn = self.engine, self.conn
+        conn.send((wire.ADDED, (), stats_of(engine)))  # the first stats snapshot
+        logger.info("engine ready: serving")
+        while True:
+            if not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S):
+                continue
+            if not self._apply_commands():
+                break
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self._step()
+            except Exception as e:
+                logger.exception("engine step failed")
+                conn.send((wire.FAILED, f"an engine step failed: {type(e).__name__}: {e}"))
+                return
+            conn.send((wire.STEP, outputs, stats_of(engine)))
+        self._abort_everything()
+        conn.send((wire.STOPPED,))
+
+    def _apply_commands(self) -> bool:
+        """Apply every command that arrived; False once a stop was asked for."""
+        conn, acks, keep_running = self.conn, [], True
+        while conn.poll(0):
+            command = conn.recv()
+            if command[0] == wire.ADD:
+                acks.append((command[1], self._add(command[2])))
+            elif command[0] == wire.ABORT:
+                for request_id in command[1]:
+                    self.engine.abort_request(request_id)
+            else:
+                assert command[0] == wire.STOP, f"unknown command {command[0]!r}"
+                keep_running = False
+        if acks:
+            conn.send((wire.ADDED, acks, stats_of(self.engine)))
+        return keep_running
+
+    def _add(self, subs: tuple) -> tuple[str, str] | None:
+        """Validate the whole group, then add it: a refused request queues none of its group.
+        None, or the error as (kind, message)."""
+        engine = self.engine
+        try:
+            for request_id, prompt_ids, params, _ in subs:
+                engine.validate_request(request_id, prompt_ids, params)
+            for request_id, prompt_ids, params, prompt_text in subs:
+                engine.add_request(request_id, prompt_ids, params, prompt_text)
+                self._live.add(request_id)
+        except Exception as e:  # noqa: BLE001 - handed to the submitter, who answers it
+            for request_id, *_ in subs:
+                engine.abort_request(request_id)
+            kind = wire.INVALID if isinstance(e, (ValueError, TypeError)) else type(e).__name__
+            return kind, str(e)
+        return None
+
+    def _step(self) -> list[tuple]:
+        outputs = encode_outputs(self.engine.step())
+        self._live.difference_update(out[0] for out in outputs if out[4] is not None)
+        return outputs
+
+    def _abort_everything(self) -> None:
+        """At stop: abort what is left and send its final outputs (an in-flight step needs
+        one more step to be collected)."""
+        for request_id in self._live:
+            self.engine.abort_request(request_id)
+        outputs = []
+        for _ in range(3):
+            if self.engine.has_unfinished_requests():
+                outputs += self._step()
+        self.conn.send((wire.STEP, outputs, stats_of(self.engine)))

@@ -27,7 +27,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "device": "auto",
     "max_model_len": None,
     "max_num_seqs": 256,
-    "max_num_batched_tokens": 2048,
+    "max_num_batched_tokens": 8192,  # EngineConfig's default
     "kv_cache_memory_gb": None,
     "num_kv_pages": None,
     "seed": 0,

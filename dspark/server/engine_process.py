@@ -7,7 +7,7 @@ engine's step loop, which on a GPU is what bounds throughput at large batches. T
 
     apply the commands that arrived (add, abort, stop)    # acknowledged at once, with stats
     step() once if anything is unfinished
-    send the step's outputs and a stats snapshot           # one message per step
+    post the step's outputs and a stats snapshot           # sent by output_sender.py's thread
 
 and it waits on the pipe while idle. Requests are "delta" (streams: only what is new each step)
 or "final_only" (whole responses): the per-step cost stays proportional to the new tokens.
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from dspark.server import wire
+from dspark.server.output_sender import OutputSender
 from dspark.server.wire import EngineInfo, encode_outputs, stats_of
 
 logger = logging.getLogger(__name__)
@@ -78,11 +79,13 @@ def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[in
     # it too)
     gc.collect()
     gc.freeze()
+    sender = OutputSender(conn, PARENT_GONE_EXIT)
     try:
-        EngineServer(engine, conn).serve()
-    except (EOFError, OSError):  # the pipe closed under a send or a receive: the server is gone
+        EngineServer(engine, conn, sender).serve()
+    except (EOFError, OSError):  # the pipe closed under a receive: the server is gone
         logger.warning("the server closed the pipe: the engine process exits")
         os._exit(PARENT_GONE_EXIT)
+    sender.drain(timeout=30.0)
     # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
     # bindings report their objects as leaked when finalised); nothing is left to flush but logs
     logging.shutdown()
@@ -97,14 +100,15 @@ def _exit_with_parent() -> None:
 class EngineServer:
     """The step loop over one pipe (see the module docstring)."""
 
-    def __init__(self, engine, conn: Connection) -> None:
+    def __init__(self, engine, conn: Connection, sender: OutputSender) -> None:
         self.engine = engine
-        self.conn = conn
+        self.conn = conn  # commands in
+        self.sender = sender  # messages out
         self._live: set[str] = set()  # unfinished requests, to abort at STOP
 
     def serve(self) -> None:
-        engine, conn = self.engine, self.conn
-        conn.send((wire.ADDED, (), stats_of(engine)))  # the first stats snapshot
+        engine, conn, sender = self.engine, self.conn, self.sender
+        sender.send((wire.ADDED, (), stats_of(engine)))  # the first stats snapshot
         logger.info("engine ready: serving")
         while True:
             if not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S):
@@ -117,11 +121,11 @@ class EngineServer:
                 outputs = self._step()
             except Exception as e:
                 logger.exception("engine step failed")
-                conn.send((wire.FAILED, f"an engine step failed: {type(e).__name__}: {e}"))
+                sender.send((wire.FAILED, f"an engine step failed: {type(e).__name__}: {e}"))
                 return
-            conn.send((wire.STEP, outputs, stats_of(engine)))
+            sender.post_step(outputs, stats_of(engine))
         self._abort_everything()
-        conn.send((wire.STOPPED,))
+        sender.send((wire.STOPPED,))
 
     def _apply_commands(self) -> bool:
         """Apply every command that arrived; False once a stop was asked for."""
@@ -137,7 +141,7 @@ class EngineServer:
                 assert command[0] == wire.STOP, f"unknown command {command[0]!r}"
                 keep_running = False
         if acks:
-            conn.send((wire.ADDED, acks, stats_of(self.engine)))
+            self.sender.send((wire.ADDED, acks, stats_of(self.engine)))
         return keep_running
 
     def _add(self, subs: tuple) -> tuple[str, str] | None:
@@ -171,4 +175,4 @@ class EngineServer:
         for _ in range(3):
             if self.engine.has_unfinished_requests():
                 outputs += self._step()
-        self.conn.send((wire.STEP, outputs, stats_of(self.engine)))
+        self.sender.post_step(outputs, stats_of(self.engine))

@@ -1,0 +1,106 @@
+"""The engine process's side of the pipe: messages sent from a thread, step outputs merged while
+the server is behind.
+
+The step loop must not wait for the server. A send blocks once the pipe's buffer is full, that
+is whenever the server's event loop (HTTP for hundreds of streams) reads slower than the engine
+steps, and the engine would then step at the server's pace. So the loop only posts; a sender
+thread sends. While a send is blocked, the steps posted meanwhile merge into one pending STEP
+message, request by request, so a slow server gets fewer, larger deltas (less work per token
+on its side) instead of a backlog:
+
+    posted  step 1: a "He" [5]      step 2: a "llo" [7], b "Hi" [9]      step 3: a "!" [2] final
+    sent    (STEP, [a "He" [5]])    (STEP, [a "llo!" [7, 2] final, b "Hi" [9]])   (if 2 and 3
+                                                                                   met a busy pipe)
+
+Order is kept: a control message (ADDED, FAILED, STOPPED) goes out after every output posted
+before it, and a request id that finished in the pending message and comes back (ids may be
+reused) starts a new message. Only the newest stats snapshot of a merged message is sent.
+Pickling happens on the sender thread; the write itself releases the interpreter lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from multiprocessing.connection import Connection
+
+from dspark.server import wire
+
+logger = logging.getLogger(__name__)
+
+
+class OutputSender:
+    def __init__(self, conn: Connection, on_closed_exit: int) -> None:
+        self._conn = conn
+        self._exit_status = on_closed_exit  # the process exits with it if the pipe closes
+        self._cond = threading.Condition()
+        self._queue: deque[tuple] = deque()  # whole messages, in order
+        self._pending: dict[str, list] = {}  # request id -> [text, token_ids, logprobs, final]
+        self._stats: tuple | None = None
+        self._busy = False  # a message is being sent
+        self.num_steps_posted = self.num_step_messages = 0
+        threading.Thread(target=self._run, name="dspark-output-sender", daemon=True).start()
+
+    def post_step(self, outputs: list[tuple], stats: tuple) -> None:
+        """A step's wire outputs (wire.encode_outputs) and the stats after it."""
+        with self._cond:
+            for request_id, text, token_ids, logprobs, final in outputs:
+                entry = self._pending.get(request_id)
+                if entry is not None and entry[3] is not None:  # a reused id after its final
+                    self._flush_locked()
+                    entry = None
+                if entry is None:
+                    self._pending[request_id] = [text, list(token_ids), _list(logprobs), final]
+                    continue
+                entry[0] += text
+                entry[1] += token_ids
+                if logprobs is not None:
+                    entry[2] = (entry[2] or []) + list(logprobs)
+                entry[3] = final
+            self._stats = stats
+            self.num_steps_posted += 1
+            self._cond.notify()
+
+    def send(self, message: tuple) -> None:
+        """A control message, after every output posted before it."""
+        with self._cond:
+            self._flush_locked()
+            self._queue.append(message)
+            self._cond.notify()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything posted has been sent; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (self._queue or self._pending or self._busy), timeout
+            )
+
+    def _flush_locked(self) -> None:
+        if self._pending or self._stats is not None:
+            outputs = [(rid, *entry) for rid, entry in self._pending.items()]
+            self._queue.append((wire.STEP, outputs, self._stats))
+            self._pending, self._stats = {}, None
+            self.num_step_messages += 1
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._pending or self._stats)
+                if not self._queue:
+                    self._flush_locked()
+                message = self._queue.popleft()
+                self._busy = True
+            try:
+                self._conn.send(message)
+            except (EOFError, OSError):  # the server closed the pipe: nobody is left to answer
+                logger.warning("the server closed the pipe: the engine process exits")
+                os._exit(self._exit_status)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+def _list(logprobs) -> list | None:
+    return None if logprobs is None else list(logprobs)

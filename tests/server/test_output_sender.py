@@ -1,0 +1,63 @@
+"""The engine process's sender: a slow reader gets merged step outputs, in order, nothing lost."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+from dspark.server import wire
+from dspark.server.output_sender import OutputSender
+
+
+def _read_all(conn, until_tag: str) -> list[tuple]:
+    messages = []
+    while True:
+        message = conn.recv()
+        messages.append(message)
+        if message[0] == until_tag:
+            return messages
+
+
+def test_a_blocked_send_merges_the_steps_behind_it_and_keeps_order():
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sender = OutputSender(writer, on_closed_exit=3)
+    big = "x" * 200_000  # more than a pipe buffer: the first send blocks until read
+    sender.post_step([("a", big, [1], None, None)], ("stats", 0))
+    time.sleep(0.2)  # the sender thread is now blocked in that send
+    sender.post_step([("a", "He", [5], [-0.5], None)], ("stats", 1))
+    sender.post_step([("a", "llo", [7], [-0.25], None), ("b", "Hi", [9], None, None)], ("stats", 2))
+    sender.post_step([("a", "!", [2], [-1.0], ("length", 4))], ("stats", 3))
+    sender.post_step([("a", "new", [8], None, None)], ("stats", 4))  # the id reused after its final
+    sender.send((wire.STOPPED,))
+    messages = _read_all(reader, wire.STOPPED)
+    assert sender.drain(timeout=5)
+    steps = [m for m in messages if m[0] == wire.STEP]
+    assert [m[0] for m in messages][-1] == wire.STOPPED  # after every output posted before it
+    assert steps[0] == (wire.STEP, [("a", big, [1], None, None)], ("stats", 0))
+    # steps 2-4 met the busy pipe: merged per request, the newest stats; the reused id after
+    assert steps[1] == (
+        wire.STEP,
+        [
+            ("a", "Hello!", [5, 7, 2], [-0.5, -0.25, -1.0], ("length", 4)),
+            ("b", "Hi", [9], None, None),
+        ],
+        ("stats", 3),
+    )
+    assert steps[2] == (wire.STEP, [("a", "new", [8], None, None)], ("stats", 4))
+    assert sender.num_steps_posted == 5 and sender.num_step_messages == 3
+
+
+def test_a_fast_reader_gets_one_message_per_step():
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sender = OutputSender(writer, on_closed_exit=3)
+    received = []
+    thread = threading.Thread(target=lambda: received.extend(_read_all(reader, wire.STOPPED)))
+    thread.start()
+    for i in range(20):
+        sender.post_step([("r", str(i), [i], None, None)], ("stats", i))
+        assert sender.drain(timeout=5)  # each step is on the wire before the next is posted
+    sender.send((wire.STOPPED,))
+    thread.join(timeout=5)
+    texts = [m[1][0][1] for m in received if m[0] == wire.STEP]
+    assert texts == [str(i) for i in range(20)]

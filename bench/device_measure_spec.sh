@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (about 7 minutes, the model already assembled): the GPU tests, the shipped
 # drafter's STS calibration refitted (CALIBRATE=1; its greedy section), this GPU's cost table,
-# and one `dspark bench` whose arms (plain decoding, fixed K = 3 and 7, the drafting policy, and
-# K = 7 and the policy with synchronous drafting steps) run interleaved level by level on
+# and one `dspark bench` whose arms (plain decoding, fixed K = 3 and 7, the drafting policy with
+# the shipped table and with the fresh one, and K = 7 and the policy with synchronous drafting
+# steps) run interleaved level by level on
 # held-out prompts, so the ratios carry no drift between runs. Results under $OUT; the arms'
 # table last. ARMS='{...}' replaces the arms (the literal $TABLE in it becomes the fresh
 # table's "cost_table" entry); HF=1 runs the Hugging Face peer beside the first arm.
@@ -24,9 +25,12 @@ python3 -m dspark.cli profile --out "$OUT/cost_table_h200.json" 2>&1 | grep -v "
   | tee "$OUT/profile.txt"
 TABLE="\"cost_table\": \"$OUT/cost_table_h200.json\""
 SYNC='"engine": {"async_spec_steps": false}'
-DEFAULT_ARMS="{\"plain\": null, \"k3\": {\"method\": \"dspark\", \"num_speculative_tokens\": 3},
-  \"k7\": {\"method\": \"dspark\"}, \"k7_sync\": {\"method\": \"dspark\", $SYNC},
-  \"scheduled\": {\"method\": \"dspark\", $TABLE},
+# fixed K needs "scheduling": false: without it the engine finds the drafter's shipped table
+FIXED='"scheduling": false'
+DEFAULT_ARMS="{\"plain\": null,
+  \"k3\": {\"method\": \"dspark\", \"num_speculative_tokens\": 3, $FIXED},
+  \"k7\": {\"method\": \"dspark\", $FIXED}, \"k7_sync\": {\"method\": \"dspark\", $FIXED, $SYNC},
+  \"shipped\": {\"method\": \"dspark\"}, \"scheduled\": {\"method\": \"dspark\", $TABLE},
   \"scheduled_sync\": {\"method\": \"dspark\", $TABLE, $SYNC}}"
 ARMS="${ARMS:-$DEFAULT_ARMS}"  # ARMS may name the fresh table as $TABLE (single-quote it)
 ARMS="${ARMS//\$TABLE/$TABLE}"

@@ -229,8 +229,9 @@ class LLMEngine:
         else:
             table, reason = load_cost_table(path, self.cost_fingerprint())
         policy = DraftingPolicy(
-            table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain
-        )
+            table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
+            unobserved=spec_config.unobserved,
+        )  # fmt: skip
         if table is None or policy.table is None:
             reason = reason or "it has no G with both a plain and a full-block cell"
             logger.warning("speculation: cost table %s not used (%s): every step drafts the full "

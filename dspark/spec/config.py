@@ -1,7 +1,7 @@
 """`speculative_config`: one object, as in vLLM.
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
-     "cost_table": PATH, "min_gain": 0.02, "scheduling": true}
+     "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "confident"}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -11,6 +11,9 @@ Scheduling (the per-step choice to draft, spec/drafting_policy.py) needs a cost 
 on this engine by `dspark profile`: "cost_table" names one; without it the engine uses a table
 in the drafter's cost_tables/ directory whose fingerprint matches the live engine, if any.
 With no table, or "scheduling": false, every step drafts and verifies the full block (fixed K).
+"unobserved" is how the drafting choice counts a request that has never drafted: "confident"
+(a = 1, DSPARK.md 6.4's rule, the default) or "population" (the recent requests' recalibrated
+mean; drafting_policy.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("dspark",)
-KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling")
+KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
+        "unobserved")  # fmt: skip
+UNOBSERVED = ("confident", "population")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class SpecConfig:
     cost_table: str | None = None  # None: a matching table in the drafter's cost_tables/
     min_gain: float = 0.02  # what another mode must beat the current one by (squared)
     scheduling: bool = True  # False: fixed K even with a cost table
+    unobserved: str = "confident"  # how a request that never drafted counts (UNOBSERVED)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -69,6 +75,13 @@ class SpecConfig:
             raise ValueError(
                 f'speculative_config "scheduling" must be true or false, got {scheduling!r}'
             )
+        unobserved = d.get("unobserved", "confident")
+        if unobserved not in UNOBSERVED:
+            raise ValueError(
+                f'speculative_config "unobserved" must be one of {list(UNOBSERVED)}, '
+                f"got {unobserved!r}"
+            )
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
-                   min_gain=float(gain), scheduling=scheduling)  # fmt: skip
+                   min_gain=float(gain), scheduling=scheduling,
+                   unobserved=unobserved)  # fmt: skip

@@ -11,8 +11,15 @@ the two cells of the step's graph size G that the engine can run today:
 with a[r, j] the calibrated survivals of each running request's last verified block (at least
 one step old: the drafts they describe are already verified, so the choice cannot depend on the
 tokens it admits; DSPARK.md 6.3), computed with the greedy calibration for greedy requests. Only
-each request's sum over j is kept. A request with no survivals yet (just admitted, preempted,
-never drafted), or whose survivals are stale, counts as fully confident: a = 1, a sum of K.
+each request's sum over j is kept. A request with no survivals yet (just admitted, never
+drafted), or whose survivals are stale, counts as fully confident: a = 1, a sum of K.
+
+With unobserved="population" a request that never drafted counts instead as the recent
+requests' mean survival sum (exponentially weighted over observed blocks, half-life
+calibration_half_life blocks, recalibrated like the others), once min_population_blocks
+blocks were observed; stale rows still count K, so probing is unchanged. Under load every
+admission wave otherwise looks fully confident and drafts for a few steps at several times
+the plain cost (docs/PERFORMANCE.md, fifth sweep). Opt-in until measured.
 
 Two corrections keep lagged estimates honest:
 - Online recalibration. STS is fitted offline on other prompts; the engine knows, for every full
@@ -69,9 +76,16 @@ class DraftingPolicy:
         probe_budget: float = 0.01,  # the share of plain time probes (stale rows) may cost
         calibration_half_life: float = 256.0,  # full blocks, of the realised/predicted ratio
         prior_blocks: float = 4.0,  # ratio-1 pseudo-blocks: a few blocks cannot swing it
+        unobserved: str = "confident",  # or "population" (module docstring)
+        min_population_blocks: float = 16.0,
     ) -> None:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
+        if unobserved not in ("confident", "population"):
+            raise ValueError(f'unobserved must be "confident" or "population", got {unobserved!r}')
+        self.unobserved = unobserved
+        self.min_population_blocks = min_population_blocks
+        self._population_sum = self._population_blocks = 0.0  # weighted observed sums, blocks
         self.draft_len = draft_len
         self.temperatures = {g: t.float().cpu()[:draft_len] for g, t in temperatures.items()}
         self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
@@ -113,6 +127,9 @@ class DraftingPolicy:
         sums = survival(confidence_logits[:, : self.draft_len].float(), temps).sum(-1).tolist()
         for rid, total in zip(request_ids, sums, strict=True):
             self._survival_sums[rid] = (total, self._step)
+        decay = self._decay ** len(sums)
+        self._population_sum = self._population_sum * decay + sum(sums)
+        self._population_blocks = self._population_blocks * decay + len(sums)
         if num_accepted is None or verify_len is None:
             return
         full = [j for j, v in enumerate(verify_len) if v == self.draft_len]  # uncensored
@@ -169,8 +186,20 @@ class DraftingPolicy:
         rows count K (a = 1)."""
         fresh_since = self._step - self.stale_after(g)
         scale, k = self.correction, self.draft_len
+        unseen = self.unobserved_sum()
         total = 0.0
         for rid in request_ids:
             seen = self._survival_sums.get(rid)
-            total += min(k, scale * seen[0]) if seen is not None and seen[1] >= fresh_since else k
+            if seen is None:
+                total += unseen
+            else:
+                total += min(k, scale * seen[0]) if seen[1] >= fresh_since else k
         return total
+
+    def unobserved_sum(self) -> float:
+        """What a request that never drafted counts: K, or with unobserved="population" and
+        enough evidence, the recent requests' recalibrated mean survival sum."""
+        k = self.draft_len
+        if self.unobserved == "confident" or self._population_blocks < self.min_population_blocks:
+            return float(k)
+        return min(k, self.correction * self._population_sum / self._population_blocks)

@@ -123,6 +123,22 @@ def test_forgotten_requests_are_fully_confident_again():
     assert p.decide(_ids(64)).drafting
 
 
+def test_population_prior_prices_an_admission_wave_by_the_recent_requests():
+    # 64 observed rows at c = 0.5 (sum ~0.99): drafting off at G = 64; then 64 new requests
+    confident, population = _policy(dwell=0), _policy(dwell=0, unobserved="population")
+    new = [f"new{i}" for i in range(64)]
+    assert population.unobserved_sum() == K  # no evidence yet: fully confident
+    for p in (confident, population):
+        p.observe(_ids(64), torch.zeros(64, K), [False] * 64)
+        assert not p.decide(_ids(64)).drafting
+    assert confident.decide(new).drafting  # a = 1 each: 64 * 8 / 2.4 beats 64 / 1.0
+    assert population.unobserved_sum() == pytest.approx(0.99, abs=0.01)
+    assert not population.decide(new).drafting  # priced like the rows before them
+    assert population.decide(new[:1]).drafting  # G = 1: 1.99 / 1.5 still pays
+    with pytest.raises(ValueError, match="unobserved"):
+        _policy(unobserved="sometimes")
+
+
 # ---- the engine -----------------------------------------------------------------------------
 
 
@@ -267,3 +283,7 @@ def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(
     assert rc in (0, 1)  # written, or refused as flat (the tiny model's steps are alike)
     with pytest.raises(ValueError, match='"scheduling" must be true or false, got 1'):
         LLM(str(tiny_vocab_dir), speculative_config=_spec(own, scheduling=1), **KW)
+    with pytest.raises(ValueError, match='"unobserved" must be one of'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(own, unobserved="K"), **KW)
+    pop = LLM(str(tiny_vocab_dir), speculative_config=_spec(own, unobserved="population"), **KW)
+    assert pop.engine.policy.unobserved == "population"

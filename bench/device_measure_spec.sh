@@ -2,7 +2,8 @@
 # One device call (about 7 minutes, the model already assembled): the GPU tests, the shipped
 # drafter's STS calibration refitted (CALIBRATE=1; its greedy section), this GPU's cost table,
 # and one `dspark bench` whose arms (plain decoding, fixed K = 3 and 7, the drafting policy with
-# the shipped table and with the fresh one, and K = 7 and the policy with synchronous drafting
+# the shipped table (also with unobserved rows priced by the population) and with the fresh
+# one, and K = 7 and the policy with synchronous drafting
 # steps) run interleaved level by level on
 # held-out prompts, so the ratios carry no drift between runs. Results under $OUT; the arms'
 # table last. ARMS='{...}' replaces the arms (the literal $TABLE in it becomes the fresh
@@ -30,7 +31,9 @@ FIXED='"scheduling": false'
 DEFAULT_ARMS="{\"plain\": null,
   \"k3\": {\"method\": \"dspark\", \"num_speculative_tokens\": 3, $FIXED},
   \"k7\": {\"method\": \"dspark\", $FIXED}, \"k7_sync\": {\"method\": \"dspark\", $FIXED, $SYNC},
-  \"shipped\": {\"method\": \"dspark\"}, \"scheduled\": {\"method\": \"dspark\", $TABLE},
+  \"shipped\": {\"method\": \"dspark\"},
+  \"population\": {\"method\": \"dspark\", \"unobserved\": \"population\"},
+  \"scheduled\": {\"method\": \"dspark\", $TABLE},
   \"scheduled_sync\": {\"method\": \"dspark\", $TABLE, $SYNC}}"
 ARMS="${ARMS:-$DEFAULT_ARMS}"  # ARMS may name the fresh table as $TABLE (single-quote it)
 ARMS="${ARMS//\$TABLE/$TABLE}"

@@ -47,6 +47,15 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    # The eager rounding: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, each product rounded
+    # to DTYPE before the add (fp32 inputs; DTYPE outputs).
+    out1 = (_rounded(x1 * cos, DTYPE) - _rounded(x2 * sin, DTYPE)).to(DTYPE)
+    out2 = (_rounded(x2 * cos, DTYPE) + _rounded(x1 * sin, DTYPE)).to(DTYPE)
+    return out1, out2
+
+
+@triton.jit
 def rotated_rows(ptr, row_off, valid, positions, inv_freq_ptr, HALF: tl.constexpr,
                  HEAD_DIM: tl.constexpr):  # fmt: skip
     """Heads at ptr + row_off[r] ([R] offsets, HEAD_DIM contiguous values each) rotated at
@@ -60,8 +69,7 @@ def rotated_rows(ptr, row_off, valid, positions, inv_freq_ptr, HALF: tl.constexp
     first = ptr + row_off[:, None] + j[None, :]  # [R, HALF], dims 0 .. hd/2 of each head
     x1 = tl.load(first, mask=valid[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-    out1 = (_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)).to(dtype)
-    out2 = (_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)).to(dtype)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     # [R, HALF] x 2 -> [R, HALF, 2] -> [R, 2, HALF] -> [R, HEAD_DIM]: out1's dims, then out2's
     return tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), (out1.shape[0], HEAD_DIM))
 
@@ -80,8 +88,7 @@ def _rotate_heads(
     first = ptr + h * s_h + j  # [BLOCK_H, BLOCK_HALF], dims 0 .. hd/2 of each head
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
-    out1 = (_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)).to(dtype)
-    out2 = (_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)).to(dtype)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
     return out1, out2

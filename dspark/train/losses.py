@@ -79,14 +79,25 @@ def drafter_losses(
     soft_label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)  # [N, K]
     ce_mean, l1_mean = weighted_mean(ce, mask, w), weighted_mean(l1, mask, w)
     total = weights.ce * ce_mean + weights.l1 * l1_mean
-    conf_mean = torch.zeros((), device=labels.device)
-    if confidence_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(
-            confidence_logits.float(), soft_label, reduction="none"
-        )  # [N, K]
-        conf_mean = weighted_mean(bce, mask, w)
-        total = total + weights.confidence * conf_mean
+    slot_w = mask.float() * w / (mask.float() * w).sum().clamp(min=1e-8)  # [N, K]
+    total, conf_mean = _add_confidence(total, confidence_logits, soft_label, slot_w, weights)
     return LossTerms(total, ce_mean, l1_mean, conf_mean, soft_label, mask)
+
+
+def _add_confidence(
+    total: torch.Tensor,
+    confidence_logits: torch.Tensor | None,  # [N, K] raw c logits, None: no confidence head
+    soft_label: torch.Tensor,  # [N, K] detached
+    slot_weights: torch.Tensor,  # [N, K] mask * w_k / sum(mask * w_k)
+    weights: LossWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:  # total with the confidence term, the term
+    if confidence_logits is None:
+        return total, torch.zeros((), device=soft_label.device)
+    bce = F.binary_cross_entropy_with_logits(
+        confidence_logits.float(), soft_label, reduction="none"
+    )  # [N, K]
+    conf_mean = (bce * slot_weights).sum()
+    return total + weights.confidence * conf_mean, conf_mean
 
 
 def chunked_drafter_losses(
@@ -111,14 +122,9 @@ def chunked_drafter_losses(
         labels.reshape(-1), slot_w, weights.ce, weights.l1, chunk_slots,
     )  # fmt: skip
     soft_label = terms.soft_label.view(N, K)
-    total = terms.loss
-    conf_mean = torch.zeros((), device=labels.device)
-    if confidence_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(
-            confidence_logits.float(), soft_label, reduction="none"
-        )  # [N, K]
-        conf_mean = (bce * slot_w.view(N, K)).sum()
-        total = total + weights.confidence * conf_mean
+    total, conf_mean = _add_confidence(
+        terms.loss, confidence_logits, soft_label, slot_w.view(N, K), weights
+    )
     return LossTerms(total, terms.ce, terms.l1, conf_mean, soft_label, mask)
 
 

@@ -22,15 +22,19 @@ WORK=${WORK:-/root/keep/runs/dspark}
 RESULTS=${RESULTS:-/root/keep/results}
 PROMPTS=${PROMPTS_DIR:-.data}
 mkdir -p "$RESULTS"
+# INIT_FROM: the weights to start from; DATA_DIR: another run's regenerated data; TOTAL_STEPS:
+# a fixed step count (0: fill TRAIN_MINUTES at the speed of the first measured steps)
 TRAIN=(python3 -m dspark.cli train --work-dir "$WORK" --prompts-dir "$PROMPTS" --no-progress
-       --init-from dspark/drafters/smollm2_135m_instruct)
+       --init-from "${INIT_FROM:-dspark/drafters/smollm2_135m_instruct}"
+       ${DATA_DIR:+--data-dir "$DATA_DIR"})
 DRAFTER=$WORK/drafter
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 
 stamp regenerate
 "${TRAIN[@]}" --stage regenerate --max-num-seqs 512 --max-minutes 60 || exit 1
 stamp train
-"${TRAIN[@]}" --stage train --train-minutes "${TRAIN_MINUTES:-8}" --max-minutes 60 || exit 1
+"${TRAIN[@]}" --stage train --train-minutes "${TRAIN_MINUTES:-8}" \
+  --total-steps "${TOTAL_STEPS:-0}" --max-minutes 60 || exit 1
 stamp calibrate
 [ -f "$RESULTS/calibrate.txt" ] || python3 -m dspark.cli calibrate --drafter "$DRAFTER" \
   --prompts-dir "$PROMPTS" --no-progress --plot "$RESULTS/reliability.png" 2>&1 \

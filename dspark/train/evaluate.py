@@ -63,9 +63,9 @@ def evaluate_drafter(
     if spec is None:
         raise ValueError("evaluate needs an LLM with speculative_config")
     has_conf = spec.drafter.confidence is not None
-    temps = load_calibration(drafter_dir, spec.draft_len) if has_conf and drafter_dir else None
     results: dict[str, dict] = {}
     for temperature in config.temperatures:
+        temps = _calibration_for(drafter_dir, spec.draft_len, temperature) if has_conf else None
         per_source: dict = {}
         recording = record_confidences(llm) if has_conf else contextlib.nullcontext()
         with recording as recorder:
@@ -85,6 +85,15 @@ def evaluate_drafter(
             per_source["ece"] = _ece(recorder, temps)
         results[f"T={temperature:g}"] = per_source
     return results
+
+
+def _calibration_for(drafter_dir: str | None, draft_len: int, temperature: float):
+    """The temperatures the engine applies at this sampling temperature: the greedy fit for
+    greedy requests when the file has one (their acceptance rule differs), else the sampled fit."""
+    if not drafter_dir:
+        return None
+    greedy = load_calibration(drafter_dir, draft_len, greedy=True) if temperature == 0 else None
+    return greedy or load_calibration(drafter_dir, draft_len)
 
 
 def _ece(recorder: ConfidenceRecorder, temperatures: list[float] | None) -> dict:

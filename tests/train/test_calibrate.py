@@ -106,3 +106,19 @@ def test_reliability_bins_worked_example_and_diagram(tmp_path):
     report["greedy"] = dict(report)
     path = plot_reliability(report, tmp_path / "reliability.png")
     assert path.stat().st_size > 10_000
+
+
+def test_evaluation_scores_greedy_rollouts_with_the_greedy_fit(tmp_path):
+    """The evaluate stage reports calibrated ECE with the temperatures the engine would apply:
+    the greedy section at temperature 0 (when the file has one), the sampled fit otherwise."""
+    from dspark.train.evaluate import _calibration_for
+
+    logits, labels = _synthetic(500, 3, over=2.0)
+    report = calibration_report(logits, labels, sampling_temperature=1.0)
+    write_calibration(tmp_path, report)
+    assert _calibration_for(str(tmp_path), 3, 0.0) == report["temperatures"]  # no greedy fit
+    greedy = {k: v for k, v in report.items() if k != "method"} | {"temperatures": [2.0] * 3}
+    (tmp_path / "calibration.json").write_text(json.dumps(report | {"greedy": greedy}))
+    assert _calibration_for(str(tmp_path), 3, 0.0) == [2.0] * 3
+    assert _calibration_for(str(tmp_path), 3, 1.0) == report["temperatures"]
+    assert _calibration_for(None, 3, 0.0) is None

@@ -82,6 +82,8 @@ def test_run_sizes_total_steps_from_the_time_budget_and_exports(tiny, tmp_path):
                        train_minutes=1e-6, save_every=3)  # fmt: skip
     assert trainer.run(tmp_path, progress=False)
     assert trainer.total_steps == 6 and trainer.step == 6  # the budget is tiny: warm-up + 1
+    # timed: the warm-up's last 4 steps (2-5), not its first (kernels compile on new shapes)
+    assert len(trainer.window_seconds) == 4 and len(trainer.step_seconds) == 6
     assert (tmp_path / "drafter" / "config.json").is_file()
     assert (tmp_path / "train" / "train.json").is_file()
     again = _trainer(tiny, total_steps=0, measure_steps=4, warmup_steps=5, train_minutes=1e-6)

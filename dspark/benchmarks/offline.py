@@ -170,10 +170,11 @@ ARM_ENGINE_OPTIONS = frozenset(
 def split_arm(arm: dict | None) -> tuple[dict | None, dict]:
     """An arm's (speculative_config or None, engine options): {"engine": {...}} is its own
     engine options (ARM_ENGINE_OPTIONS: the scheduling and graph switches, the step's token
-budget), the other keys its speculative_config (none: plain decoding).
+    budget), the other keys its speculative_config (none: plain decoding).
 
-      {"method": "dspark", "engine": {"async_spec_steps": true}} -> ({"method": "dspark"}, {...})
-      {"engine": {"async_scheduling": false}}                     -> (None, {...})
+      {"method": "dspark", "engine": {"async_spec_steps": true}}
+          -> ({"method": "dspark"}, {...})
+      {"engine": {"async_scheduling": false}} -> (None, {...})
     """
     if arm is None:
         return None, {}

@@ -165,6 +165,10 @@ def test_profile_measures_both_cells_with_the_live_fingerprint(tiny_vocab_dir, d
     assert not e.has_unfinished_requests() and e.allocator.num_free == e.allocator.num_usable
     with pytest.raises(ValueError, match="steps must be >= 5"):
         profile_cost_table(llm, [1], steps=3)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        profile_cost_table(llm, [1], rounds=0)
+    one = profile_cost_table(llm, [1], steps=5, warmup=1, prompt_len=8, rounds=1)
+    assert set(one.cells[1]) == {1, 4}
 
 
 def _write_table(path, llm, plain, full):

@@ -107,6 +107,11 @@ class LLM:
                         finished[out.request_id] = out
                         pending.discard(out.request_id)
                         bar.update(1)
+        # a step launched ahead may still be in flight for requests that ended in the step
+        # before it: collect it, so the engine is idle when generate returns
+        engine = self.engine
+        while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished:
+            engine.step()
         return [finished[r] for r in request_ids]
 
 

@@ -138,7 +138,7 @@ def test_bench_end_to_end_with_hf_peer(tiny_llama_dir, tmp_path, capsys):
         assert key in results
     assert results["device"] == "cpu" and results["dtype"] == "float32"
     assert results["output_len"] == 4 and results["concurrency"] == [1, 2]
-    assert results["engine"]["max_num_seqs"] == 2
+    assert results["engine"]["max_num_seqs"] == 256  # the default ladder, whatever the levels
     assert results["engine"]["speculative_config"] is None
     assert "arms" not in results and "arm_ratios" not in results  # one arm: today's JSON
     dspark, hf = results["dspark"]["levels"], results["hf"]["levels"]

@@ -250,14 +250,17 @@ def engine_kwargs(config: BenchConfig) -> dict:
     """One engine for the whole sweep: room for the largest level's requests at once.
 
     Without --kv-cache-memory-gb the KV cache holds every request of the largest level at full
-    length, so no level measures preemption instead of batching.
+    length, so no level measures preemption instead of batching. The seats are at least the
+    default engine's, so the graph ladder, and with it the fingerprint a shipped cost table
+    must match, is the default engine's whatever the levels (a sweep to 64 once built a ladder
+    to 64, its engines refused the shipped table and the policy arms ran as fixed K).
     """
     max_c = max(config.concurrency)
     kwargs = dict(
         model=config.model,
         dtype=config.dtype,
         device=config.device,
-        max_num_seqs=max_c,
+        max_num_seqs=max(max_c, EngineConfig.max_num_seqs),
         max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens
         or max(EngineConfig.max_num_batched_tokens, max_c),

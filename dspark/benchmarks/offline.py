@@ -354,6 +354,7 @@ def _spec_delta(before: dict, after: dict) -> dict:
                 (x - y) / windows for x, y in zip(after[key], b, strict=True)
             ]
         d["num_survival_windows"] = windows
+    d["scheduling"] = after.get("scheduling")  # policy or fixed K, and why
     if "drafting_policy" in after:  # steps with and without drafting at this level
         b, a = before.get("drafting_policy", {}), after["drafting_policy"]
         d["drafting_policy"] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}
@@ -370,6 +371,10 @@ def run_arms_sweep(
 ) -> dict[str, dict]:
     """Each arm's sweep ({"warmup", "levels"}), every arm warmed up before any level runs."""
     warmups = {name: warm_up(llm, warmup, config.output_len) for name, llm in llms.items()}
+    for name, llm in llms.items():  # an arm meant to schedule may have fallen back to fixed K
+        status = llm.get_metrics().get("scheduling")
+        if status:
+            print(f"{name}: {status}", file=sys.stderr, flush=True)
     levels = {name: [] for name in llms}
     sweep_start = time.perf_counter()
     for c in config.concurrency:

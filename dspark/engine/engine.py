@@ -217,10 +217,13 @@ class LLMEngine:
         table that does not authenticate fails closed to drafting every step (fixed K), with
         the reason logged and counted."""
         spec_config = self.config.spec()
+        # how this engine decides drafting, for get_metrics() and the bench's arms
+        self.scheduling_status = "fixed K: scheduling off"
         if self.spec is None or not spec_config.scheduling:
             return None
         path = spec_config.cost_table or self._shipped_cost_table()
         if path is None:
+            self.scheduling_status = "fixed K: no cost table for this engine's fingerprint"
             return None
         spec = self.spec
         if not spec.drafter.config.use_confidence:
@@ -237,7 +240,9 @@ class LLMEngine:
             logger.warning("speculation: cost table %s not used (%s): every step drafts the full "
                            "block (fixed K)", path, reason)  # fmt: skip
             policy.counters[f"cost_table_refused: {reason}"] += 1
+            self.scheduling_status = f"fixed K: cost table {path} refused ({reason})"
         else:
+            self.scheduling_status = f"drafting policy, cost table {path}"
             logger.info("speculation: drafting decided per step from cost table %s (G %s)",
                         path, policy.sizes)  # fmt: skip
             self.runner.spec_runner.confidence_sinks.append(policy.observe)
@@ -270,6 +275,7 @@ class LLMEngine:
         m["predicted_survival_per_pos"] = list(self.spec.predicted_survival)
         m["realised_survival_per_pos"] = list(self.spec.realised_survival)
         m["drafting"] = int(self.scheduler.drafting)
+        m["scheduling"] = self.scheduling_status
         stats = self.runner.stats
         fallbacks = {k.removeprefix("eager_spec_steps_"): n for k, n in stats.items()
                      if k.startswith("eager_spec_steps_")}  # fmt: skip

@@ -212,6 +212,8 @@ def test_a_table_of_another_engine_fails_closed(tiny_vocab_dir, drafter, tmp_pat
     assert counters.get("steps_not_drafting", 0) == 0
     assert any(k.startswith("cost_table_refused: fingerprint mismatch on gpu") for k in counters)
     assert counters["decision_no_table"] > 0
+    status = llm.get_metrics()["scheduling"]
+    assert status.startswith(f"fixed K: cost table {path} refused (fingerprint mismatch on gpu")
 
 
 def test_profile_cli_writes_a_table_the_engine_accepts(tiny_vocab_dir, drafter, tmp_path):
@@ -264,6 +266,9 @@ def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(
     shutil.copytree(drafter, own)
     probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(own), **KW)
     assert probe.engine.policy is None  # no cost_tables/ yet: fixed K
+    assert probe.get_metrics()["scheduling"] == (
+        "fixed K: no cost table for this engine's fingerprint"
+    )  # fmt: skip
     (own / "cost_tables").mkdir()
     other = json.loads(_write_table(tmp_path / "other.json", probe, 1e-3, 5e-3).read_text())
     other["fingerprint"]["gpu"] = "NVIDIA H200"
@@ -274,11 +279,15 @@ def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(
     _write_table(own / "cost_tables" / "b_this_engine.json", probe, 1e-3, 5e-3)
     llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(own), **KW)
     assert llm.engine.policy is not None and llm.engine.policy.table is not None
+    assert llm.get_metrics()["scheduling"] == (
+        f"drafting policy, cost table {own / 'cost_tables' / 'b_this_engine.json'}"
+    )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.get_metrics()["drafting_policy"]["steps_not_drafting"] > 0
     off = LLM(str(tiny_vocab_dir), speculative_config=_spec(own, scheduling=False), **KW)
     assert off.engine.policy is None  # scheduling off: fixed K even with a table
+    assert off.get_metrics()["scheduling"] == "fixed K: scheduling off"
     # the profiler pins its cells itself: a matching table beside the drafter does not stop it
     rc = cli_main(["profile", "--model", str(tiny_vocab_dir), "--device", "cpu", "--dtype",
                    "float32", "--max-model-len", "256", "--batch", "1,2", "--steps", "5",

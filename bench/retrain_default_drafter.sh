@@ -23,7 +23,7 @@ RESULTS=${RESULTS:-/root/keep/results}
 PROMPTS=${PROMPTS_DIR:-.data}
 mkdir -p "$RESULTS"
 # INIT_FROM: the weights to start from; DATA_DIR: another run's regenerated data; TOTAL_STEPS:
-# a fixed step count (0: fill TRAIN_MINUTES at the speed of the first measured steps)
+# a fixed step count (0: fill TRAIN_MINUTES at the speed of the warm-up's last steps)
 TRAIN=(python3 -m dspark.cli train --work-dir "$WORK" --prompts-dir "$PROMPTS" --no-progress
        --init-from "${INIT_FROM:-dspark/drafters/smollm2_135m_instruct}"
        ${DATA_DIR:+--data-dir "$DATA_DIR"})

@@ -141,7 +141,7 @@ class LLMEngine:
         )
         self._drafter_dir, self._target_hash = drafter_dir, target_hash
         self.stats_log = StatsLogger(config.log_stats_interval_s)
-        self.policy = self._build_policy()
+        self.policy, self.scheduling_status = self._build_policy()
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids
@@ -212,19 +212,17 @@ class LLMEngine:
             graphs.sizes if graphs else [], self.config.page_size,
         )  # fmt: skip
 
-    def _build_policy(self) -> DraftingPolicy | None:
-        """The drafting policy when speculation has a cost table and a confidence head; a
-        table that does not authenticate fails closed to drafting every step (fixed K), with
-        the reason logged and counted."""
+    def _build_policy(self) -> tuple[DraftingPolicy | None, str]:
+        """The drafting policy when speculation has a cost table and a confidence head, and how
+        the engine decides drafting (for get_metrics() and the bench's arms); a table that does
+        not authenticate fails closed to drafting every step (fixed K), with the reason logged
+        and counted."""
         spec_config = self.config.spec()
-        # how this engine decides drafting, for get_metrics() and the bench's arms
-        self.scheduling_status = "fixed K: scheduling off"
         if self.spec is None or not spec_config.scheduling:
-            return None
+            return None, "fixed K: scheduling off"
         path = spec_config.cost_table or self._shipped_cost_table()
         if path is None:
-            self.scheduling_status = "fixed K: no cost table for this engine's fingerprint"
-            return None
+            return None, "fixed K: no cost table for this engine's fingerprint"
         spec = self.spec
         if not spec.drafter.config.use_confidence:
             reason = "the drafter has no confidence head"
@@ -240,13 +238,11 @@ class LLMEngine:
             logger.warning("speculation: cost table %s not used (%s): every step drafts the full "
                            "block (fixed K)", path, reason)  # fmt: skip
             policy.counters[f"cost_table_refused: {reason}"] += 1
-            self.scheduling_status = f"fixed K: cost table {path} refused ({reason})"
-        else:
-            self.scheduling_status = f"drafting policy, cost table {path}"
-            logger.info("speculation: drafting decided per step from cost table %s (G %s)",
-                        path, policy.sizes)  # fmt: skip
-            self.runner.spec_runner.confidence_sinks.append(policy.observe)
-        return policy
+            return policy, f"fixed K: cost table {path} refused ({reason})"
+        logger.info("speculation: drafting decided per step from cost table %s (G %s)",
+                    path, policy.sizes)  # fmt: skip
+        self.runner.spec_runner.confidence_sinks.append(policy.observe)
+        return policy, f"drafting policy, cost table {path}"
 
     def _shipped_cost_table(self) -> Path | None:
         """A table in the drafter's cost_tables/ measured on an engine like this one (its

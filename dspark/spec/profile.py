@@ -10,8 +10,8 @@ on a shared GPU: on the H200 (2026-12-03) the first cell measured, G = 1's full 
 concurrency 1. The lowest median of the rounds is the steady cost, which is what the drafting
 policy prices (a one-off slow stretch is not a property of the cell). The step is
 `LLMEngine.step()`: drafting, the target, sampling, verification and the host's work, what a
-user's step costs. Greedy windows over a fixed prompt keep acceptance (and
-so KV growth) alike across cells. The engine runs without a cost table (drafting is set here).
+user's step costs. Greedy windows over a fixed prompt keep acceptance (and so KV growth) alike
+across cells. The engine runs without a cost table (drafting is set here).
 
   G 16: plain 1.02 ms, full block 2.41 ms  ->  {"16": {"16": 0.00102, "128": 0.00241}}
 """

@@ -24,7 +24,8 @@ anchor_pos + num_accepted + 1, both known only on the device (the runner writes 
 N+1's inputs there, spec_runner.write_continuations), or a request whose anchor is on the host.
 The host reserves pages for the most N can emit. Anything the host needs N's count for finishes
 N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a plain step in
-flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens),
+flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens;
+a request's last token is not one: it is verified as an empty window among the windows),
 a waiting request that could be admitted, a token budget the windows could exhaust, too few
 free pages for the worst case (Scheduler.ahead_blocker). A request in flight whose next window
 max_tokens or max_model_len could shorten skips one step (deferred) instead. Every window is
@@ -408,7 +409,9 @@ class LLMEngine:
                 if not self.runner.can_feed(plan, previous):
                     outputs, previous = self._finish(previous), None
             elif previous is not None:  # behind a step of windows: windows only
-                assert all(r.num_draft for r in plan.rows), "ahead_blocker let a plain row by"
+                assert all(r.num_draft or r.empty_window for r in plan.rows), (
+                    "ahead_blocker let a plain row by"
+                )
                 self.runner.stats["spec_steps_launched_ahead"] += 1
             self.scheduler.advance(plan)
             step = self.runner.launch(plan)

@@ -54,6 +54,11 @@ class ScheduledRow(NamedTuple):
     # the anchor is what this request's in-flight window emits last, on the device; `start` is
     # then the latest position it can have (the host's upper bound, what staging writes)
     is_continuation: bool = False
+    # a plain decode row of a drafting request whose next token is its last (max_tokens leaves
+    # no room for a draft): the runner may verify it as a window of verify length 0 (the anchor
+    # alone, its draft ignored) so that a step of windows keeps its graph. It stays a plain
+    # row here: one KV slot reserved, a placeholder advanced, one token updated.
+    empty_window: bool = False
 
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> ScheduledRow:
@@ -182,7 +187,8 @@ class Scheduler:
             start = req.num_computed_tokens
             if num_tokens - start == 1 and budget:
                 if start // page_size < len(req.page_ids) or self._reserve(req, num_tokens, True):
-                    rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False)))
+                    empty = bool(self.draft_len) and self._empty_window(req)
+                    rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False, empty)))
                     budget -= 1
                 continue
             assert num_tokens > start, f"request {req.request_id} has no token left to compute"
@@ -233,9 +239,13 @@ class Scheduler:
         for req in self.running:
             if req.num_windows_in_flight and not self._continues(req):
                 continue  # deferred
-            if not req.num_windows_in_flight and self._num_draft(req, self.max_verify + 1) == 0:
-                return "plain_rows"
             most = self._most_tokens(req) + self.draft_len  # + the drafter block
+            if not req.num_windows_in_flight and self._num_draft(req, self.max_verify + 1) == 0:
+                if req.token_ids[-1] == PENDING_TOKEN and req.num_tokens >= req.max_num_tokens:
+                    continue  # its pending token is its last: no row
+                if not self._empty_window(req):
+                    return "plain_rows"
+                most = req.num_tokens  # its anchor's slot
             pages += pages_for(most, self.page_size) - len(req.page_ids)
         return "kv_pages" if pages > self.allocator.num_free else None
 
@@ -248,6 +258,18 @@ class Scheduler:
         """The most tokens req can have when its next window runs: one anchor past all that
         its in-flight window (if any) can emit."""
         return req.num_tokens + (1 + self.max_verify) * req.num_windows_in_flight
+
+    def _empty_window(self, req: Request) -> bool:
+        """Is req's next row (a plain decode row) its last token, of a drafting request, with
+        the anchor on the host and the window's K + 1 positions inside max_model_len? Then the
+        runner may lay it out as an empty window among the windows of a uniform step."""
+        return (
+            req.num_tokens + 1 == req.max_num_tokens
+            and req.num_tokens + self.draft_len <= self.max_model_len
+            and req.token_ids[-1] != PENDING_TOKEN
+            and req.num_tokens - req.num_computed_tokens == 1
+            and self._is_windowed(req)
+        )
 
     def _is_windowed(self, req: Request) -> bool:
         sp = req.sampling_params
@@ -309,7 +331,7 @@ class Scheduler:
         Window rows [anchor, drafts] emit a number of tokens only verification knows; they
         advance in update() and are counted in flight until then.
         """
-        for req, start, num_tokens, do_sample, num_draft, _ in plan.rows:
+        for req, start, num_tokens, do_sample, num_draft, _, _ in plan.rows:
             if num_draft:
                 req.num_windows_in_flight += 1
                 continue
@@ -339,7 +361,7 @@ class Scheduler:
         emitted = []
         finished, num_generated = RequestStatus.FINISHED, 0
         for row, out in zip(plan.rows, sampled, strict=True):
-            req, start, num_tokens, _, num_draft, is_continuation = row  # (unpacked: per row)
+            req, start, num_tokens, _, num_draft, is_continuation, _ = row  # (unpacked: per row)
             if num_draft:
                 req.num_windows_in_flight -= 1
             if out is None or req.status is finished:

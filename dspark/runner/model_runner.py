@@ -29,6 +29,7 @@ from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, Request, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import (
+    PAD_SLOT,
     PAD_TOKEN_ID,
     InputBuffers,
     StepLayout,
@@ -74,6 +75,7 @@ class Staged(NamedTuple):
     sampled_rows: np.ndarray  # [N] plan rows that sample one token (windows verify instead)
     sampled_ends: np.ndarray  # [N] index of the token each samples (its position)
     is_decode: bool = False  # every row one token that samples
+    window_rows: tuple[int, ...] = ()  # plan rows verified as windows (empty windows too)
 
 
 class ModelRunner:
@@ -204,10 +206,22 @@ class ModelRunner:
         ids, positions, slots, cu, seq_lens, logits_idx = [], [], [], [0], [], []
         fed_dst, fed_rows = [], []  # input tokens still on the device (async scheduling)
         sampled_rows, sampled_ends = [], []  # plain rows that sample one token
+        window_rows = []  # rows verified as windows
         for i, row in enumerate(plan.rows):
             req, start, end = row.request, row.start, row.end
             pages = req.page_ids
-            if end - start == 1 and not row.num_draft:  # a decode token: the common case
+            if row.empty_window and window_width:
+                # an empty window (verify length 0): the anchor, then K tail tokens scored and
+                # never accepted, whose KV goes to the scratch page (the request owns the
+                # anchor's slot only: its last token)
+                end = start + window_width
+                ids += [req.token_ids[start]] + [0] * (window_width - 1)
+                logits_idx += range(cu[-1], cu[-1] + window_width)
+                positions += range(start, end)
+                slots += [pages[start // ps] * ps + start % ps] + [PAD_SLOT] * (window_width - 1)
+                window_rows.append(i)
+                self.stats["empty_windows"] += 1
+            elif end - start == 1 and not row.num_draft:  # a decode token: the common case
                 token = req.token_ids[start]
                 if token == PENDING_TOKEN:
                     fed_dst.append(cu[-1])
@@ -219,6 +233,7 @@ class ModelRunner:
                     logits_idx.append(cu[-1])
             else:
                 if row.num_draft:  # [anchor, drafts]: the drafts are scattered in on the device
+                    window_rows.append(i)
                     # a window shorter than window_width gets tail tokens past its verify_len:
                     # scored, never accepted, their KV on the request's own reserved pages
                     # (the scheduler reserves a whole block) and rewritten before it is read
@@ -237,7 +252,7 @@ class ModelRunner:
                         logits_idx.append(cu[-1] + row.num_tokens - 1)
                 positions += range(start, end)
                 slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
-            if row.do_sample and not row.num_draft:
+            if row.do_sample and not row.num_draft and not (row.empty_window and window_width):
                 sampled_rows.append(i)
                 sampled_ends.append(row.end)
             cu.append(cu[-1] + end - start)
@@ -269,8 +284,8 @@ class ModelRunner:
             n = t
         layout = StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens), num_fed=num_fed,
                             window_width=window_width)  # fmt: skip
-        return Staged(layout, graph_size, reqs, serials, np.array(sampled_rows, dtype=np.int64),
-                      np.array(sampled_ends, dtype=np.int64))  # fmt: skip
+        sampled = np.array(sampled_rows, dtype=np.int64), np.array(sampled_ends, dtype=np.int64)
+        return Staged(layout, graph_size, reqs, serials, *sampled, window_rows=tuple(window_rows))
 
     @torch.inference_mode()
     def _warm_up_eager(self, max_num_tokens: int) -> None:
@@ -348,9 +363,7 @@ class ModelRunner:
         layout, graph_size = staged.layout, staged.graph_size
         self.buffers.upload(layout)
         self._feed_pending(layout)
-        window_rows = (
-            [] if staged.is_decode else [i for i, r in enumerate(plan.rows) if r.num_draft]
-        )
+        window_rows = list(staged.window_rows)
         spec_out = None
         if window_rows:
             spec_out = self.spec_runner.run(plan, layout, window_rows, graph_size)

@@ -4,12 +4,16 @@ graph or eagerly), its results queued to the host and assigned to plan rows.
 A step whose rows are all windows, at most a captured size of them, replays SpecGraphs (pad
 windows on the scratch page after the live ones). Such a step lays every window out K + 1
 tokens wide, also a window shortened near max_tokens (its verify_len caps what it accepts), so
-that requests finishing at different steps do not send the batch to the eager path. Any other
-step with windows (mixed with plain rows) runs the same SpecDecoder.step eagerly, and the
-reason is counted.
+that requests finishing at different steps do not send the batch to the eager path. A request
+whose next token is its last (no room for a draft) comes as a plain decode row marked
+`empty_window`: among windows it is laid out as a window of verify length 0, the anchor and K
+tail tokens whose KV goes to the scratch page (the request owns only the anchor's slot), so
+that it too keeps the step in its graph. Any other step with windows (mixed with plain rows)
+runs the same SpecDecoder.step eagerly, and the reason is counted.
 
-  K = 3, windows of verify_len [3, 1]: target tokens [a0 x x x | a1 x . .], cu [0, 4, 8];
-  the second window's last two tokens are scored but never accepted.
+  K = 3, windows of verify_len [3, 1, 0]: target tokens [a0 x x x | a1 x . . | a2 . . .],
+  cu [0, 4, 8, 12]; the second window's last two tokens and the third's last three are scored
+  but never accepted (the third's KV slots [s, 0, 0, 0]: scratch after the anchor's).
 
 A step of such windows can have a step launched behind it before its results reach the host
 (async scheduling of drafting steps): a continuation row's anchor is the last token its
@@ -135,9 +139,12 @@ class SpecRunner:
         self.confidence_sinks: list[Callable[..., None]] = []
 
     def window_width(self, plan: StepPlan) -> int | None:
-        """K + 1 if every row of the step is a window laid out at full width, else None."""
+        """K + 1 if every row of the step is a window laid out at full width (empty windows
+        among them), else None."""
         width = 1 + self.spec.num_verify
-        if not self.uniform_windows or not all(r.num_draft for r in plan.rows):
+        if not self.uniform_windows or not all(r.num_draft or r.empty_window for r in plan.rows):
+            return None
+        if not any(r.num_draft for r in plan.rows):  # (only last tokens: a plain decode step)
             return None
         if len(plan.rows) * width > self.capacity:  # the token buffers' size
             return None
@@ -263,7 +270,8 @@ class SpecRunner:
             step.confidence = to_host(out.confidence_logits[:R].float())
         cu = layout.cu_num_tokens_cpu
         widths = [cu[i + 1] - cu[i] for i in window_rows]  # window tokens in window_logits
-        step.window_logprobs = to_host(self._window_logprobs(plan, out, step.verify_len, widths))
+        wants = [plan.rows[i].request.sampling_params.logprobs for i in window_rows]
+        step.window_logprobs = to_host(self._window_logprobs(wants, out, step.verify_len, widths))
 
     def assign(self, step: InFlightStep, results: list[SampledTokens | None]) -> None:
         """After the step's sync: each window row's emitted tokens (and logprobs) into results;
@@ -273,9 +281,12 @@ class SpecRunner:
         greedy = [plan.rows[i].request.sampling_params.is_greedy for i in step.window_rows]
         self.spec.record(step.verify_len, accepted, step.confidence, greedy)
         if step.confidence is not None:
-            ids = [plan.rows[i].request.request_id for i in step.window_rows]
+            # (an empty window's block drafted over scratch-page slots: no evidence)
+            seen = [j for j, v in enumerate(step.verify_len) if v]
+            ids = [plan.rows[step.window_rows[j]].request.request_id for j in seen]
             for sink in self.confidence_sinks:
-                sink(ids, step.confidence, greedy, accepted, step.verify_len)
+                sink(ids, step.confidence[seen], [greedy[j] for j in seen],
+                     [accepted[j] for j in seen], [step.verify_len[j] for j in seen])  # fmt: skip
         wlp = None
         if step.window_logprobs is not None:
             wlp = [x.tolist() for x in step.window_logprobs]
@@ -295,7 +306,11 @@ class SpecRunner:
             row0 += 1 + step.verify_len[j]
 
     def _window_logprobs(
-        self, plan: StepPlan, out: SpecStepOutput, verify_len: list[int], widths: list[int]
+        self,
+        wants: list[int | None],  # per window: its request's logprobs (None: not asked)
+        out: SpecStepOutput,
+        verify_len: list[int],
+        widths: list[int],
     ):
         """The target's logprobs of each emittable window token, packed 1 + verify_len per
         window: emitted token i of a window is scored by window row i (the anchor's row scores
@@ -304,7 +319,6 @@ class SpecRunner:
 
           verify_len [2, 1], widths [4, 4] (K = 3): logit rows [0 1 2 | 4 5], owners [0 0 0 1 1]
         """
-        wants = [r.request.sampling_params.logprobs for r in plan.rows if r.num_draft]
         if all(n is None for n in wants):
             return None
         lens = [1 + n for n in verify_len]

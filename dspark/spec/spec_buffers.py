@@ -21,7 +21,9 @@ the windows start at tokens 0 and 3 of the target layout):
                                                      window then has unverified tail tokens)
 
 A pad row (j >= the live count) is a dummy identity on the scratch page: anchor 0 at position
-0, greedy, seed 0, block slots on the scratch page, draft_dst inside its own pad window.
+0, greedy, seed 0, block slots on the scratch page, draft_dst inside its own pad window. An
+empty window (verify_len 0: a request's last token) has its block slots after the anchor's on
+the scratch page too: its request owns no page past the anchor.
 """
 
 from __future__ import annotations
@@ -127,7 +129,9 @@ class SpecBuffers:
         slots = np.full((num_rows, K), SCRATCH_PAGE * ps, dtype=np.int64)
         for j, r in enumerate(rows):
             pages = np.asarray(r.page_ids, dtype=np.int64)
-            slots[j] = pages[block_pos[j] // ps] * ps + block_pos[j] % ps
+            owned = K if r.verify_len else 1  # an empty window owns its anchor's slot alone
+            pos = block_pos[j, :owned]
+            slots[j, :owned] = pages[pos // ps] * ps + pos % ps
         verify_len = np.full(num_rows, pad_verify_len, dtype=np.int64)
         verify_len[:n] = [r.verify_len for r in rows]
         window_len = verify_len + 1 if window_width is None else np.full(num_rows, window_width)

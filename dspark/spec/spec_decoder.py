@@ -208,7 +208,7 @@ class SpecDecoder:
         then every observer sees the step's windows (after the step's host sync)."""
         for observe in self.observers:
             observe(verify_len, num_accepted, confidence_logits)
-        self.metrics["num_drafts"] += len(verify_len)
+        self.metrics["num_drafts"] += sum(1 for v in verify_len if v)  # (not empty windows)
         self.metrics["num_draft_tokens"] += sum(verify_len)
         self.metrics["num_verified_tokens"] += len(verify_len) + sum(verify_len)
         self.metrics["num_accepted_tokens"] += sum(num_accepted)

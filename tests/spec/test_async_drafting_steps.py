@@ -186,3 +186,86 @@ def test_scheduler_continuation_rows_and_deferral():
     s.advance(s.schedule())
     assert s.ahead_blocker(max_rows=8) is None and s.schedule().is_empty
     assert s.num_windows_deferred == 1
+
+
+def test_requests_ending_apart_stay_in_uniform_steps(tiny_vocab_dir, drafter):
+    """Greedy requests whose max_tokens end them at different steps: a request whose last
+    token comes among windows verifies it as an empty window, so no plain row holds the next
+    step back (spec_steps_not_ahead_plain_rows), and the tokens are those of plain decoding."""
+    kw = dict(num_kv_pages=256, max_num_seqs=8)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (9, 14, 17, 22, 25, 28, 31, 40)]  # fmt: skip
+    plain = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", **kw)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    for async_scheduling in (False, True):
+        llm = _llm(tiny_vocab_dir, drafter, async_scheduling, **kw)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert got == want
+        stats = llm.engine.runner.stats
+        assert stats["empty_windows"] > 0, dict(stats)
+        assert stats["spec_steps_not_ahead_plain_rows"] == 0, dict(stats)
+        m = llm.get_metrics()  # an empty window is no draft
+        assert m["num_drafts"] == sum(m["verify_len_counts"][1:]) and m["verify_len_counts"][0]
+        e = llm.engine
+        assert e.allocator.num_free == e.allocator.num_usable
+    assert stats["spec_steps_launched_ahead"] > 0
+
+
+def _prefilled(params: list[SamplingParams]):
+    """A scheduler (page size 4, draft_len 3) whose requests of 3-token prompts have each
+    emitted one token."""
+    from dspark.engine.kv_cache import PageAllocator
+    from dspark.engine.scheduler import SampledTokens, Scheduler
+    from dspark.request import Request
+
+    s = Scheduler(PageAllocator(32), 4, 8, 64, 64, draft_len=3)
+    reqs = [Request(str(i), [3, 4, 5], p, 0, eos_token_id=1, arrival_time=0.0)
+            for i, p in enumerate(params)]  # fmt: skip
+    for r in reqs:
+        s.add(r)
+    prefill = s.schedule()
+    s.advance(prefill)
+    s.update(prefill, [SampledTokens((9,))] * len(reqs))
+    return s, reqs
+
+
+def test_scheduler_marks_last_tokens_empty_windows():
+    """A drafting request whose next token is its last gets a plain row marked empty_window
+    (one KV slot, a placeholder); one opted out, under min_tokens, or with room for a draft
+    does not."""
+    from dspark.request import PENDING_TOKEN
+
+    s, reqs = _prefilled([
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),  # last token next
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),  # room for drafts
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, use_speculation=False),
+        SamplingParams(temperature=0, max_tokens=2, min_tokens=2),  # under min_tokens: plain
+    ])  # fmt: skip
+    plan = s.schedule()
+    assert [(r.num_draft, r.empty_window) for r in plan.rows] == [
+        (0, True),
+        (3, False),
+        (0, False),
+        (0, False),
+    ]
+    assert len(reqs[0].page_ids) == 1  # the anchor's slot: 4 tokens in one page
+    s.advance(plan)
+    assert reqs[0].token_ids[-1] == PENDING_TOKEN
+
+
+def test_ahead_blocker_lets_empty_windows_by():
+    """Behind a step of windows: a request whose last token is next (an empty window) does not
+    block the step launched ahead, nor does one whose pending token is its last; an opted-out
+    request's plain row does."""
+    s, reqs = _prefilled([
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ])  # fmt: skip
+    assert s.ahead_blocker(max_rows=8) is None
+    s.advance(s.schedule())  # reqs[0]'s last token pending, reqs[1]'s window in flight
+    assert s.ahead_blocker(max_rows=8) is None
+    s2, _ = _prefilled([
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, use_speculation=False),
+    ])  # fmt: skip
+    assert s2.ahead_blocker(max_rows=8) == "plain_rows"

@@ -40,6 +40,18 @@ def test_docstring_example_and_pad_rows():
     assert meta.seq_lens_cpu == (12, 7)
 
 
+def test_empty_window_owns_its_anchor_slot_alone():
+    """An empty window (verify_len 0, a request's last token at position 7 = the end of page
+    5): its drafter block writes the anchor's slot, the rest on the scratch page (its request
+    owns no page past the anchor); every draft rewrites the anchor token."""
+    b = SpecBuffers(max_rows=2, draft_len=3, page_size=PAGE, device=torch.device("cpu"))
+    b.write([_row(11, 7, 0, 0, [4, 5])], num_rows=1, pad_token_offset=4, pad_verify_len=3,
+            window_width=4)  # fmt: skip
+    assert b.block_slots[:3].tolist() == [5 * 4 + 3, SCRATCH_PAGE * PAGE, SCRATCH_PAGE * PAGE]
+    assert b.draft_dst[:1].tolist() == [[0, 0, 0]]
+    assert b.window_len[:1].tolist() == [4]
+
+
 def test_sampling_mode_of_a_batch():
     vocab = 100
     greedy = [_row(1, 1, 1, 0, [1]), _row(1, 1, 1, 2, [1])]

@@ -4,7 +4,8 @@ step) and once with 64 different gsm8k prompts (they end at different steps). Pr
 the runner's counters: eager speculative steps (a plain row among windows) and steps that could
 not be launched ahead.
 
-    python bench/requests_ending_apart.py --prompts-dir <shared data> [--prompt "..."]
+    python bench/requests_ending_apart.py --prompts-dir <shared data> [--prompt "..."] \
+        [--plain] [--out results.json]
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 from dspark import LLM, SamplingParams
 
 
-def run(prompts: list[str], repeats: int = 2) -> dict:
-    llm = LLM("default", speculative_config={"method": "dspark", "scheduling": False},
-              max_num_seqs=len(prompts))  # fmt: skip
+def run(prompts: list[str], repeats: int = 2, speculation: bool = True) -> dict:
+    spec = {"method": "dspark", "scheduling": False} if speculation else None
+    llm = LLM("default", speculative_config=spec, max_num_seqs=len(prompts))
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     rates = []
     for _ in range(repeats):  # the first warms up
@@ -27,7 +28,7 @@ def run(prompts: list[str], repeats: int = 2) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         rates.append(len(prompts) * 256 / (time.perf_counter() - t0))
     m = llm.get_metrics()
-    return {"tok_s": rates, "mean_acceptance_length": m["mean_acceptance_length"],
+    return {"tok_s": rates, "mean_acceptance_length": m.get("mean_acceptance_length"),
             "runner": dict(llm.engine.runner.stats)}  # fmt: skip
 
 
@@ -36,11 +37,20 @@ def main() -> None:
     parser.add_argument("--prompts-dir", type=Path, required=True)
     parser.add_argument("--prompt", default="Tell me about the history of Rome.")
     parser.add_argument("--n", type=int, default=64)
+    parser.add_argument("--plain", action="store_true", help="also plain decoding, same prompts")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     rows = [json.loads(line) for line in open(args.prompts_dir / "gsm8k_train.jsonl")]
     apart = [next(v for v in r.values() if isinstance(v, str)) for r in rows[: args.n]]
+    results = {}
     for name, prompts in (("together", [args.prompt] * args.n), ("apart", apart)):
-        print(name, json.dumps(run(prompts)))
+        results[name] = run(prompts)
+        print(name, json.dumps(results[name]))
+        if args.plain:
+            results[f"{name}_plain"] = run(prompts, speculation=False)
+            print(f"{name}_plain", json.dumps(results[f"{name}_plain"]))
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,15 @@ blocks were observed; stale rows still count K, so probing is unchanged. Under l
 admission wave otherwise looks fully confident and drafts for a few steps at several times
 the plain cost (docs/PERFORMANCE.md, fifth sweep). Opt-in until measured.
 
+A request's estimate is not its last block alone. Its blocks' sums are smoothed (exponentially,
+half-life block_half_life blocks: the newest block weighs one half by default), and the estimate
+is pulled toward the population mean as it ages (half-life regression_half_life steps). One
+weak block (a sentence boundary, a number) therefore neither turns drafting off by itself nor,
+once it has, keeps it off until the row goes stale: at G = 1 staleness takes ~120 steps, and on
+the H200 (2026-12-03) the policy drafted 33 of 166 steps at concurrency 1 for 1.29x plain
+decoding where fixed K gave 1.65x. Where plain decoding wins on the population's own mean
+(under load), the pull changes nothing.
+
 Two corrections keep lagged estimates honest:
 - Online recalibration. STS is fitted offline on other prompts; the engine knows, for every full
   block it verified, how many drafts the calibrated survivals predicted and how many were
@@ -78,6 +87,8 @@ class DraftingPolicy:
         prior_blocks: float = 4.0,  # ratio-1 pseudo-blocks: a few blocks cannot swing it
         unobserved: str = "confident",  # or "population" (module docstring)
         min_population_blocks: float = 16.0,
+        block_half_life: float = 1.0,  # blocks, of a request's smoothed survival sum
+        regression_half_life: float = 8.0,  # steps, of a request's pull to the population mean
     ) -> None:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
@@ -91,6 +102,12 @@ class DraftingPolicy:
         self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
         self.probe_budget = probe_budget
         self._decay = 0.5 ** (1.0 / calibration_half_life)
+        if block_half_life < 0 or regression_half_life <= 0:
+            raise ValueError(f"block_half_life must be >= 0 and regression_half_life > 0, got "
+                             f"{block_half_life} and {regression_half_life}")  # fmt: skip
+        # weight of a request's newest block in its smoothed sum (1: the last block alone)
+        self._block_weight = 1.0 - 0.5 ** (1.0 / block_half_life) if block_half_life else 1.0
+        self._regression_half_life = regression_half_life
         # exponentially weighted predicted and realised accepted drafts over full blocks, each
         # starting from prior_blocks blocks of one accepted draft predicted and realised
         self._predicted = self._realised = prior_blocks
@@ -125,8 +142,11 @@ class DraftingPolicy:
         """After a speculative step's sync: each window's raw confidences and what it kept."""
         temps = torch.stack([self.temperatures[g] for g in greedy])
         sums = survival(confidence_logits[:, : self.draft_len].float(), temps).sum(-1).tolist()
+        w = self._block_weight
         for rid, total in zip(request_ids, sums, strict=True):
-            self._survival_sums[rid] = (total, self._step)
+            seen = self._survival_sums.get(rid)
+            smoothed = total if seen is None else seen[0] + w * (total - seen[0])
+            self._survival_sums[rid] = (smoothed, self._step)
         decay = self._decay ** len(sums)
         self._population_sum = self._population_sum * decay + sum(sums)
         self._population_blocks = self._population_blocks * decay + len(sums)
@@ -183,23 +203,42 @@ class DraftingPolicy:
 
     def survival_sum(self, request_ids: list[str], g: int) -> float:
         """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale
-        rows count K (a = 1)."""
+        rows count K (a = 1).
+
+        A fresh row's estimate is its smoothed sum pulled toward the population mean as it
+        ages (half-life regression_half_life steps; module docstring), once the population
+        has min_population_blocks blocks of evidence.
+        """
         fresh_since = self._step - self.stale_after(g)
         scale, k = self.correction, self.draft_len
         unseen = self.unobserved_sum()
+        mean = self.population_mean()
         total = 0.0
         for rid in request_ids:
             seen = self._survival_sums.get(rid)
             if seen is None:
                 total += unseen
+            elif seen[1] < fresh_since:
+                total += k
             else:
-                total += min(k, scale * seen[0]) if seen[1] >= fresh_since else k
+                own = min(k, scale * seen[0])
+                if mean is not None:
+                    own = mean + (own - mean) * 0.5 ** ((self._step - seen[1]) /
+                                                       self._regression_half_life)  # fmt: skip
+                total += own
         return total
+
+    def population_mean(self) -> float | None:
+        """The recent requests' recalibrated mean survival sum per block (exponentially
+        weighted over observed blocks), or None before min_population_blocks blocks."""
+        if self._population_blocks < self.min_population_blocks:
+            return None
+        return min(self.draft_len, self.correction * self._population_sum / self._population_blocks)
 
     def unobserved_sum(self) -> float:
         """What a request that never drafted counts: K, or with unobserved="population" and
         enough evidence, the recent requests' recalibrated mean survival sum."""
-        k = self.draft_len
-        if self.unobserved == "confident" or self._population_blocks < self.min_population_blocks:
-            return float(k)
-        return min(k, self.correction * self._population_sum / self._population_blocks)
+        mean = self.population_mean()
+        if self.unobserved == "confident" or mean is None:
+            return float(self.draft_len)
+        return mean

@@ -139,6 +139,31 @@ def test_population_prior_prices_an_admission_wave_by_the_recent_requests():
         _policy(unobserved="sometimes")
 
 
+def test_one_weak_block_neither_stops_drafting_nor_keeps_it_off():
+    """G = 1 (plain 1.0, full 1.5): a request that keeps ~5.6 of 7 drafts, then one block of
+    none. Smoothed over its blocks the weak block does not turn drafting off; after a run of
+    weak blocks it does, and the estimate's pull to the population mean brings drafting back
+    long before the row is stale (50 steps), where its last block alone would keep it off."""
+    strong, weak = torch.full((1, K), 3.0), torch.full((1, K), -10.0)
+    smoothed, last_only = _policy(dwell=2), _policy(dwell=2, block_half_life=0,
+                                                    regression_half_life=1e9)  # fmt: skip
+    for p in (smoothed, last_only):
+        for _ in range(20):
+            p.observe(["r0"], strong, [False])
+            assert p.decide(["r0"]).drafting
+        p.observe(["r0"], weak, [False])
+    assert smoothed.decide(["r0"]).drafting
+    assert not last_only.decide(["r0"]).drafting
+    for _ in range(4):
+        smoothed.observe(["r0"], weak, [False])
+    assert not smoothed.decide(["r0"]).drafting
+    back = next(n for n in range(1, 60) if smoothed.decide(["r0"]).drafting)
+    assert back < smoothed.stale_after(1) == 50
+    assert not any(last_only.decide(["r0"]).drafting for _ in range(40))
+    with pytest.raises(ValueError, match="regression_half_life"):
+        _policy(regression_half_life=0)
+
+
 # ---- the engine -----------------------------------------------------------------------------
 
 

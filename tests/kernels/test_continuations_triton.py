@@ -1,0 +1,63 @@
+"""The continuation-window kernel writes exactly what the torch reference writes
+(spec_runner.write_continuations): the reference's worked example, and random windows over
+page boundaries with rows out of order."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels.continuations_triton import write_continuations_triton
+from dspark.runner.input_buffers import InputBuffers
+from dspark.runner.spec_runner import write_continuations
+from dspark.spec.spec_buffers import SpecBuffers
+
+FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens")
+SPEC_FIELDS = ("anchors", "anchor_pos", "block_positions", "block_slots", "block_seq_lens")
+
+
+def _buffers(device, rows=8, K=3, page_size=4):
+    b = InputBuffers(max_num_tokens=rows * (K + 1), max_num_rows=rows, max_pages_per_row=8,
+                     device=device)  # fmt: skip
+    sb = SpecBuffers(max_rows=rows, draft_len=K, page_size=page_size, device=device)
+    return b, sb
+
+
+def _run_both(device, table, rows, src, next_pos, next_tok, K=3, page_size=4):
+    width = K + 1
+    ref, ref_sb = _buffers(torch.device("cpu"), K=K, page_size=page_size)
+    got, got_sb = _buffers(device, K=K, page_size=page_size)
+    for b in (ref, got):
+        b.block_table.copy_(table.to(b.block_table.device))
+    write_continuations(ref, ref_sb, rows, next_pos[src], next_tok[src], width)
+    d = lambda t: t.to(device)  # noqa: E731
+    write_continuations_triton(
+        d(rows), d(src), d(next_pos), d(next_tok), got.block_table, got.input_ids,
+        got.positions, got.slot_mapping, got.seq_lens, got_sb.anchors, got_sb.anchor_pos,
+        got_sb.block_positions, got_sb.block_slots, got_sb.block_seq_lens, width, K, page_size,
+    )  # fmt: skip
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
+    for name in SPEC_FIELDS:
+        assert torch.equal(getattr(got_sb, name).cpu(), getattr(ref_sb, name)), name
+    return got, got_sb
+
+
+def test_worked_example(device):
+    """write_continuations' docstring: width 4, row 1, anchor at 1, pages [7, 2]."""
+    table = torch.zeros(8, 8, dtype=torch.int32)
+    table[1, :2] = torch.tensor([7, 2])
+    got, sb = _run_both(device, table, torch.tensor([1]), torch.tensor([0]), torch.tensor([1]),
+                        torch.tensor([11]))  # fmt: skip
+    assert got.slot_mapping[4:8].tolist() == [29, 30, 31, 8]
+    assert sb.block_slots[3:6].tolist() == [29, 30, 31]
+
+
+def test_random_rows_across_pages(device):
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(1, 64, (8, 8), generator=g, dtype=torch.int32)
+    rows = torch.tensor([5, 0, 3, 7, 2])
+    src = torch.tensor([2, 0, 4, 1, 3])  # the previous step's windows, in another order
+    next_pos = torch.randint(0, 24, (5,), generator=g)
+    next_tok = torch.randint(0, 1000, (5,), generator=g)
+    _run_both(device, table, rows, src, next_pos, next_tok)
+    _run_both(device, table, rows, src, next_pos, next_tok, K=7, page_size=16)

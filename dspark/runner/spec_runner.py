@@ -198,19 +198,18 @@ class SpecRunner:
             # (a continuation's anchor is written on the device: see _feed_continuations)
             anchor = PAD_TOKEN_ID if r.is_continuation else req.token_ids[r.start]
             rows.append(WindowRow(
-                anchor=anchor, anchor_pos=r.start, verify_len=r.num_draft,
-                token_offset=cu[i], page_ids=req.page_ids, temperature=sp.temperature,
-                top_k=sp.top_k if sp.top_k > 0 else self.vocab_size, top_p=sp.top_p,
-                seed=req.seed,
+                anchor, r.start, r.num_draft, cu[i], i, sp.temperature,
+                sp.top_k if sp.top_k > 0 else self.vocab_size, sp.top_p, req.seed,
             ))  # fmt: skip
         mode = SamplingMode.of(rows, self.vocab_size)
-        width = layout.window_width
+        width, table = layout.window_width, self.buffers.np("block_table")
         if graph_size is not None:  # every plan row is a window: pad rows follow them
-            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)], window_width=width)
+            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)], window_width=width,
+                            block_table=table)  # fmt: skip
             self._feed_continuations(plan, width)
             self.stats["spec_graph_steps"] += 1
             return self.graphs.replay(graph_size, mode)
-        self.spec.stage(rows, len(rows), window_width=width)
+        self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width)
         self.stats["eager_spec_steps"] += 1
         b, dev = self.buffers, self.device

@@ -29,6 +29,7 @@ the scratch page too: its request owns no page past the anchor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,15 +40,14 @@ from dspark.runner.input_buffers import UploadFence, staging_pair
 from dspark.sample.sampler import SamplingTensors
 
 
-@dataclass(frozen=True)
-class WindowRow:
-    """One live window as the host knows it."""
+class WindowRow(NamedTuple):
+    """One live window as the host knows it (a NamedTuple: built once per window per step)."""
 
     anchor: int
     anchor_pos: int
     verify_len: int
     token_offset: int  # index of the anchor in the step's target token layout
-    page_ids: list[int]
+    table_row: int  # its request's row of the step's block table (host staging copy)
     temperature: float
     top_k: int  # vocab size: no top-k
     top_p: float
@@ -115,6 +115,7 @@ class SpecBuffers:
         pad_token_offset: int,
         pad_verify_len: int,
         window_width: int | None = None,  # tokens of every window; None: its verify_len + 1
+        block_table: np.ndarray | None = None,  # [rows, W] the step's pages (row r.table_row)
     ) -> None:
         """Stage the live rows, then pad rows up to num_rows (their windows of pad_verify_len
         + 1 tokens start at pad_token_offset in the target layout)."""
@@ -126,14 +127,16 @@ class SpecBuffers:
         anchor_pos = np.zeros(num_rows, dtype=np.int64)
         anchor_pos[:n] = [r.anchor_pos for r in rows]
         block_pos = anchor_pos[:, None] + k[None, :]  # [G, K]
-        slots = np.full((num_rows, K), SCRATCH_PAGE * ps, dtype=np.int64)
-        for j, r in enumerate(rows):
-            pages = np.asarray(r.page_ids, dtype=np.int64)
-            owned = K if r.verify_len else 1  # an empty window owns its anchor's slot alone
-            pos = block_pos[j, :owned]
-            slots[j, :owned] = pages[pos // ps] * ps + pos % ps
         verify_len = np.full(num_rows, pad_verify_len, dtype=np.int64)
         verify_len[:n] = [r.verify_len for r in rows]
+        slots = np.full((num_rows, K), SCRATCH_PAGE * ps, dtype=np.int64)
+        if n:  # position p of row j: its page block_table[table_row, p // ps], offset p % ps
+            table_rows = np.array([r.table_row for r in rows], dtype=np.int64)
+            pages = block_table[table_rows[:, None], block_pos[:n] // ps].astype(np.int64)
+            live = pages * ps + block_pos[:n] % ps
+            # an empty window owns its anchor's slot alone: the rest stay on the scratch page
+            live[verify_len[:n] == 0, 1:] = SCRATCH_PAGE * ps
+            slots[:n] = live
         window_len = verify_len + 1 if window_width is None else np.full(num_rows, window_width)
         offsets = np.empty(num_rows, dtype=np.int64)
         offsets[:n] = [r.token_offset for r in rows]

@@ -104,10 +104,12 @@ class SpecDecoder:
         num_rows: int,
         pad_token_offset: int = 0,
         window_width: int | None = None,  # tokens per window in the layout; None: verify_len + 1
+        block_table: np.ndarray | None = None,  # [rows, W] host pages, row WindowRow.table_row
     ) -> None:
         """Write the windows (and pad rows of num_verify drafts up to num_rows) into the
         persistent buffers."""
-        self.buffers.write(rows, num_rows, pad_token_offset, self.num_verify, window_width)
+        self.buffers.write(rows, num_rows, pad_token_offset, self.num_verify, window_width,
+                           block_table)  # fmt: skip
         self.buffers.upload(num_rows)
 
     def step(

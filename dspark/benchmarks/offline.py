@@ -94,6 +94,9 @@ class BenchConfig:
     output_len: int = 256
     max_prompt_len: int = 512
     repeats: int = 1
+    # requests per level in units of C: 1, one wave of C submitted at once; W > 1, W * C
+    # requests with at most C in flight, the next submitted as one ends (a closed loop)
+    waves: int = 1
     prompts_dir: Path | None = None
     sources: tuple[str, ...] = SOURCES
     seed: int = 0
@@ -106,7 +109,7 @@ class BenchConfig:
     plot: Path | None = None  # None: no plot
 
     def __post_init__(self) -> None:
-        for name in ("output_len", "max_prompt_len", "repeats", "hf_max_concurrency"):
+        for name in ("output_len", "max_prompt_len", "repeats", "hf_max_concurrency", "waves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -118,6 +121,11 @@ class BenchConfig:
                 f"hf_cache must be one of {CACHE_IMPLEMENTATIONS}, got {self.hf_cache}"
             )
         check_arms(self.arms, self.speculative_config)
+        if self.waves > 1 and self.use_hf:
+            raise ValueError(
+                f"--waves {self.waves} runs a closed loop, the HF peer static batches of C: run "
+                "the peer with --waves 1"
+            )
         if self.arms is not None and not self.use_dspark:
             raise ValueError("--arms are dspark engines: they cannot run with --hf-only")
 
@@ -286,20 +294,27 @@ def check_lengths(config: BenchConfig, max_model_len: int) -> None:
         )
 
 
-def run_dspark_once(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """One generate call over all prompts at once: wall time and per-request latencies."""
+def run_dspark_once(
+    llm, prompts: list[list[int]], output_len: int, max_in_flight: int | None = None
+) -> dict:
+    """All prompts, greedy to output_len tokens: wall time and per-request latencies. Without
+    max_in_flight (or with it >= the prompts) one generate call submits them at once; else a
+    closed loop keeps max_in_flight requests running, submitting the next as one ends."""
     from dspark.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    batch = [{"prompt_token_ids": ids} for ids in prompts]
     synchronize(llm.engine.device)
-    submit = time.monotonic()  # the clock RequestOutput.metrics uses
     start = time.perf_counter()
-    outputs = llm.generate(batch, params, use_tqdm=False)
+    if max_in_flight is None or max_in_flight >= len(prompts):
+        submit = [time.monotonic()] * len(prompts)  # the clock RequestOutput.metrics uses
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+    else:
+        outputs, submit = _closed_loop(llm, prompts, params, max_in_flight)
     synchronize(llm.engine.device)
     wall = time.perf_counter() - start
     num_tokens = [len(o.outputs[0].token_ids) for o in outputs]
-    ttft = [o.metrics["first_token_time"] - submit for o in outputs]
+    ttft = [o.metrics["first_token_time"] - t for o, t in zip(outputs, submit, strict=True)]
     tpot = [
         (o.metrics["finished_time"] - o.metrics["first_token_time"]) / (n - 1)
         for o, n in zip(outputs, num_tokens, strict=True)
@@ -316,6 +331,30 @@ def run_dspark_once(llm, prompts: list[list[int]], output_len: int) -> dict:
     )
 
 
+def _closed_loop(llm, prompts: list[list[int]], params, max_in_flight: int):
+    """Keep max_in_flight requests in the engine: each that ends is replaced by the next prompt
+    in the same step loop. Returns the outputs in prompt order and each one's submit time."""
+    from dataclasses import replace
+
+    engine, params = llm.engine, replace(params, output_kind="final_only")
+    tag = f"bench-{time.monotonic_ns()}"
+    outputs: dict[int, object] = {}
+    submit: dict[int, float] = {}
+    next_prompt = 0
+    while len(outputs) < len(prompts):
+        while next_prompt < len(prompts) and next_prompt - len(outputs) < max_in_flight:
+            submit[next_prompt] = time.monotonic()
+            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], params)
+            next_prompt += 1
+        for out in engine.step():
+            if out.finished and out.request_id.startswith(tag):
+                outputs[int(out.request_id.rsplit("-", 1)[1])] = out
+    while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished:
+        engine.step()  # a step launched ahead for requests that just ended: collect it
+    order = range(len(prompts))
+    return [outputs[i] for i in order], [submit[i] for i in order]
+
+
 def percentiles_ms(samples: list[float]) -> dict[str, float | None]:
     if not samples:  # output_len 1 has no TPOT
         return {"p50": None, "p99": None}
@@ -323,11 +362,12 @@ def percentiles_ms(samples: list[float]) -> dict[str, float | None]:
     return {"p50": float(p50), "p99": float(p99)}
 
 
-def summarize_level(prompts: list[list[int]], runs: list[dict]) -> dict:
+def summarize_level(prompts: list[list[int]], runs: list[dict], concurrency: int) -> dict:
     """Median throughput over repeats; latency percentiles over every request of every repeat."""
     tok_per_s = [r["tokens"] / r["wall"] for r in runs]
     return {
-        "concurrency": len(prompts),
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
         "mean_prompt_len": statistics.fmean(len(p) for p in prompts),
         "output_tokens": runs[0]["tokens"],
         "wall_s": [r["wall"] for r in runs],
@@ -378,14 +418,15 @@ def run_arms_sweep(
     levels = {name: [] for name in llms}
     sweep_start = time.perf_counter()
     for c in config.concurrency:
-        for name, level in run_level(llms, batches[c], config, sweep_start).items():
+        for name, level in run_level(llms, batches[c], config, sweep_start, c).items():
             levels[name].append(level)
     return {name: {"warmup": warmups[name], "levels": levels[name]} for name in llms}
 
 
 def run_level(
-    llms: dict, prompts: list[list[int]], config: BenchConfig, sweep_start: float
-) -> dict[str, dict]:
+    llms: dict, prompts: list[list[int]], config: BenchConfig, sweep_start: float,
+    concurrency: int | None = None,  # requests in flight at most (None: all the prompts)
+) -> dict[str, dict]:  # fmt: skip
     """One level on every arm: each repeat runs every arm once, in arm order, so drift on a shared
     host hits all arms alike. With --arms each level records when its runs began ("start_s",
     seconds since the first level began): the interleaving, and any drift, in the data."""
@@ -393,16 +434,17 @@ def run_level(
     runs = {name: [] for name in llms}
     for _ in range(config.repeats):
         for name, llm in llms.items():
-            runs[name].append(run_dspark_once(llm, prompts, config.output_len))
+            runs[name].append(run_dspark_once(llm, prompts, config.output_len, concurrency))
     levels = {}
+    c = concurrency or len(prompts)
     for name, llm in llms.items():
-        level = summarize_level(prompts, runs[name])
+        level = summarize_level(prompts, runs[name], c)
         if config.arms is not None:
             level["start_s"] = [r["start"] - sweep_start for r in runs[name]]
         if before[name]:  # speculation: this level's drafts and acceptance
             level["speculation"] = _spec_delta(before[name], llm.get_metrics())
         tok_s = level["output_tokens_per_s"]
-        print(f"{name} C={len(prompts)}: {tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
+        print(f"{name} C={c}: {tok_s:.1f} output tok/s", file=sys.stderr, flush=True)
         levels[name] = level
     return levels
 
@@ -434,10 +476,11 @@ def run_offline_bench(
         if llms
         else load_tokenizer(resolve_model(config.model))
     )
-    full = [tokenizer.apply_chat_template(c) for c in cycle(conversations, max(config.concurrency))]
+    most = max(config.concurrency) * config.waves
+    full = [tokenizer.apply_chat_template(c) for c in cycle(conversations, most)]
     prompt_ids = [truncate(ids, config.max_prompt_len) for ids in full]
     results["prompts"]["num_truncated"] = sum(len(ids) > config.max_prompt_len for ids in full)
-    batches = {c: prompt_ids[:c] for c in config.concurrency}
+    batches = {c: prompt_ids[: c * config.waves] for c in config.concurrency}
     if llms:
         # the warm-up takes the list's last prompts, so it never pre-runs a measured one
         warmup = render(tokenizer, conversations[-WARMUP_REQUESTS:], config.max_prompt_len)
@@ -561,6 +604,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are cut")
     p.add_argument("--repeats", type=int, default=1, help="runs per level; median reported")
     p.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="requests per level in units of C: 1 submits C at once; W > 1 runs W * C with at "
+        "most C in flight (a closed loop, the tail of one wave no longer sets the wall time)",
+    )
+    p.add_argument(
         "--prompts-dir", type=Path, default=None, help="default: ../shared/data beside the repo"
     )
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated prompt sources")
@@ -603,6 +653,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         output_len=args.output_len,
         max_prompt_len=args.max_prompt_len,
         repeats=args.repeats,
+        waves=args.waves,
         prompts_dir=args.prompts_dir,
         sources=parse_sources(args.sources),
         seed=args.seed,

@@ -37,7 +37,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -334,8 +334,6 @@ def run_dspark_once(
 def _closed_loop(llm, prompts: list[list[int]], params, max_in_flight: int):
     """Keep max_in_flight requests in the engine: each that ends is replaced by the next prompt
     in the same step loop. Returns the outputs in prompt order and each one's submit time."""
-    from dataclasses import replace
-
     engine, params = llm.engine, replace(params, output_kind="final_only")
     tag = f"bench-{time.monotonic_ns()}"
     outputs: dict[int, object] = {}

@@ -238,16 +238,20 @@ class ModelRunner:
         b.np("feed_src")[: tokens.size] = src
         return int(tokens.size)
 
-    def _stage_rows(self, plan: StepPlan, reqs: list, serials: np.ndarray) -> Staged:
-        """Any other step (prefill chunks, windows, mixed), row by row (decode steps too: the
-        tests compare _stage_decode with it).
+    def _stage_rows(
+        self,
+        plan: StepPlan,
+        reqs: list,
+        serials: np.ndarray,
+        window_width: int | None = None,  # SpecRunner.window_width(plan): uniform windows
+    ) -> Staged:
+        """Any other step (prefill chunks, windows, mixed), row by row (decode steps and uniform
+        windows too: the tests compare _stage_decode and _stage_windows with it).
 
         Per-token values are gathered in Python lists and written with one numpy assignment
         each (per-row numpy calls cost more than the data at decode batch sizes).
         """
         b, ps = self.buffers, self.page_size
-        # every window K + 1 tokens wide when the step can replay a speculative graph
-        window_width = self.spec_runner.window_width(plan) if self.spec_runner else None
         ids, positions, slots, cu, seq_lens, logits_idx = [], [], [], [0], [], []
         fed_dst, fed_rows = [], []  # input tokens still on the device (async scheduling)
         sampled_rows, sampled_ends = [], []  # plain rows that sample one token

@@ -290,11 +290,17 @@ class SpecRunner:
         self.spec.record(step.verify_len, accepted, step.confidence, greedy)
         if step.confidence is not None:
             # (an empty window's block drafted over scratch-page slots: no evidence)
-            seen = [j for j, v in enumerate(step.verify_len) if v]
-            ids = [plan.rows[step.window_rows[j]].request.request_id for j in seen]
+            rows, confidence = step.window_rows, step.confidence
+            seen_greedy, seen_accepted, verify_len = greedy, accepted, step.verify_len
+            if 0 in verify_len:
+                seen = [j for j, v in enumerate(verify_len) if v]
+                rows, confidence = [rows[j] for j in seen], confidence[seen]
+                seen_greedy = [greedy[j] for j in seen]
+                seen_accepted = [accepted[j] for j in seen]
+                verify_len = [verify_len[j] for j in seen]
+            ids = [plan.rows[i].request.request_id for i in rows]
             for sink in self.confidence_sinks:
-                sink(ids, step.confidence[seen], [greedy[j] for j in seen],
-                     [accepted[j] for j in seen], [step.verify_len[j] for j in seen])  # fmt: skip
+                sink(ids, confidence, seen_greedy, seen_accepted, verify_len)
         wlp = None
         if step.window_logprobs is not None:
             wlp = [x.tolist() for x in step.window_logprobs]

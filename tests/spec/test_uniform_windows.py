@@ -92,7 +92,7 @@ def test_numpy_window_staging_equals_the_row_by_row_path(tiny_vocab_dir, drafter
         def staged_twice(plan, reqs, serials, width, runner=runner, fast=fast, checked=checked):
             got = fast(plan, reqs, serials, width)
             got_inputs = _inputs(runner, got)
-            want = runner._stage_rows(plan, reqs, serials)
+            want = runner._stage_rows(plan, reqs, serials, width)
             assert (got.layout, got.graph_size, got.window_rows) == (
                 want.layout, want.graph_size, want.window_rows)  # fmt: skip
             assert got.sampled_rows.size == want.sampled_rows.size == 0

@@ -16,6 +16,13 @@ Policy (vLLM-style, one token budget per step):
 When a running request needs a page and none is free, the most recently admitted running
 request is preempted: its pages are freed and it will recompute its prompt + outputs later.
 
+A drafting step that also admits or prefills (a mixed step) keeps its graph when the runner has
+captured mixed speculative steps (`mixed_limits`: at most R tail rows of at most P tokens in
+all after the windows). The scheduler then caps the prefill it adds after the first window at
+those limits (the rest of a prompt follows in later steps, chunked prefill), and puts the rows
+windows first, the tail (prefill chunks, plain rows) after: the layout the runner replays.
+update() does not depend on the rows' order.
+
 Speculative steps scheduled ahead (async scheduling of drafting steps): a window row emits a
 number of tokens only verification knows, so between advance and update its request has
 `num_windows_in_flight` = 1 and its token_ids and num_computed_tokens stop at the window's
@@ -136,6 +143,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # (tail rows, tail tokens) a drafting step may carry after its windows and keep its
+        # graph (set by the engine from the runner's captured mixed steps); None: no cap
+        self.mixed_limits: tuple[int, int] | None = None
 
     def add(self, request: Request) -> None:
         max_tokens = request.sampling_params.max_tokens
@@ -156,6 +166,9 @@ class Scheduler:
         preempted_before = self.num_preemptions
         page_size, running = self.page_size, RequestStatus.RUNNING
         is_decode = True  # every row so far one token that samples
+        # a mixed step: windows, then a tail of plain rows (prefill chunks, plain decode rows)
+        has_window = reorder = False  # reorder: some window follows a tail row
+        num_tail, tail_rows_left, tail_tokens_left = 0, *(self.mixed_limits or (0, 0))
         for req in list(self.running):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
@@ -165,7 +178,7 @@ class Scheduler:
                     num_draft = min(self.max_verify, budget - 1)
                     rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
                     budget -= 1 + num_draft
-                    is_decode = False
+                    is_decode, has_window, reorder = False, True, reorder or num_tail > 0
                 else:
                     self.num_windows_deferred += 1
                 continue
@@ -178,7 +191,7 @@ class Scheduler:
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))
                     budget -= 1 + num_draft
-                    is_decode = False
+                    is_decode, has_window, reorder = False, True, reorder or num_tail > 0
                 continue
             # the common row, a decode token, runs this loop hundreds of times per step: the
             # page check is inlined (a request owning the pages it needs skips _reserve), and
@@ -190,9 +203,13 @@ class Scheduler:
                     empty = bool(self.draft_len) and self._empty_window(req)
                     rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False, empty)))
                     budget -= 1
+                    if self.draft_len and not empty:
+                        num_tail += 1
                 continue
             assert num_tokens > start, f"request {req.request_id} has no token left to compute"
             n = min(num_tokens - start, budget)
+            if has_window and self.mixed_limits:  # a prefill chunk after windows: the tail's
+                n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
             if n == 0:
                 continue
             has_pages = -(-(start + n) // page_size) <= len(req.page_ids)
@@ -201,9 +218,15 @@ class Scheduler:
             rows.append(ScheduledRow(req, start, n, start + n == num_tokens))
             budget -= n
             is_decode = is_decode and n == 1 and start + n == num_tokens
+            num_tail += 1
+            tail_tokens_left -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if has_window and self.mixed_limits:  # admitted into the tail of a mixed step
+                n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
+                if n == 0:
+                    break
             if not self._reserve(req, req.num_computed_tokens + n, preempt=False):
                 break
             self.waiting.popleft()
@@ -213,6 +236,12 @@ class Scheduler:
             rows.append(row)
             budget -= n
             is_decode = is_decode and n == 1 and row.do_sample
+            num_tail += 1
+            tail_tokens_left -= n
+        if reorder:  # windows, then the tail: the mixed step's layout (stable)
+            rows = [r for r in rows if r.num_draft or r.empty_window] + [
+                r for r in rows if not (r.num_draft or r.empty_window)
+            ]
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode)
 
     def ahead_blocker(self, max_rows: int) -> str | None:

@@ -60,9 +60,17 @@ class StepLayout:
     cu_num_tokens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
     num_fed: int = 0  # input tokens fed from the previous step's output on the device
-    # every row a window of this many tokens (a step laid out for a speculative graph; short
-    # windows padded, see SpecRunner); None: each window is its verify_len + 1
+    # every window this many tokens (a step laid out for a speculative graph; short windows
+    # padded, see SpecRunner); None: each window is its verify_len + 1
     window_width: int | None = None
+    # a mixed step (runner/mixed_layout.py): the last tail_rows rows are plain rows (prefill
+    # chunks, plain decode rows, their pads), every row before them a window of window_width
+    tail_rows: int = 0
+
+    @property
+    def num_window_logits(self) -> int:
+        """A step of windows: its window tokens' logits come first, this many."""
+        return (self.num_rows - self.tail_rows) * (self.window_width or 0)
 
 
 def staging_pair(shape, dtype: torch.dtype, device: torch.device):

@@ -8,7 +8,8 @@ the same persistent buffers. Which path ran is counted in `stats`.
 With speculation, window rows [anchor, drafts] go through SpecDecoder.step: drafted first (the
 drafts are written into the input buffer on the device), every window token scored, the tap
 features of all tokens appended to the drafter cache, the windows verified; plain rows sample
-as usual. A step of only full windows replays a captured speculative graph (SpecGraphs).
+as usual. A step of only full windows replays a captured speculative graph (SpecGraphs), and
+so does a step of windows then a few prefill chunks (a mixed step: runner/mixed_layout.py).
 Both results come to the host in the step's one synchronisation (`_collect`).
 """
 
@@ -36,6 +37,7 @@ from dspark.runner.input_buffers import (
     host_to_device,
     to_host,
 )
+from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, stage_tail, write_tail_pads
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.spec_runner import SpecRunner
 from dspark.sample.sampler import sample, top_logprobs
@@ -76,6 +78,7 @@ class Staged(NamedTuple):
     sampled_ends: np.ndarray  # [N] index of the token each samples (its position)
     is_decode: bool = False  # every row one token that samples
     window_rows: tuple[int, ...] = ()  # plan rows verified as windows (empty windows too)
+    graph_tail: int = 0  # a mixed step's captured tail size P (graph_size is its G)
 
 
 class ModelRunner:
@@ -91,6 +94,7 @@ class ModelRunner:
         graph_sizes: list[int] | None = None,  # decode batches pad to these sizes
         capture_graphs: bool = True,  # False: run the padded batches eagerly (tests, debugging)
         spec: SpecDecoder | None = None,  # speculation: drafting, context, verification
+        mixed_tail_tokens: int = 0,  # P of the captured mixed steps (runner/mixed_layout.py)
     ) -> None:
         self.model = model
         self.spec = spec
@@ -99,9 +103,12 @@ class ModelRunner:
         self.device = device
         self.vocab_size = model.config.vocab_size
         max_rows = max([max_num_seqs, *(graph_sizes or [])])
+        # (a mixed speculative step has tail rows after its largest G of windows)
+        buffer_rows = max_rows + (GRAPH_TAIL_ROWS if spec is not None else 0)
         self.buffers = InputBuffers(
-            max(max_num_tokens, max_rows), max_rows, pages_for(max_model_len, page_size), device
-        )
+            max(max_num_tokens, max_rows), buffer_rows, pages_for(max_model_len, page_size),
+            device,
+        )  # fmt: skip
         self.stats: Counter[str] = Counter()
         # the rows' block tables and sampling parameters, applied by their changes each step
         self.sampling_rows = SamplingRows(max_rows, self.vocab_size)
@@ -126,8 +133,9 @@ class ModelRunner:
             # off, every row opted out) replay decode graphs that also feed the drafter's
             # context, so drafting can resume on an up-to-date cache.
             ladder = self.graph_sizes if capture_graphs else []
+            tails = (mixed_tail_tokens,) if mixed_tail_tokens else ()
             self.spec_runner = SpecRunner(
-                spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder
+                spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder, tails
             )
         if self.graph_sizes and capture_graphs:
             self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
@@ -142,9 +150,13 @@ class ModelRunner:
         serials = self.batch.sync(reqs)
         if plan.is_decode:
             return self._stage_decode(plan, reqs, serials)
-        width = self.spec_runner.window_width(plan) if self.spec_runner else None
-        if width is not None:
-            return self._stage_windows(plan, reqs, serials, width)
+        if self.spec_runner is not None:
+            width = self.spec_runner.window_width(plan)
+            if width is not None:
+                return self._stage_windows(plan, reqs, serials, width)
+            num_windows = self.spec_runner.mixed_windows(plan)
+            if num_windows is not None:
+                return self._stage_mixed(plan, reqs, serials, num_windows)
         return self._stage_rows(plan, reqs, serials)
 
     def _stage_decode(self, plan: StepPlan, reqs: list, serials: np.ndarray) -> Staged:
@@ -187,25 +199,9 @@ class ModelRunner:
           positions [5 6 7 8 | 9 10 11 12]  slots [33 34 35 8 | 25 26 27 28]
           cu [0, 4, 8]  seq_lens [9, 13]  logits_indices 0..7
         """
-        b, ps, n = self.buffers, self.page_size, len(plan.rows)
+        b, n = self.buffers, len(plan.rows)
         t = n * width
-        starts = np.array([r.start for r in plan.rows], dtype=np.int64)  # [n]
-        positions = starts[:, None] + self._arange[None, :width]  # [n, width]
-        rows = self._arange[:n]
-        pages = b.np("block_table")[rows[:, None], positions // ps].astype(np.int64)
-        slots = pages * ps + positions % ps
-        empty = np.array([r.empty_window for r in plan.rows])
-        slots[empty, 1:] = PAD_SLOT
-        ids = np.zeros((n, width), dtype=np.int64)
-        ids[:, 0] = [PAD_TOKEN_ID if r.is_continuation else r.request.token_ids[r.start]
-                     for r in plan.rows]  # fmt: skip
-        b.np("input_ids")[:t] = ids.reshape(-1)
-        b.np("positions")[:t] = positions.reshape(-1)
-        b.np("slot_mapping")[:t] = slots.reshape(-1)
-        b.np("cu_num_tokens")[: n + 1] = self._arange[: t + 1 : width]
-        b.np("seq_lens")[:n] = starts + width
-        b.np("logits_indices")[:t] = self._arange[:t]
-        self.stats["empty_windows"] += int(empty.sum())
+        starts = self._write_windows(plan.rows, width)
         graph_size = self.spec_runner.graph_size(plan, width)
         size = n if graph_size is None else graph_size
         if size > n:  # pad windows on the scratch page; every token is scored
@@ -218,6 +214,72 @@ class ModelRunner:
         no_rows = np.empty(0, dtype=np.int64)
         return Staged(layout, graph_size, reqs, serials, no_rows, no_rows,
                       window_rows=tuple(range(n)))  # fmt: skip
+
+    def _write_windows(self, rows: tuple, width: int) -> np.ndarray:
+        """Rows 0..n-1 of the step, windows of `width` tokens from token 0 on (see
+        _stage_windows), every token scored; returns their anchors' positions [n]."""
+        b, ps, n = self.buffers, self.page_size, len(rows)
+        t = n * width
+        starts = np.array([r.start for r in rows], dtype=np.int64)  # [n]
+        positions = starts[:, None] + self._arange[None, :width]  # [n, width]
+        pages = b.np("block_table")[self._arange[:n, None], positions // ps].astype(np.int64)
+        slots = pages * ps + positions % ps
+        empty = np.array([r.empty_window for r in rows])
+        slots[empty, 1:] = PAD_SLOT
+        ids = np.zeros((n, width), dtype=np.int64)
+        ids[:, 0] = [PAD_TOKEN_ID if r.is_continuation else r.request.token_ids[r.start]
+                     for r in rows]  # fmt: skip
+        b.np("input_ids")[:t] = ids.reshape(-1)
+        b.np("positions")[:t] = positions.reshape(-1)
+        b.np("slot_mapping")[:t] = slots.reshape(-1)
+        b.np("cu_num_tokens")[: n + 1] = self._arange[: t + 1 : width]
+        b.np("seq_lens")[:n] = starts + width
+        b.np("logits_indices")[:t] = self._arange[:t]
+        self.stats["empty_windows"] += int(empty.sum())
+        return starts
+
+    def _stage_mixed(
+        self, plan: StepPlan, reqs: list, serials: np.ndarray, num_windows: int
+    ) -> Staged:
+        """A mixed step: windows in rows 0..n-1, then the tail's rows (prefill chunks, plain
+        rows), then, to a captured (G, P), pad windows and the tail's pads (mixed_layout.py).
+        The windows' logits come first (G * w of them), then one per tail row: those that
+        sample, in row order."""
+        b, n, width = self.buffers, num_windows, 1 + self.spec.num_verify
+        self.stats["mixed_spec_steps"] += 1
+        starts = self._write_windows(plan.rows[:n], width)
+        t_windows = n * width
+        tail = stage_tail(b, plan.rows[n:], t_windows, self.page_size)
+        m, t_live = len(plan.rows) - n, t_windows + tail.num_tokens
+        cu = [*range(0, t_windows + 1, width), *tail.cu_ends]
+        seq_lens = [*(starts + width).tolist(), *tail.seq_lens]
+        window_logits = list(range(t_windows))
+        key = self.spec_runner.mixed_graph(n, tail.num_tokens)
+        G, P, tail_rows = n, tail.num_tokens, m
+        if key is not None:  # pad windows after the live tail; the tail's pads last
+            (G, P), tail_rows = key, GRAPH_TAIL_ROWS
+            b.write_pad_rows(n + m, t_live, G - n, width)
+            t_pads = t_live + (G - n) * width
+            window_logits += range(t_live, t_pads)
+            write_tail_pads(b, G + m, t_pads, tail_rows - m, P - tail.num_tokens)
+            cu += range(t_live + width, t_pads + 1, width)
+            seq_lens += [width] * (G - n)
+            if P > tail.num_tokens:
+                cu.append(t_pads + P - tail.num_tokens)
+                seq_lens.append(P - tail.num_tokens)
+            cu += [G * width + P] * (G + tail_rows + 1 - len(cu))
+            seq_lens += [0] * (G + tail_rows - len(seq_lens))
+        logits = window_logits + tail.last_tokens
+        logits += [0] * (G * width + tail_rows - len(logits) if key else 0)
+        b.np("cu_num_tokens")[: len(cu)] = cu
+        b.np("seq_lens")[: len(seq_lens)] = seq_lens
+        b.np("logits_indices")[: len(logits)] = logits
+        layout = StepLayout(G * width + P, G + tail_rows, len(logits), tuple(cu), tuple(seq_lens),
+                            window_width=width, tail_rows=tail_rows)  # fmt: skip
+        sampled = np.array([n + k for k in tail.sampled], dtype=np.int64)
+        ends = np.array(tail.sampled_ends, dtype=np.int64)
+        return Staged(layout, None if key is None else G, reqs, serials, sampled, ends,
+                      window_rows=tuple(range(n)), graph_tail=0 if key is None else P)  # fmt: skip
 
     def _stage_feed(self, tokens: np.ndarray, serials: np.ndarray) -> int:
         """Input token tokens[j] of the step is the previous launch's sampled token of request
@@ -415,7 +477,8 @@ class ModelRunner:
         window_rows = list(staged.window_rows)
         spec_out = None
         if window_rows:
-            spec_out = self.spec_runner.run(plan, layout, window_rows, graph_size)
+            spec_out = self.spec_runner.run(plan, layout, window_rows, graph_size,
+                                            staged.graph_tail)  # fmt: skip
             logits = spec_out.logits
         elif graph_size is not None and self.graphs is not None:
             logits = self.graphs.replay(graph_size)
@@ -425,7 +488,9 @@ class ModelRunner:
             self.stats["eager_steps"] += 1
         sampled = staged.sampled_rows
         step = InFlightStep(plan, sampled.tolist())
+        # (a mixed step is not: the next step needs its tail's sampled tokens on the host)
         step.is_uniform = bool(window_rows) and layout.window_width is not None
+        step.is_uniform = step.is_uniform and not layout.tail_rows
         if sampled.size:
             tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged)
             self._last_tokens = tokens
@@ -450,6 +515,9 @@ class ModelRunner:
         """
         if staged.is_decode:
             return logits[: len(plan.rows)]
+        if staged.layout.tail_rows:  # a mixed step: after the windows' logits, in row order
+            first = staged.layout.num_window_logits
+            return logits[first : first + staged.sampled_rows.size]
         logit_rows, logit_row = [], 0
         for row in plan.rows:
             if row.num_draft:

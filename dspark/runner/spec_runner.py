@@ -8,8 +8,10 @@ that requests finishing at different steps do not send the batch to the eager pa
 whose next token is its last (no room for a draft) comes as a plain decode row marked
 `empty_window`: among windows it is laid out as a window of verify length 0, the anchor and K
 tail tokens whose KV goes to the scratch page (the request owns only the anchor's slot), so
-that it too keeps the step in its graph. Any other step with windows (mixed with plain rows)
-runs the same SpecDecoder.step eagerly, and the reason is counted.
+that it too keeps the step in its graph. A step of such windows followed by a few plain rows
+(prefill chunks of requests admitted meanwhile: a mixed step) replays a captured mixed step,
+windows first, the tail after (runner/mixed_layout.py). Any other step with windows runs the
+same SpecDecoder.step eagerly, and the reason is counted.
 
   K = 3, windows of verify_len [3, 1, 0]: target tokens [a0 x x x | a1 x . . | a2 . . .],
   cu [0, 4, 8, 12]; the second window's last two tokens and the third's last three are scored
@@ -40,6 +42,12 @@ from dspark.runner.input_buffers import (
     StepLayout,
     host_to_device,
     to_host,
+)
+from dspark.runner.mixed_layout import (
+    GRAPH_TAIL_ROWS,
+    MAX_TAIL_ROWS,
+    capture_layout,
+    prepare_capture,
 )
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import top_logprobs
@@ -120,13 +128,21 @@ class SpecRunner:
         vocab_size: int,
         stats: Counter[str],
         graph_sizes: list[int],  # the ladder to capture ([]: none, every step eager)
+        tail_sizes: tuple[int, ...] = (),  # P of the mixed steps to capture beside each G
     ) -> None:
         self.spec, self.buffers, self.run_model = spec, buffers, run_model
         self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
         width = 1 + spec.num_verify
         self.capacity = buffers.input_ids.shape[0]
         sizes = [g for g in graph_sizes if g * width <= self.capacity]
-        self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes) if sizes else None
+        # the most tail tokens a mixed step may carry (the scheduler caps its prefill there)
+        self.max_tail_tokens = max(tail_sizes, default=0)
+        tails = tail_sizes
+        if not sizes or max(sizes) * width + self.max_tail_tokens > self.capacity:
+            tails = ()  # (token buffers too small: mixed steps run eagerly)
+        self.graphs = None
+        if sizes:
+            self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes, tails)
         # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
         self.uniform_windows = self.graphs is not None
         # the next anchors (positions, tokens; [R] on the device) of the last uniform step's
@@ -149,6 +165,53 @@ class SpecRunner:
         if len(plan.rows) * width > self.capacity:  # the token buffers' size
             return None
         return width
+
+    def mixed_windows(self, plan: StepPlan) -> int | None:
+        """A mixed step laid out windows first, then its tail (mixed_layout.py): how many of
+        its leading rows are windows (empty windows among them). None if it is not one, the
+        reason counted when it has windows."""
+        if not self.uniform_windows:
+            return None
+        rows = plan.rows
+        n = 0
+        while n < len(rows) and (rows[n].num_draft or rows[n].empty_window):
+            n += 1
+        if n == len(rows) or not any(r.num_draft for r in rows):
+            return None  # (all windows, or no window: not a mixed step)
+        tail = rows[n:]
+        num_tail_tokens = sum(r.num_tokens for r in tail)
+        reason = None
+        if n == 0 or any(r.num_draft or r.empty_window for r in tail):
+            reason = "windows_not_first"
+        elif len(tail) > MAX_TAIL_ROWS:
+            reason = "tail_rows"
+        elif num_tail_tokens > self.max_tail_tokens:
+            reason = "tail_tokens"
+        elif n * (1 + self.spec.num_verify) + num_tail_tokens > self.capacity:
+            reason = "token_buffers"
+        if reason is not None:
+            self.stats[f"eager_spec_steps_mixed_{reason}"] += 1
+            return None
+        return n
+
+    @property
+    def mixed_limits(self) -> tuple[int, int] | None:
+        """(tail rows, tail tokens) of the captured mixed steps, for the scheduler's cap on the
+        prefill a drafting step carries; None without them."""
+        if self.graphs is None or not self.graphs.tails:
+            return None
+        return MAX_TAIL_ROWS, self.max_tail_tokens
+
+    def mixed_graph(self, num_windows: int, num_tail_tokens: int) -> tuple[int, int] | None:
+        """The captured mixed step (G, P) a mixed step pads to, or None (eager)."""
+        if self.graphs is None or not self.graphs.tails:
+            return None
+        i = bisect.bisect_left(self.graphs.sizes, num_windows)
+        if i == len(self.graphs.sizes):
+            self.stats["eager_spec_steps_batch_too_large"] += 1
+            return None
+        tails = self.graphs.tails
+        return self.graphs.sizes[i], tails[bisect.bisect_left(tails, num_tail_tokens)]
 
     @property
     def max_uniform_rows(self) -> int:
@@ -174,11 +237,16 @@ class SpecRunner:
     # ---- the step ---------------------------------------------------------------------------
 
     def run(
-        self, plan: StepPlan, layout: StepLayout, window_rows: list[int], graph_size: int | None
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        window_rows: list[int],
+        graph_size: int | None,
+        graph_tail: int = 0,  # a mixed step's captured P (0: a step of windows only)
     ) -> SpecStepOutput:
         """Stage the windows and run the speculative step: a captured graph when the step is
-        all full windows of a captured size, else eagerly (mixed batches, short windows)."""
-        out = self._run(plan, layout, window_rows, graph_size)
+        all windows, or windows then a tail, of a captured size, else eagerly."""
+        out = self._run(plan, layout, window_rows, graph_size, graph_tail)
         if layout.window_width is not None:  # a step may be launched behind this one
             R = len(window_rows)
             anchor_pos = self.spec.buffers.anchor_pos[:R]  # (this step's: the next is staged later)
@@ -188,7 +256,12 @@ class SpecRunner:
         return out
 
     def _run(
-        self, plan: StepPlan, layout: StepLayout, window_rows: list[int], graph_size: int | None
+        self,
+        plan: StepPlan,
+        layout: StepLayout,
+        window_rows: list[int],
+        graph_size: int | None,
+        graph_tail: int,
     ) -> SpecStepOutput:
         cu = layout.cu_num_tokens_cpu
         rows = []
@@ -203,16 +276,20 @@ class SpecRunner:
             ))  # fmt: skip
         mode = SamplingMode.of(rows, self.vocab_size)
         width, table = layout.window_width, self.buffers.np("block_table")
-        if graph_size is not None:  # every plan row is a window: pad rows follow them
-            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(rows)], window_width=width,
-                            block_table=table)  # fmt: skip
+        if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
+            self.spec.stage(rows, graph_size, pad_token_offset=cu[len(plan.rows)],
+                            window_width=width, block_table=table)  # fmt: skip
             self._feed_continuations(plan, width)
             self.stats["spec_graph_steps"] += 1
-            return self.graphs.replay(graph_size, mode)
+            self.stats["spec_graph_steps_mixed"] += bool(graph_tail)
+            return self.graphs.replay(graph_size, mode, graph_tail)
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width)
         self.stats["eager_spec_steps"] += 1
         b, dev = self.buffers, self.device
+        if layout.tail_rows:  # a mixed layout: windows in rows 0..R-1, their logits first
+            target = self._target_step(layout, b.block_table)
+            return self.spec.step(len(rows), mode, target, slice(0, layout.num_window_logits))
         all_windows = window_rows == list(range(layout.num_rows))
         block_table = b.block_table
         window_index = None
@@ -350,14 +427,25 @@ class SpecRunner:
 
     # ---- graph capture ----------------------------------------------------------------------
 
-    def _prepare_graph(self, size: int) -> None:
-        """Fill the buffers with `size` pad windows (capture inputs: the scratch page only)."""
+    def _prepare_graph(self, size: int, tail: int = 0) -> None:
+        """Fill the buffers with `size` pad windows, and a tail of `tail` pad tokens (capture
+        inputs: the scratch page only)."""
         b, width = self.buffers, 1 + self.spec.num_verify
-        b.write_pad_rows(0, 0, size, width)
-        b.np("logits_indices")[: size * width] = range(size * width)
-        b.upload(window_layout(size, width))
+        if tail:
+            layout = prepare_capture(b, size, width, tail, GRAPH_TAIL_ROWS)
+        else:
+            b.write_pad_rows(0, 0, size, width)
+            b.np("logits_indices")[: size * width] = range(size * width)
+            layout = window_layout(size, width)
+        b.upload(layout)
         self.spec.stage([], size)
 
-    def _graph_step(self, size: int, mode: SamplingMode) -> SpecStepOutput:
-        layout = window_layout(size, 1 + self.spec.num_verify)
-        return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table), None)
+    def _graph_step(self, size: int, tail: int, mode: SamplingMode) -> SpecStepOutput:
+        width = 1 + self.spec.num_verify
+        if tail:  # a mixed step: the windows' logits come first
+            layout = capture_layout(size, width, tail, GRAPH_TAIL_ROWS)
+            index = slice(0, size * width)
+        else:
+            layout, index = window_layout(size, width), None
+        return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table),
+                              index)  # fmt: skip

@@ -1,7 +1,8 @@
 """`speculative_config`: one object, as in vLLM.
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
-     "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "confident"}
+     "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "confident",
+     "mixed_prefill_tokens": 256}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -14,6 +15,9 @@ With no table, or "scheduling": false, every step drafts and verifies the full b
 "unobserved" is how the drafting choice counts a request that has never drafted: "confident"
 (a = 1, DSPARK.md 6.4's rule, the default) or "population" (the recent requests' recalibrated
 mean; drafting_policy.py).
+"mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
+with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
+in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
-        "unobserved")  # fmt: skip
+        "unobserved", "mixed_prefill_tokens")  # fmt: skip
 UNOBSERVED = ("confident", "population")
 
 
@@ -39,6 +43,7 @@ class SpecConfig:
     min_gain: float = 0.02  # what another mode must beat the current one by (squared)
     scheduling: bool = True  # False: fixed K even with a cost table
     unobserved: str = "confident"  # how a request that never drafted counts (UNOBSERVED)
+    mixed_prefill_tokens: int = 256  # prefill beside windows in a captured step (0: none)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -81,7 +86,13 @@ class SpecConfig:
                 f'speculative_config "unobserved" must be one of {list(UNOBSERVED)}, '
                 f"got {unobserved!r}"
             )
+        mixed = d.get("mixed_prefill_tokens", 256)
+        if isinstance(mixed, bool) or not isinstance(mixed, int) or not 0 <= mixed <= 8192:
+            raise ValueError(
+                f'speculative_config "mixed_prefill_tokens" must be an integer in [0, 8192], '
+                f"got {mixed!r}"
+            )
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
-                   min_gain=float(gain), scheduling=scheduling,
-                   unobserved=unobserved)  # fmt: skip
+                   min_gain=float(gain), scheduling=scheduling, unobserved=unobserved,
+                   mixed_prefill_tokens=mixed)  # fmt: skip

@@ -117,7 +117,7 @@ class SpecDecoder:
         num_rows: int,  # R windows (live + pad), staged by stage()
         mode: SamplingMode,
         target: TargetStep,
-        window_index: torch.Tensor | None,  # logit rows of the window tokens; None: all rows
+        window_index: torch.Tensor | slice | None,  # logit rows of the window tokens; None: all
     ) -> SpecStepOutput:
         """Draft, run the target, feed the drafter's context, verify: device work only, so
         the same code runs eagerly and inside a captured graph."""

@@ -87,7 +87,7 @@ def test_the_captured_step_function_runs_eagerly_on_pad_windows(tiny_vocab_dir, 
     before = [kv[:, 1:].clone() for kv in caches]  # every page but the scratch page
     for mode in (GREEDY, FILTERED):
         runner.spec_runner._prepare_graph(4)
-        out = runner.spec_runner._graph_step(4, mode)
+        out = runner.spec_runner._graph_step(4, 0, mode)
         assert out.logits.shape[0] == 4 * (DRAFT_LEN + 1)
         assert out.tokens.shape == (4, DRAFT_LEN + 1) and out.num_accepted.shape == (4,)
         assert ((0 <= out.num_accepted) & (out.num_accepted <= DRAFT_LEN)).all()

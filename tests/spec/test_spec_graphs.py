@@ -98,3 +98,24 @@ def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, 
             stats = engine.runner.stats
             assert stats["graph_steps"] > 0 and stats["spec_graph_steps"] > 0, dict(stats)
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "temperature"])
+def test_mixed_graphs_replay_equals_eager(tiny_vocab_dir, vocab_drafter, temperature):
+    """Requests admitted while others draft (more prompts than max_num_seqs): with graphs such
+    steps replay captured mixed steps (windows, then the prefill tail), eagerly they run
+    packed. Greedy and seeded sampling give the same tokens."""
+    prompts = [*PROMPTS12, [6, 6, 2], [3, 9, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3], [7], [5, 4, 3]]
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=30, ignore_eos=True)
+    runs, stats = {}, None
+    for graphs in (False, True):
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
+                  max_num_seqs=3, max_model_len=128, use_cuda_graphs=graphs,
+                  speculative_config={"model": str(vocab_drafter),
+                                      "mixed_prefill_tokens": 8})  # fmt: skip
+        runs[graphs] = _outputs(llm, prompts, params)
+        stats = llm.engine.runner.stats
+        engine = llm.engine
+        assert engine.allocator.num_free == engine.allocator.num_usable
+    assert stats["spec_graph_steps_mixed"] > 0, dict(stats)
+    assert runs[True] == runs[False]

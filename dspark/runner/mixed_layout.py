@@ -1,0 +1,131 @@
+"""The layout of a mixed speculative step: windows, then a tail of plain rows.
+
+A request admitted while others draft brings a prefill chunk into a step of windows. Run as one
+eager step, that costs several times a captured one (the drafter, its Markov loop, the target
+and verification each launched from Python). Laid out windows first, that step is a captured
+speculative step with a tail: the drafter and verification see only the windows, the target
+runs over every token, the drafter's context takes every token's features, and the tail's last
+tokens are scored after the window tokens, for plain sampling after the replay.
+
+Rows (target layout, block-table rows alike) and tokens, for G windows of width w and a tail
+of P tokens in R rows (a graph's (G, P); eagerly G and P are the live counts, no pads):
+
+  [ live windows | live tail rows | pad windows | one pad row of the tail's leftover tokens,
+    then empty rows up to R ]
+
+  K = 3 (w = 4), live windows 2 of G = 4, a prefill chunk of 5 tokens, P = 8, R = 2:
+  rows          [win0 win1 | pre | pad pad | left]        cu [0 4 8 13 17 21 24]
+  tokens        0..7 windows, 8..12 prefill, 13..20 pad windows, 21..23 leftover (P - 5 = 3)
+  logits order  [0..7, 13..20 | 12, 0]: the G windows' tokens (verification reads these G * w
+                rows), then one row per tail row: the tail rows that sample, then index 0
+
+R is one more than the most live tail rows, so that the leftover always has a row.
+A pad window j >= live windows reads block-table row j (a tail row's or a pad row's pages)
+for its drafter block's context: reads only, its writes go to the scratch page, and its
+results are never used. Every pad token writes its KV to the scratch page.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.engine.scheduler import ScheduledRow
+from dspark.request import PENDING_TOKEN
+from dspark.runner.input_buffers import NO_OWNER, InputBuffers, StepLayout
+
+MAX_TAIL_ROWS = 4  # live plain rows a captured mixed step carries after its windows
+GRAPH_TAIL_ROWS = MAX_TAIL_ROWS + 1  # R: its tail rows, one at least a pad row (the leftover)
+
+
+class Tail(NamedTuple):
+    """The tail rows as staged: their token count, cu ends and seq_lens (absolute), and which
+    of them sample: index into the tail and the token index each samples from."""
+
+    num_tokens: int
+    cu_ends: list[int]
+    seq_lens: list[int]
+    sampled: list[int]
+    sampled_ends: list[int]  # the request index of the sampled token (its position)
+    last_tokens: list[int]  # logits index of each sampled row: its chunk's last token
+
+
+def stage_tail(
+    b: InputBuffers, rows: tuple[ScheduledRow, ...], first_token: int, page_size: int
+) -> Tail:
+    """Write the tail's tokens from first_token on (after the windows): each row's tokens
+    [start, end) at their positions, KV slots from the request's pages.
+
+      page_size 4, first_token 8, one chunk [start 0, 5 tokens) on pages [6, 2]
+      tokens 8..12, positions [0 1 2 3 4], slots [24 25 26 27 8], cu_ends [13], seq_lens [5]
+    """
+    ids, positions, slots, cu_ends, seq_lens = [], [], [], [], []
+    sampled, sampled_ends, last_tokens = [], [], []
+    t = first_token
+    for k, row in enumerate(rows):
+        req, start, end = row.request, row.start, row.end
+        tokens = req.token_ids[start:end]
+        assert PENDING_TOKEN not in tokens, (
+            f"request {req.request_id}: a mixed step's tail reads its tokens on the host"
+        )
+        pages = req.page_ids
+        ids += tokens
+        positions += range(start, end)
+        slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+        t += end - start
+        cu_ends.append(t)
+        seq_lens.append(end)
+        if row.do_sample:
+            sampled.append(k)
+            sampled_ends.append(end)
+            last_tokens.append(t - 1)
+    t0 = first_token
+    b.np("input_ids")[t0:t] = ids
+    b.np("positions")[t0:t] = positions
+    b.np("slot_mapping")[t0:t] = slots
+    return Tail(t - t0, cu_ends, seq_lens, sampled, sampled_ends, last_tokens)
+
+
+def write_tail_pads(
+    b: InputBuffers, start_row: int, start_token: int, num_rows: int, num_tokens: int
+) -> None:
+    """Rows start_row..+num_rows pad the tail: the first holds num_tokens leftover tokens on
+    the scratch page (none if 0), the others no token at all (a query run of length 0 does no
+    work)."""
+    if num_tokens:
+        b.write_pad_rows(start_row, start_token, 1, num_tokens)
+    first_empty = start_row + (1 if num_tokens else 0)
+    r1 = start_row + num_rows
+    b.np("cu_num_tokens")[first_empty + 1 : r1 + 1] = start_token + num_tokens
+    b.np("seq_lens")[first_empty:r1] = 0
+    b.np("block_table")[first_empty:r1] = SCRATCH_PAGE
+    b.block_row_owner[first_empty:r1] = NO_OWNER
+
+
+def capture_layout(num_windows: int, width: int, tail_tokens: int, tail_rows: int) -> StepLayout:
+    """The layout a mixed graph (G, P) is captured with: G pad windows, then one pad row of P
+    tokens and tail_rows - 1 empty rows. The host mirrors are upper bounds (the attention grid
+    is sized by the longest query run, P)."""
+    t_windows = num_windows * width
+    cu = (*range(0, t_windows + 1, width), *([t_windows + tail_tokens] * tail_rows))
+    return StepLayout(
+        num_tokens=t_windows + tail_tokens,
+        num_rows=num_windows + tail_rows,
+        num_logits=t_windows + tail_rows,
+        cu_num_tokens_cpu=cu,
+        seq_lens_cpu=(width,) * num_windows + (tail_tokens,) + (0,) * (tail_rows - 1),
+        window_width=width,
+        tail_rows=tail_rows,
+    )
+
+
+def prepare_capture(b: InputBuffers, num_windows: int, width: int, tail_tokens: int,
+                    tail_rows: int) -> StepLayout:  # fmt: skip
+    """Fill the buffers with a mixed graph's capture inputs (the scratch page only)."""
+    t_windows = num_windows * width
+    b.write_pad_rows(0, 0, num_windows, width)
+    write_tail_pads(b, num_windows, t_windows, tail_rows, tail_tokens)
+    b.np("logits_indices")[: t_windows + tail_rows] = np.arange(t_windows + tail_rows)
+    return capture_layout(num_windows, width, tail_tokens, tail_rows)

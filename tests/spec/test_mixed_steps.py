@@ -1,0 +1,158 @@
+"""Mixed speculative steps: windows, then a tail of prefill chunks and plain rows
+(runner/mixed_layout.py). On the CPU, eagerly: the live layout, and the padded layout a captured
+mixed step replays (the captured step function run on the same buffers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
+from dspark.runner.mixed_layout import MAX_TAIL_ROWS, capture_layout, write_tail_pads
+from dspark.runner.spec_graphs import graph_mode
+from tests.tiny_models import make_tiny_drafter
+
+# more prompts than max_num_seqs: requests are admitted while others draft
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
+           [7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7], [6, 6],
+           [2, 9, 4, 11, 5]]  # fmt: skip
+TAIL = 16  # tail tokens of the padded runs (the scheduler caps the prefill beside windows)
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_mixed"), taps=(0,))
+
+
+class EagerReplay:
+    """SpecGraphs without capture: replay runs the step a graph captures (SpecDecoder.step over
+    G windows, the target over the padded layout) on the buffers as staged, so the padded
+    layouts of graph steps run on the CPU. The step's host mirrors are the live layout's: the
+    CPU reference attention reads them, where the Triton kernel a graph holds reads only the
+    device buffers (the mirrors size its grid)."""
+
+    def __init__(self, spec_runner, sizes: list[int], tails: tuple[int, ...]) -> None:
+        self.spec_runner, self.sizes, self.tails = spec_runner, sorted(sizes), tails
+        self.layout = None
+        run = spec_runner.run
+
+        def keep_layout(plan, layout, *args):
+            self.layout = layout
+            return run(plan, layout, *args)
+
+        spec_runner.run = keep_layout
+
+    def replay(self, size, mode, tail=0):
+        r, width = self.spec_runner, self.layout.window_width
+        assert self.layout.num_rows == size + (self.layout.tail_rows if tail else 0)
+        target = r._target_step(self.layout, r.buffers.block_table)
+        index = slice(0, size * width) if tail else None
+        return r.spec.step(size, graph_mode(mode, tail), target, index)
+
+
+def _llm(tiny_vocab_dir, drafter, padded: bool | None):
+    """padded None: no speculation; False: the live mixed layout; True: padded to graph sizes."""
+    kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=4, max_model_len=64,
+              async_spec_steps=False)  # fmt: skip
+    if padded is None:
+        return LLM(str(tiny_vocab_dir), **kw)
+    llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(drafter),
+              "num_speculative_tokens": 3}, **kw)  # fmt: skip
+    spec_runner = llm.engine.runner.spec_runner
+    spec_runner.uniform_windows = True
+    spec_runner.max_tail_tokens = TAIL
+    llm.engine.scheduler.mixed_limits = (MAX_TAIL_ROWS, TAIL)  # the same chunks in both runs
+    if padded:
+        spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4], (TAIL,))
+    return llm
+
+
+def _generate(llm, params):
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def test_capture_layout_and_tail_pads_worked_example():
+    """The docstring's example: K = 3, G = 4 windows, P = 8 in R = 2 tail rows."""
+    layout = capture_layout(4, 4, 8, 2)
+    assert layout.cu_num_tokens_cpu == (0, 4, 8, 12, 16, 24, 24)
+    assert (layout.num_tokens, layout.num_rows, layout.num_logits) == (24, 6, 18)
+    assert layout.num_window_logits == 16
+    b = InputBuffers(32, 8, 4, torch.device("cpu"))
+    b.np("block_table")[:] = 7
+    write_tail_pads(b, 6, 21, 2, 3)  # leftover 3 tokens from token 21, then an empty row
+    assert b.np("cu_num_tokens")[7:9].tolist() == [24, 24]
+    assert b.np("seq_lens")[6:8].tolist() == [3, 0]
+    assert (b.np("slot_mapping")[21:24] == PAD_SLOT).all()
+    assert (b.np("block_table")[6:8] == SCRATCH_PAGE).all()
+
+
+def test_mixed_steps_greedy_equal_plain(tiny_vocab_dir, drafter):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in [10, 14, 5, 21, 8, 12, 9, 16]]  # fmt: skip
+    plain = _generate(_llm(tiny_vocab_dir, drafter, None), params)
+    for padded in (False, True):
+        llm = _llm(tiny_vocab_dir, drafter, padded)
+        assert [t for t, _ in _generate(llm, params)] == [t for t, _ in plain]
+        stats = llm.engine.runner.stats
+        assert stats["mixed_spec_steps"] > 0, dict(stats)
+        assert stats["spec_graph_steps_mixed"] == (stats["mixed_spec_steps"] if padded else 0)
+        e = llm.engine
+        assert e.allocator.num_free == e.allocator.num_usable
+
+
+def test_padded_mixed_steps_equal_the_live_layout(tiny_vocab_dir, drafter):
+    """Seeded sampling, top-k, logprobs and greedy rows side by side: padding a mixed step to a
+    captured (G, P) changes nothing but the layout."""
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.9, top_k=5 if i == 2 else 0, seed=i,
+                       max_tokens=n, ignore_eos=True, logprobs=2 if i < 3 else None)
+        for i, n in enumerate([11, 13, 7, 17, 9, 12, 6, 15])
+    ]  # fmt: skip
+    live = _generate(_llm(tiny_vocab_dir, drafter, False), params)
+    llm = _llm(tiny_vocab_dir, drafter, True)
+    padded = _generate(llm, params)
+    for (tokens, logprobs), (tokens_l, logprobs_l) in zip(padded, live, strict=True):
+        assert tokens == tokens_l
+        if logprobs_l is None:
+            assert logprobs is None
+            continue
+        for top, top_l in zip(logprobs, logprobs_l, strict=True):
+            assert list(top) == list(top_l)
+            assert list(top.values()) == pytest.approx(list(top_l.values()), abs=1e-5)
+    assert llm.engine.runner.stats["spec_graph_steps_mixed"] > 0
+
+
+def test_prefill_beside_windows_is_capped_and_the_rows_put_windows_first(tiny_vocab_dir, drafter):
+    llm = _llm(tiny_vocab_dir, drafter, False)
+    engine, tails = llm.engine, []
+    long_prompt = list(range(2, 12)) * 4  # 40 tokens: more than TAIL
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [2, 3, 4], params)
+    engine.step()  # prefill alone: no cap
+    engine.add_request("b", long_prompt, params)
+    engine.add_request("c", [5, 6], params)
+    while engine.has_unfinished_requests():
+        plan = engine.scheduler.schedule()
+        engine.scheduler.advance(plan)
+        kinds = [bool(r.num_draft or r.empty_window) for r in plan.rows]
+        if any(kinds) and not all(kinds):
+            n = kinds.index(False)
+            assert not any(kinds[n:]), kinds  # windows first, then the tail
+            tails.append(sum(r.num_tokens for r in plan.rows[n:]))
+        engine._update(plan, engine.runner.execute(plan))
+    assert tails and max(tails) <= TAIL
+    assert tails[0] == TAIL  # the long prompt's first chunk, cut at the cap
+
+
+@pytest.mark.parametrize("bad", [-1, 8193, 2.5, True, "256"])
+def test_bad_mixed_prefill_tokens_is_refused_by_name(bad):
+    from dspark.spec.config import SpecConfig
+
+    with pytest.raises(
+        ValueError, match=r'"mixed_prefill_tokens" must be an integer in \[0, 8192\]'
+    ):
+        SpecConfig.from_dict({"mixed_prefill_tokens": bad})
+    assert SpecConfig.from_dict({"mixed_prefill_tokens": 0}).mixed_prefill_tokens == 0

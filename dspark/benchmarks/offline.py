@@ -393,6 +393,9 @@ def _spec_delta(before: dict, after: dict) -> dict:
             ]
         d["num_survival_windows"] = windows
     d["scheduling"] = after.get("scheduling")  # policy or fixed K, and why
+    for key in ("steps", "fallbacks"):  # this level's steps by path, eager ones by reason
+        b, a = before.get(key, {}), after.get(key, {})
+        d[key] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}
     if "drafting_policy" in after:  # steps with and without drafting at this level
         b, a = before.get("drafting_policy", {}), after["drafting_policy"]
         d["drafting_policy"] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}

@@ -285,6 +285,9 @@ class LLMEngine:
             if self.policy.counters["decision_no_table"]:
                 fallbacks["no_cost_table"] = self.policy.counters["decision_no_table"]
         m["fallbacks"] = fallbacks
+        # steps by path: captured speculative (mixed among them), eager speculative, plain
+        m["steps"] = {k: stats[k] for k in ("spec_graph_steps", "spec_graph_steps_mixed",
+                      "eager_spec_steps", "graph_steps", "eager_steps")}  # fmt: skip
         m["async_spec_steps"] = {
             "launched_ahead": stats["spec_steps_launched_ahead"],
             "continuation_windows": stats["continuation_windows"],

@@ -12,6 +12,7 @@ from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
 from dspark.runner.mixed_layout import MAX_TAIL_ROWS, capture_layout, write_tail_pads
 from dspark.runner.spec_graphs import graph_mode
+from tests.spec.test_uniform_windows import _assert_same_outputs
 from tests.tiny_models import make_tiny_drafter
 
 # more prompts than max_num_seqs: requests are admitted while others draft
@@ -114,14 +115,7 @@ def test_padded_mixed_steps_equal_the_live_layout(tiny_vocab_dir, drafter):
     live = _generate(_llm(tiny_vocab_dir, drafter, False), params)
     llm = _llm(tiny_vocab_dir, drafter, True)
     padded = _generate(llm, params)
-    for (tokens, logprobs), (tokens_l, logprobs_l) in zip(padded, live, strict=True):
-        assert tokens == tokens_l
-        if logprobs_l is None:
-            assert logprobs is None
-            continue
-        for top, top_l in zip(logprobs, logprobs_l, strict=True):
-            assert list(top) == list(top_l)
-            assert list(top.values()) == pytest.approx(list(top_l.values()), abs=1e-5)
+    _assert_same_outputs(padded, live)
     assert llm.engine.runner.stats["spec_graph_steps_mixed"] > 0
 
 

@@ -41,25 +41,28 @@ GRAPH_TAIL_ROWS = MAX_TAIL_ROWS + 1  # R: its tail rows, one at least a pad row 
 
 
 class Tail(NamedTuple):
-    """The tail rows as staged: their token count, cu ends and seq_lens (absolute), and which
-    of them sample: index into the tail and the token index each samples from."""
+    """The tail rows as staged: their token count, and which of them sample: index into the
+    tail and the token index each samples from."""
 
     num_tokens: int
-    cu_ends: list[int]
-    seq_lens: list[int]
     sampled: list[int]
     sampled_ends: list[int]  # the request index of the sampled token (its position)
     last_tokens: list[int]  # logits index of each sampled row: its chunk's last token
 
 
 def stage_tail(
-    b: InputBuffers, rows: tuple[ScheduledRow, ...], first_token: int, page_size: int
+    b: InputBuffers,
+    rows: tuple[ScheduledRow, ...],
+    first_row: int,
+    first_token: int,
+    page_size: int,
 ) -> Tail:
-    """Write the tail's tokens from first_token on (after the windows): each row's tokens
-    [start, end) at their positions, KV slots from the request's pages.
+    """Write the tail's rows from first_row and its tokens from first_token on (after the
+    windows): each row's tokens [start, end) at their positions, KV slots from the request's
+    pages, its cu end and seq_len.
 
-      page_size 4, first_token 8, one chunk [start 0, 5 tokens) on pages [6, 2]
-      tokens 8..12, positions [0 1 2 3 4], slots [24 25 26 27 8], cu_ends [13], seq_lens [5]
+      page_size 4, first_row 2, first_token 8, one chunk [start 0, 5 tokens) on pages [6, 2]
+      tokens 8..12, positions [0 1 2 3 4], slots [24 25 26 27 8], cu[3] = 13, seq_lens[2] = 5
     """
     ids, positions, slots, cu_ends, seq_lens = [], [], [], [], []
     sampled, sampled_ends, last_tokens = [], [], []
@@ -81,11 +84,13 @@ def stage_tail(
             sampled.append(k)
             sampled_ends.append(end)
             last_tokens.append(t - 1)
-    t0 = first_token
+    t0, r0, r1 = first_token, first_row, first_row + len(rows)
     b.np("input_ids")[t0:t] = ids
     b.np("positions")[t0:t] = positions
     b.np("slot_mapping")[t0:t] = slots
-    return Tail(t - t0, cu_ends, seq_lens, sampled, sampled_ends, last_tokens)
+    b.np("cu_num_tokens")[r0 + 1 : r1 + 1] = cu_ends
+    b.np("seq_lens")[r0:r1] = seq_lens
+    return Tail(t - t0, sampled, sampled_ends, last_tokens)
 
 
 def write_tail_pads(

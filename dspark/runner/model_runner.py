@@ -247,12 +247,10 @@ class ModelRunner:
         sample, in row order."""
         b, n, width = self.buffers, num_windows, 1 + self.spec.num_verify
         self.stats["mixed_spec_steps"] += 1
-        starts = self._write_windows(plan.rows[:n], width)
         t_windows = n * width
-        tail = stage_tail(b, plan.rows[n:], t_windows, self.page_size)
+        self._write_windows(plan.rows[:n], width)
+        tail = stage_tail(b, plan.rows[n:], n, t_windows, self.page_size)
         m, t_live = len(plan.rows) - n, t_windows + tail.num_tokens
-        cu = [*range(0, t_windows + 1, width), *tail.cu_ends]
-        seq_lens = [*(starts + width).tolist(), *tail.seq_lens]
         window_logits = list(range(t_windows))
         key = self.spec_runner.mixed_graph(n, tail.num_tokens)
         G, P, tail_rows = n, tail.num_tokens, m
@@ -262,20 +260,14 @@ class ModelRunner:
             t_pads = t_live + (G - n) * width
             window_logits += range(t_live, t_pads)
             write_tail_pads(b, G + m, t_pads, tail_rows - m, P - tail.num_tokens)
-            cu += range(t_live + width, t_pads + 1, width)
-            seq_lens += [width] * (G - n)
-            if P > tail.num_tokens:
-                cu.append(t_pads + P - tail.num_tokens)
-                seq_lens.append(P - tail.num_tokens)
-            cu += [G * width + P] * (G + tail_rows + 1 - len(cu))
-            seq_lens += [0] * (G + tail_rows - len(seq_lens))
         logits = window_logits + tail.last_tokens
         logits += [0] * (G * width + tail_rows - len(logits) if key else 0)
-        b.np("cu_num_tokens")[: len(cu)] = cu
-        b.np("seq_lens")[: len(seq_lens)] = seq_lens
         b.np("logits_indices")[: len(logits)] = logits
-        layout = StepLayout(G * width + P, G + tail_rows, len(logits), tuple(cu), tuple(seq_lens),
-                            window_width=width, tail_rows=tail_rows)  # fmt: skip
+        rows = G + tail_rows  # (the host mirrors: what the staging above wrote)
+        cu, seq_lens = b.np("cu_num_tokens")[: rows + 1], b.np("seq_lens")[:rows]
+        layout = StepLayout(G * width + P, rows, len(logits), tuple(cu.tolist()),
+                            tuple(seq_lens.tolist()), window_width=width,
+                            tail_rows=tail_rows)  # fmt: skip
         sampled = np.array([n + k for k in tail.sampled], dtype=np.int64)
         ends = np.array(tail.sampled_ends, dtype=np.int64)
         return Staged(layout, None if key is None else G, reqs, serials, sampled, ends,
@@ -490,7 +482,7 @@ class ModelRunner:
         step = InFlightStep(plan, sampled.tolist())
         # (a mixed step is not: the next step needs its tail's sampled tokens on the host)
         step.is_uniform = bool(window_rows) and layout.window_width is not None
-        step.is_uniform = step.is_uniform and not layout.tail_rows
+        step.is_uniform &= not layout.tail_rows
         if sampled.size:
             tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged)
             self._last_tokens = tokens

@@ -21,7 +21,9 @@ captured mixed speculative steps (`mixed_limits`: at most R tail rows of at most
 all after the windows). The scheduler then caps the prefill it adds after the first window at
 those limits (the rest of a prompt follows in later steps, chunked prefill), and puts the rows
 windows first, the tail (prefill chunks, plain rows) after: the layout the runner replays.
-update() does not depend on the rows' order.
+update() does not depend on the rows' order. A burst (more requests waiting for a free seat than
+the tail has rows) is admitted uncapped, in one eager step: capped, most of it would wait for
+seats it could have for many steps, which costs more than one step's host time.
 
 Speculative steps scheduled ahead (async scheduling of drafting steps): a window row emits a
 number of tokens only verification knows, so between advance and update its request has
@@ -169,6 +171,7 @@ class Scheduler:
         # a mixed step: windows, then a tail of plain rows (prefill chunks, plain decode rows)
         has_window = reorder = False  # reorder: some window follows a tail row
         num_tail, tail_rows_left, tail_tokens_left = 0, *(self.mixed_limits or (0, 0))
+        capped = self.mixed_limits is not None and not self._is_burst()
         for req in list(self.running):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
@@ -208,7 +211,7 @@ class Scheduler:
                 continue
             assert num_tokens > start, f"request {req.request_id} has no token left to compute"
             n = min(num_tokens - start, budget)
-            if has_window and self.mixed_limits:  # a prefill chunk after windows: the tail's
+            if has_window and capped:  # a prefill chunk after windows: the tail's
                 n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
             if n == 0:
                 continue
@@ -223,7 +226,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if has_window and self.mixed_limits:  # admitted into the tail of a mixed step
+            if has_window and capped:  # admitted into the tail of a mixed step
                 n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
                 if n == 0:
                     break
@@ -243,6 +246,11 @@ class Scheduler:
                 r for r in rows if not (r.num_draft or r.empty_window)
             ]
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode)
+
+    def _is_burst(self) -> bool:
+        """More requests wait for a free seat than a mixed step's tail has rows."""
+        seats = self.max_num_seqs - len(self.running)
+        return min(len(self.waiting), seats) > self.mixed_limits[0]
 
     def ahead_blocker(self, max_rows: int) -> str | None:
         """Why the next step may not be scheduled while the in-flight step's windows are

@@ -77,21 +77,29 @@ def test_concurrent_streams_with_a_third_cancelled(server):
     before = _finished_by_reason(server)
     results, statuses = asyncio.run(_run_load(server, cancelled))
     tokenizer = server.tokenizer
+    # a stream to cancel whose first read already holds its whole output (chunks coalesce when
+    # the client is slow to read) finished before its client could leave: it counts as completed
+    left = {r["index"] for r in results if r["index"] in cancelled and r["finish"] is None}
+    assert len(left) >= len(cancelled) // 2, (len(left), len(cancelled))
     for r in results:
         assert len(r["ids"]) == 1  # every chunk of a stream carries its one id
-        if r["index"] in cancelled:
-            assert r["token_ids"] and r["finish"] is None
+        if r["index"] in left:
+            assert r["token_ids"]
             continue
-        assert r["done"] and r["finish"] == "length", r
-        assert len(r["token_ids"]) == NUM_TOKENS and r["usage"]["completion_tokens"] == NUM_TOKENS
+        num_tokens = CANCELLED_TOKENS if r["index"] in cancelled else NUM_TOKENS
+        assert r["finish"] == "length", r
+        assert len(r["token_ids"]) == num_tokens, r
+        if r["index"] in cancelled:
+            continue  # it left on its first chunk, before the usage chunk
+        assert r["done"] and r["usage"]["completion_tokens"] == NUM_TOKENS
         # nothing lost or repeated: the streamed pieces are exactly the tokens' text
         assert tokenizer.decode(r["token_ids"]) == r["text"]
     assert len({next(iter(r["ids"])) for r in results}) == NUM_REQUESTS
     server.wait_idle()
     after = _finished_by_reason(server)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    assert delta["abort"] == len(cancelled)
-    assert delta["length"] == NUM_REQUESTS - len(cancelled)
+    assert delta["abort"] == len(left)
+    assert delta["length"] == NUM_REQUESTS - len(left)
     assert sum(delta.values()) == NUM_REQUESTS
     server.assert_pages_free()
     metrics = httpx.get(f"{server.url}/metrics").text

@@ -53,10 +53,10 @@ class EagerReplay:
         return r.spec.step(size, graph_mode(mode, tail), target, index)
 
 
-def _llm(tiny_vocab_dir, drafter, padded: bool | None):
+def _llm(tiny_vocab_dir, drafter, padded: bool | None, max_num_seqs: int = 4):
     """padded None: no speculation; False: the live mixed layout; True: padded to graph sizes."""
-    kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=4, max_model_len=64,
-              async_spec_steps=False)  # fmt: skip
+    kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=max_num_seqs,
+              max_model_len=64, async_spec_steps=False)  # fmt: skip
     if padded is None:
         return LLM(str(tiny_vocab_dir), **kw)
     llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(drafter),
@@ -139,6 +139,26 @@ def test_prefill_beside_windows_is_capped_and_the_rows_put_windows_first(tiny_vo
         engine._update(plan, engine.runner.execute(plan))
     assert tails and max(tails) <= TAIL
     assert tails[0] == TAIL  # the long prompt's first chunk, cut at the cap
+
+
+def test_a_burst_beside_windows_is_admitted_uncapped(tiny_vocab_dir, drafter):
+    """More requests waiting for a seat than the tail has rows: one step admits them all, with
+    their whole prompts (eagerly); as many as the tail has rows: capped, a mixed step."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for num_new, capped in ((MAX_TAIL_ROWS + 1, False), (MAX_TAIL_ROWS, True)):
+        engine = _llm(tiny_vocab_dir, drafter, False, max_num_seqs=8).engine
+        engine.add_request("a", [2, 3, 4], params)
+        engine.step()  # prefill alone: a is drafting from now on
+        prompts = PROMPTS[1 : 1 + num_new]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"new{i}", prompt, params)
+        plan = engine.scheduler.schedule()
+        assert plan.rows[0].num_draft > 0  # a's window comes first
+        tail = [r.num_tokens for r in plan.rows[1:]]
+        if capped:
+            assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+        else:
+            assert tail == [len(p) for p in prompts] and sum(tail) > TAIL, tail
 
 
 @pytest.mark.parametrize("bad", [-1, 8193, 2.5, True, "256"])

@@ -114,7 +114,9 @@ class EngineLoop:
         try:
             while self._conn.poll(0):
                 self._dispatch(self._conn.recv())
-        except (EOFError, OSError):
+        except (EOFError, OSError) as e:
+            if not isinstance(e, EOFError):  # not the pipe's end: say what it was
+                logger.error("reading the engine's pipe failed: %s: %s", type(e).__name__, e)
             self._loop.remove_reader(self._conn.fileno())
             asyncio.ensure_future(self._reap())
 

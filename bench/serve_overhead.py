@@ -187,14 +187,17 @@ def run_child(attention: str, argv: list[str]) -> int:
     child_settings."""
     child_settings(attention)
     if argv[0] == "engine-stream":
-        engine_stream(Path(argv[1]), [int(c) for c in argv[2].split(",")], int(argv[3]), argv[4])
+        levels = [int(c) for c in argv[2].split(",")]
+        engine_stream(Path(argv[1]), levels, int(argv[3]), argv[4], int(argv[5]))
         return 0
     from dspark.cli import main
 
     return main(argv)
 
 
-def engine_stream(model: Path, levels: list[int], output_len: int, out: str) -> None:
+def engine_stream(
+    model: Path, levels: list[int], output_len: int, out: str, stream_interval: int
+) -> None:
     """The engine alone, no HTTP, as the server drives it: outputs "delta" (a DeltaOutput
     per running request per step, incremental detokenization), C requests added at once as
     in the offline bench, the same prompts; output tokens/s per level."""
@@ -205,7 +208,8 @@ def engine_stream(model: Path, levels: list[int], output_len: int, out: str) -> 
     from dspark.sampling_params import SamplingParams
 
     config = EngineConfig(model=str(model), dtype="float32", device="cpu",
-                          max_model_len=MAX_MODEL_LEN, num_kv_pages=NUM_KV_PAGES)  # fmt: skip
+                          max_model_len=MAX_MODEL_LEN, num_kv_pages=NUM_KV_PAGES,
+                          stream_interval=stream_interval)  # fmt: skip
     engine = LLMEngine(config)
     conversations = load_prompts(default_prompts_dir(), tuple(SOURCES.split(",")), 0, "eval")
     prompts = [truncate(engine.tokenizer.apply_chat_template(c), 512)
@@ -247,7 +251,8 @@ def run_offline(args: argparse.Namespace, model: Path, out: Path) -> dict[int, f
 
 
 def run_engine_stream(args: argparse.Namespace, model: Path, out: Path) -> dict[int, float]:
-    argv = ["engine-stream", str(model), args.levels, str(args.output_len), str(out)]
+    argv = ["engine-stream", str(model), args.levels, str(args.output_len), str(out),
+            str(args.stream_interval)]  # fmt: skip
     subprocess.run(child_command(args, argv), env=child_env(), check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return {int(c): rate for c, rate in json.loads(out.read_text()).items()}
@@ -289,7 +294,8 @@ def children_cpu_s(pid: int) -> float:
 def start_server(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen:
     argv = ["serve", str(model), "--dtype", "float32", "--device", "cpu", "--port", str(port),
             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-pages", str(NUM_KV_PAGES),
-            "--disable-access-log", *shlex.split(args.server_args)]  # fmt: skip
+            "--disable-access-log", "--stream-interval", str(args.stream_interval),
+            *shlex.split(args.server_args)]  # fmt: skip
     log = open(args.work_dir / "server.log", "w")  # noqa: SIM115 - open while the server runs
     process = subprocess.Popen(child_command(args, argv), env=child_env(), stdout=log,
                                stderr=subprocess.STDOUT)  # fmt: skip
@@ -456,6 +462,8 @@ def main() -> None:
     parser.add_argument("--attention", default="batched", choices=("batched", "reference"))
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/dspark_serve_overhead"))
     parser.add_argument("--work-dir", type=Path, default=None, help="default: --model-dir/run")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the engine-stream arm's and the server's stream_interval")
     parser.add_argument("--server-args", default="", help="extra `dspark serve` arguments")
     parser.add_argument("--client-args", default="", help="extra `dspark bench serve` arguments")
     parser.add_argument("--client-ceiling", action="store_true")

@@ -44,6 +44,9 @@ class EngineConfig:
     # step N still in flight, its anchors taken from N's verification on the device (engine.py);
     # off, a step that drafts waits for its own results
     async_spec_steps: bool = True
+    # output tokens a streamed ("delta") request gathers before it is reported (vLLM's and
+    # SGLang's stream_interval); its first token and its end are reported at once
+    stream_interval: int = 1
     seed: int = 0  # draws the seeds of requests that set none
     log_stats_interval_s: float = 10.0  # the periodic stats log line (engine/stats_log.py); 0: off
     # {"method": "dspark", "model": PATH, "num_speculative_tokens": K}; None: no speculation
@@ -78,6 +81,10 @@ class EngineConfig:
         _require(
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            isinstance(self.stream_interval, int) and self.stream_interval >= 1,
+            f"stream_interval must be an integer >= 1, got {self.stream_interval!r}",
         )
         self.spec()  # validates the speculative_config
         _require(

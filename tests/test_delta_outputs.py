@@ -119,3 +119,34 @@ def test_an_aborted_delta_request_reports_its_end(engine):
     tokens = [t for d in deltas for t in d.token_ids]
     assert final.num_output_tokens == len(tokens) >= 3
     assert "".join(d.text for d in deltas) == engine.tokenizer.decode(tokens)
+
+
+@pytest.fixture(scope="module")
+def interval_engine(engine):
+    """The engine's model and speculation, reporting a stream every 4 tokens."""
+    return LLMEngine(replace(engine.config, stream_interval=4))
+
+
+def test_a_stream_interval_reports_every_n_tokens_and_adds_up(interval_engine):
+    """Deltas of at least 4 tokens, but the first (at once, for TTFT) and the last (the end);
+    plain decoding gives exactly 4. Together they equal the cumulative output, stop strings
+    included."""
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=17 + 3 * i, ignore_eos=True,
+                             stop=["zq#"] if i % 2 else None) for i in range(8)]  # fmt: skip
+    params[3] = replace(params[3], stop=["the", "e"], ignore_eos=False, temperature=0.0)
+    delta = _both(interval_engine, params, "interval")
+    # the same requests again, kept this time to look at their deltas' sizes
+    reports = _run(interval_engine, [replace(p, output_kind="delta") for p in params], "sizes")
+    is_spec = interval_engine.spec is not None
+    for outs in reports.values():
+        sizes = [len(d.token_ids) for d in outs]
+        assert sizes[0] >= 1 and all(n >= 4 for n in sizes[1:-1]), sizes
+        if not is_spec:
+            assert sizes[0] == 1 and all(n == 4 for n in sizes[1:-1]), sizes
+    assert delta  # (the cumulative outputs _both compared against)
+
+
+def test_bad_stream_interval_is_refused_by_name():
+    for bad in (0, -1, 2.5, "4"):
+        with pytest.raises(ValueError, match=r"stream_interval must be an integer >= 1"):
+            EngineConfig(stream_interval=bad)

@@ -47,3 +47,22 @@ def test_stop_string_spanning_tokens(tok):
     many = d2.add_tokens(ids)
     assert many is not None and tok.decode(ids[: many.num_tokens]).endswith("42.")
     assert hit.stop == "42." and hit.num_tokens == 1 and d.text == "The answer is "
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 2, 3, 5])
+def test_text_read_every_few_tokens_equals_full_decode(tok, batch):
+    """Without stop strings the text is decoded when read: a read after a batch that ends
+    inside a character gives nothing new, a later one all of it; the flush, what is left."""
+    text = "Unicode: café 日本語テキスト 🚀🎉 done, ok 😀"
+    ids = tok.encode(text)
+    d = Detokenizer(tok)
+    seen = []
+    for i in range(0, len(ids), batch):
+        d.add_tokens(ids[i : i + batch])
+        seen.append(d.text)
+        assert tok.decode(ids).startswith(seen[-1])
+    if batch == 1:  # some character spans two tokens: a read in its middle adds nothing
+        assert any(a == b for a, b in zip(seen, seen[1:], strict=False))
+    d.flush()
+    assert d.text == tok.decode(ids)

@@ -13,6 +13,10 @@ characters may have been decoded a step earlier. So while a request runs, its la
 
 With include_stop_str_in_output the text is cut after the stop string, which only drops
 characters decoded in the step that completed it (never reported), so nothing is held back.
+
+A stream interval of N (EngineConfig.stream_interval) reports a running request once it has N
+output tokens unreported (its first token at once, its end always): the engine and the server
+then handle one delta per N tokens, which at high batch is what bounds streamed throughput.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from dspark.sampling_params import SamplingParams
 
 
 class DeltaCursor:
-    __slots__ = ("num_chars", "num_tokens", "holdback")
+    __slots__ = ("num_chars", "num_tokens", "num_unreported", "holdback")
 
     def __init__(self, params: SamplingParams) -> None:
         self.num_chars = 0  # characters of the text reported
         self.num_tokens = 0  # output tokens reported
+        self.num_unreported = 0  # output tokens emitted since (the stream interval counts them)
         stops = params.stop_strings
         is_cut_before = stops and not params.include_stop_str_in_output
         self.holdback = max(len(s) for s in stops) - 1 if is_cut_before else 0
@@ -50,4 +55,5 @@ class DeltaCursor:
             logprobs = [{**lp.top, lp.token_id: lp.logprob} for lp in new]
         self.num_chars = end
         self.num_tokens += len(new_tokens)
+        self.num_unreported = 0
         return DeltaOutput(req.request_id, new_text, new_tokens, logprobs, final)

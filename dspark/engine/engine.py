@@ -455,6 +455,7 @@ class LLMEngine:
         now = time.monotonic()
         self.stats_log.maybe_log(self)
         outputs = []
+        cursors, interval = self._cursors, self.config.stream_interval
         for req, first, count in emitted:
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -466,7 +467,13 @@ class LLMEngine:
                 del req.logprobs[req.num_output_tokens :]
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.STOP, hit.stop)
-            if req.is_finished or req.sampling_params.output_kind != "final_only":
+            if req.is_finished:
+                outputs.append(self._report(req))
+            elif (cursor := cursors.get(req.request_id)) is not None:
+                cursor.num_unreported += count
+                if cursor.num_unreported >= interval or not cursor.num_tokens:
+                    outputs.append(self._report(req))
+            elif req.sampling_params.output_kind != "final_only":  # cumulative
                 outputs.append(self._report(req))
         return outputs
 

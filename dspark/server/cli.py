@@ -31,6 +31,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "kv_cache_memory_gb": None,
     "num_kv_pages": None,
     "seed": 0,
+    "stream_interval": 1,  # EngineConfig's default
     "speculative_config": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {
@@ -62,6 +63,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         ("--seed", int),
     ):
         p.add_argument(flag, type=kind, default=None)
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="output tokens a stream gathers per chunk (default 1; its first token and its "
+        "end are sent at once): fewer, larger chunks cost the engine and the server less",
+    )
     p.add_argument(
         "--speculative-config",
         type=json.loads,
@@ -122,6 +130,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 # the type a file's value must have (the flags' own types check the command line)
 OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                 "kv_cache_memory_gb": float, "num_kv_pages": int, "seed": int, "port": int,
+                "stream_interval": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float,
                 "disable_access_log": bool}  # fmt: skip

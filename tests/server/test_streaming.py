@@ -251,3 +251,24 @@ def test_every_stream_leaves_the_pacer_refused_finished_or_abandoned(chunky_serv
     while pacer.num_streams and time.monotonic() < deadline:
         time.sleep(0.02)
     assert pacer.num_streams == 0
+
+
+def test_a_stream_interval_sends_the_first_token_then_chunks_of_n(tiny_llama_dir):
+    """EngineConfig.stream_interval (`dspark serve --stream-interval 4`): the first chunk
+    carries the first token, the next ones 4 each (NUM_TOKENS - 1 is not a multiple of 4: the
+    last carries the rest), and together they equal the whole response. (The pacer may join
+    deltas of a lagging stream into one chunk: sizes are counted modulo 4.)"""
+    live = start_server(engine_config(tiny_llama_dir, stream_interval=4))
+    try:
+        body = _greedy(prompt="Once upon a time")
+        whole = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
+        *chunks, last = _stream(live, "completions", body)
+    finally:
+        live.stop()
+    sizes = [len(c["choices"][0]["token_ids"]) for c in chunks]
+    assert sizes[0] % 4 == 1 and all(n % 4 == 0 for n in sizes[1:-1]), sizes
+    assert len(chunks) > 2 and sizes[-1] % 4 == (NUM_TOKENS - 1) % 4, sizes
+    token_ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert token_ids == whole["choices"][0]["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert last["usage"] == whole["usage"]

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Serving arms side by side in one device call: the offline engine once, then one `dspark serve`
+# per arm, each loaded by `dspark bench serve` at every level (C streamed requests in flight,
+# 4 C requests, at least 8; 256 tokens, ignore_eos). Results and a table under $OUT.
+#
+#   MODEL=/tmp/rs PROMPTS_DIR=.dsm LEVELS=1,64,256 bash bench/device_serve_ab.sh \
+#     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
+#
+# MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments".
+# The server's log keeps only its warnings and errors (serve_NAME_errors.txt), so that the
+# files stay within what comes back from the device.
+set -u
+source bench/device_setup.sh
+mkdir -p "$OUT"
+python3 -c "import fastapi, uvicorn, httpx" || exit 1
+LEVELS=${LEVELS:-1,64,256}
+MODEL=${MODEL:-default}
+COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
+        --output-len 256)
+
+python3 -m dspark.cli bench --model "$MODEL" "${COMMON[@]}" --concurrency "$LEVELS" --no-plot \
+  --out "$OUT/offline.json" > /dev/null 2>&1 || echo "offline bench failed"
+
+port=8200
+for arm in "$@"; do
+  name=${arm%%|*}
+  read -r -a extra <<< "${arm#*|}"
+  port=$((port + 1))
+  log=/tmp/serve_${name}.log
+  python3 -m dspark.cli serve "$MODEL" --port "$port" --max-num-seqs 256 --disable-access-log \
+    "${extra[@]}" > "$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 360); do
+    kill -0 "$pid" 2> /dev/null || break
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
+      2> /dev/null && break
+    sleep 0.5
+  done
+  for c in ${LEVELS//,/ }; do
+    n=$((4 * c)); [ "$n" -lt 8 ] && n=8
+    timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
+      "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
+      --out "/tmp/serve_${name}_c$c.json" > /dev/null 2>&1
+  done
+  kill -TERM "$pid" 2> /dev/null
+  wait "$pid"
+  grep -v "clean_up_tokenization" "$log" | grep -E -A8 "WARNING|ERROR|Traceback" | head -80 \
+    > "$OUT/serve_${name}_errors.txt"
+done
+
+python3 - "$OUT" "$LEVELS" "$@" <<'PY'
+import json, os, sys
+out, levels, arms = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], sys.argv[3:]
+names = [a.split("|")[0] for a in arms]
+try:
+    offline = {lv["concurrency"]: lv for lv in json.load(open(f"{out}/offline.json"))["dspark"]["levels"]}
+except (OSError, KeyError):
+    offline = {}
+table = {"levels": levels, "offline": offline, "served": {}}
+rows = [f"{'C':>5} {'arm':>12} {'offline':>9} {'served':>9} {'ratio':>6} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ok':>9}"]
+for name in names:
+    for c in levels:
+        path = f"/tmp/serve_{name}_c{c}.json"
+        s = json.load(open(path))["levels"][0]["summary"] if os.path.exists(path) else None
+        table["served"][f"{name}/{c}"] = s
+        off = offline.get(c, {}).get("output_tokens_per_s", float("nan"))
+        if s is None:
+            rows.append(f"{c:>5} {name:>12} {off:>9.0f} {'-':>9}")
+            continue
+        tps = s["output_tokens_per_s"]
+        rows.append(f"{c:>5} {name:>12} {off:>9.0f} {tps:>9.0f} {tps / off:>6.2f} "
+                    f"{s['ttft_ms']['median'] or 0:>9.1f} {s['tpot_ms']['median'] or 0:>9.2f} "
+                    f"{s['itl_ms']['median'] or 0:>8.1f} {s['num_completed']:>4}/{s['num_requests']:<4}")
+json.dump(table, open(f"{out}/serve_ab.json", "w"), indent=1)
+open(f"{out}/serve_ab.txt", "w").write("\n".join(rows) + "\n")
+print("\n".join(rows))
+PY

@@ -462,8 +462,12 @@ def main() -> None:
     parser.add_argument("--attention", default="batched", choices=("batched", "reference"))
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/dspark_serve_overhead"))
     parser.add_argument("--work-dir", type=Path, default=None, help="default: --model-dir/run")
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="the engine-stream arm's and the server's stream_interval")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the engine-stream arm's and the server's stream_interval",
+    )
     parser.add_argument("--server-args", default="", help="extra `dspark serve` arguments")
     parser.add_argument("--client-args", default="", help="extra `dspark bench serve` arguments")
     parser.add_argument("--client-ceiling", action="store_true")

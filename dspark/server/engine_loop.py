@@ -7,6 +7,15 @@ message is read when the loop is free, and a thread handing the lock back and fo
 more than it saves); commands are sent on the loop too (small, and the engine drains its pipe
 every step).
 
+The pipe must stay blocking. `Connection.recv` reads a whole message, and poll() reports the
+pipe readable as soon as the message's first bytes arrive; a large one (READY carries the
+tokenizer, a step at C = 256 hundreds of deltas) arrives in parts. uvloop, which uvicorn uses
+where it is installed, sets a watched fd non-blocking (libuv's poll handles do). A read then
+stops mid-message with BlockingIOError and the rest of the stream is lost: on the H200 this
+killed servers at start-up and under load (docs/PERFORMANCE.md, ninth look). So `_read` puts
+the fd back in blocking mode before it reads. A message still in transit is then waited for,
+for about as long as the engine takes to write it.
+
 `submit` registers a `RequestStream` per HTTP request before its add command is sent, so no
 output can arrive unrouted; outputs are routed by request id until each request's final
 output, which is also where the server's metrics see every request, aborted ones included.
@@ -32,6 +41,7 @@ import enum
 import itertools
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,6 +122,9 @@ class EngineLoop:
     def _read(self) -> None:
         """Every message that has arrived; the pipe's end is the process's end."""
         try:
+            fd = self._conn.fileno()
+            if not os.get_blocking(fd):  # set by the event loop (module docstring)
+                os.set_blocking(fd, True)
             while self._conn.poll(0):
                 self._dispatch(self._conn.recv())
         except (EOFError, OSError) as e:

@@ -48,6 +48,7 @@ class Detokenizer:
         assert incremental or not stop_strings, "stop strings need incremental decoding"
         self._incremental = incremental
         self._tokenizer = tokenizer
+        self._backend = tokenizer.backend  # the Rust tokenizer DecodeStream steps through
         self._skip_special = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stops = stop_strings
@@ -61,8 +62,9 @@ class Detokenizer:
     def text(self) -> str:
         """The output text so far (without stop strings: decoded now, what arrived since the
         last read in one call)."""
-        if self._num_unread:
-            chunk = self._stream.step(self._tokenizer.backend, self._tokens[-self._num_unread :])
+        if self._num_unread:  # (one token is passed as an int: a list costs more to convert)
+            n, tokens = self._num_unread, self._tokens
+            chunk = self._stream.step(self._backend, tokens[-1] if n == 1 else tokens[-n:])
             self._num_unread = 0
             self._is_pending = chunk is None
             if chunk:
@@ -81,7 +83,7 @@ class Detokenizer:
             return None
         for i, token in enumerate(new_tokens):
             self._tokens.append(token)
-            chunk = self._stream.step(self._tokenizer.backend, token)
+            chunk = self._stream.step(self._backend, token)
             self._is_pending = chunk is None
             if not chunk:
                 continue

@@ -1,10 +1,12 @@
 """The engine's periodic log line: load, KV use, throughput, acceptance and the drafting mode.
 
   dspark stats: running 64, waiting 12, KV 41.3% used, prompt 1,820 tok/s, generation
-  35,114 tok/s, acceptance length 2.07, drafting off
+  35,114 tok/s, 3,301 steps (12% eager), acceptance length 2.07, drafting off
 
 Rates are over the interval since the previous line, from the scheduler's token totals; the
-acceptance length is over that interval's verified windows. One line at most every
+acceptance length is over that interval's verified windows. Steps are the runner's, captured
+and eager (prefill chunks, and what no graph covers, run eagerly; on the GPU an eager step
+costs several captured ones). One line at most every
 `interval_s` seconds, from step(), only while there is work (an idle engine logs nothing).
 """
 
@@ -22,6 +24,7 @@ class StatsLogger:
         self._last = time.monotonic()
         # the counters' values at the last line
         self._prompt_tokens = self._generated_tokens = self._windows = self._emitted = 0
+        self._steps = self._eager_steps = 0
 
     def maybe_log(self, engine) -> None:
         now = time.monotonic()
@@ -37,6 +40,13 @@ class StatsLogger:
             f"KV {100 * kv_used:.1f}% used", f"prompt {prompt / elapsed:,.0f} tok/s",
             f"generation {generated / elapsed:,.0f} tok/s",
         ]  # fmt: skip
+        stats = engine.runner.stats
+        eager_total = stats["eager_steps"] + stats["eager_spec_steps"]
+        steps_total = eager_total + stats["graph_steps"] + stats["spec_graph_steps"]
+        steps, eager = steps_total - self._steps, eager_total - self._eager_steps
+        if steps:
+            parts.append(f"{steps:,} steps ({100 * eager / steps:.0f}% eager)")
+        self._steps, self._eager_steps = steps_total, eager_total
         if engine.spec is not None:
             m = engine.spec.metrics
             windows, emitted = m["num_drafts"], m["num_drafts"] + m["num_accepted_tokens"]

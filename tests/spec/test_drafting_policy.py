@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -280,6 +281,13 @@ def test_periodic_stats_line(tiny_vocab_dir, drafter, caplog):
     assert lines and all(line.startswith("dspark stats: running ") for line in lines)
     assert any("acceptance length" in line and "drafting on" in line for line in lines)
     assert any("prompt " in line and "generation " in line and "KV " in line for line in lines)
+    # on the CPU every step runs eagerly (no graphs); each line counts its interval's steps
+    steps = [re.search(r"([\d,]+) steps \((\d+)% eager\)", line) for line in lines]
+    assert all(m and m[2] == "100" for m in steps), lines
+    assert (
+        sum(int(m[1].replace(",", "")) for m in steps)
+        == llm.engine.runner.stats["eager_steps"] + llm.engine.runner.stats["eager_spec_steps"]
+    )
 
 
 def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(

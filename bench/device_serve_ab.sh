@@ -7,8 +7,8 @@
 #     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
 #
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments".
-# The server's log keeps only its warnings and errors (serve_NAME_errors.txt), so that the
-# files stay within what comes back from the device.
+# Of each server's log only its last stats lines (steps and the share that ran eagerly among
+# them), warnings and errors are kept (serve_NAME_log.txt): the files that come back are few.
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
@@ -44,8 +44,9 @@ for arm in "$@"; do
   done
   kill -TERM "$pid" 2> /dev/null
   wait "$pid"
-  grep -v "clean_up_tokenization" "$log" | grep -E -A8 "WARNING|ERROR|Traceback" | head -80 \
-    > "$OUT/serve_${name}_errors.txt"
+  { grep "dspark stats" "$log" | tail -6
+    grep -v "clean_up_tokenization" "$log" | grep -E -A8 "WARNING|ERROR|Traceback" | head -80
+  } > "$OUT/serve_${name}_log.txt"
 done
 
 python3 - "$OUT" "$LEVELS" "$@" <<'PY'

@@ -44,6 +44,12 @@ class EngineConfig:
     # step N still in flight, its anchors taken from N's verification on the device (engine.py);
     # off, a step that drafts waits for its own results
     async_spec_steps: bool = True
+    # with CUDA graphs: a decode step that also carries prefill chunks (at most 4 rows of up to
+    # this many tokens in all: requests admitted while others decode) replays a captured mixed
+    # decode graph instead of running eagerly (runner/mixed_layout.py); 0: such steps run
+    # eagerly. Off until measured on a GPU. (Drafting steps have their own:
+    # speculative_config["mixed_prefill_tokens"].)
+    mixed_prefill_tokens: int = 0
     # output tokens a streamed ("delta") request gathers before it is reported (vLLM's and
     # SGLang's stream_interval); its first token and its end are reported at once
     stream_interval: int = 1
@@ -81,6 +87,11 @@ class EngineConfig:
         _require(
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            type(self.mixed_prefill_tokens) is int and 0 <= self.mixed_prefill_tokens <= 8192,
+            f"mixed_prefill_tokens must be an integer in [0, 8192], got "
+            f"{self.mixed_prefill_tokens!r}",
         )
         _require(
             isinstance(self.stream_interval, int) and self.stream_interval >= 1,

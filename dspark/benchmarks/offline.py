@@ -17,7 +17,8 @@ speculative_configs in one invocation, interleaved:
                           "k7-ahead": {"method": "dspark", "engine": {"async_spec_steps": true}}}'
 
 An arm's "engine" object sets its own engine options (ARM_ENGINE_OPTIONS: the scheduling and
-graph switches, max_num_batched_tokens); every other engine option is shared.
+graph switches, max_num_batched_tokens, mixed_prefill_tokens); every other engine option is
+shared. `{"engine": {"mixed_prefill_tokens": 256}}` is plain decoding with mixed decode graphs.
 
 Every arm's LLM is built first and warmed up; then for each level, for each repeat, every arm
 runs the level in turn (arm order as given), so drift hits all arms alike. All arms' engines are
@@ -171,7 +172,13 @@ def check_arms(arms: object, speculative_config: dict | None) -> None:
 
 # engine options an arm may set for itself ("engine" inside its object); the rest are shared
 ARM_ENGINE_OPTIONS = frozenset(
-    {"async_scheduling", "async_spec_steps", "use_cuda_graphs", "max_num_batched_tokens"}
+    {
+        "async_scheduling",
+        "async_spec_steps",
+        "use_cuda_graphs",
+        "max_num_batched_tokens",
+        "mixed_prefill_tokens",
+    }
 )
 
 

@@ -140,9 +140,11 @@ class LLMEngine:
             graph_ladder(config.max_num_seqs) if use_graphs else None,
             spec=self.spec,
             mixed_tail_tokens=config.spec().mixed_prefill_tokens if self.spec else 0,
+            decode_tail_tokens=config.mixed_prefill_tokens,
         )
         if self.runner.spec_runner is not None:  # prefill beside windows keeps their graph
             self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
+        self.scheduler.decode_mixed_limits = self.runner.decode_mixed_limits  # beside decodes
         self._drafter_dir, self._target_hash = drafter_dir, target_hash
         self.stats_log = StatsLogger(config.log_stats_interval_s)
         self.policy, self.scheduling_status = self._build_policy()

@@ -21,6 +21,8 @@ captured mixed speculative steps (`mixed_limits`: at most R tail rows of at most
 all after the windows). The scheduler then caps the prefill it adds after the first window at
 those limits (the rest of a prompt follows in later steps, chunked prefill), and puts the rows
 windows first, the tail (prefill chunks, plain rows) after: the layout the runner replays.
+A plain step does the same with its decode rows as the head when the runner has captured mixed
+decode steps (`decode_mixed_limits`).
 update() does not depend on the rows' order. A burst (more requests waiting for a free seat than
 the tail has rows) is admitted uncapped, in one eager step: capped, most of it would wait for
 seats it could have for many steps, which costs more than one step's host time.
@@ -46,6 +48,14 @@ from typing import NamedTuple
 
 from dspark.engine.kv_cache import PageAllocator, pages_for
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, TokenLogprobs
+
+
+def _is_head(row: ScheduledRow, drafting: bool) -> bool:
+    """Does the row lead a mixed step: a window (empty ones too) in a drafting step, a row of
+    one token that samples in a plain one?"""
+    if drafting:
+        return bool(row.num_draft or row.empty_window)
+    return row.num_tokens == 1 and row.do_sample
 
 
 class ScheduledRow(NamedTuple):
@@ -145,9 +155,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # (tail rows, tail tokens) a drafting step may carry after its windows and keep its
-        # graph (set by the engine from the runner's captured mixed steps); None: no cap
+        # (tail rows, tail tokens) a drafting step may carry after its windows, and a plain
+        # step after its decode rows, and keep its graph (set by the engine from the runner's
+        # captured mixed steps); None: no cap
         self.mixed_limits: tuple[int, int] | None = None
+        self.decode_mixed_limits: tuple[int, int] | None = None
 
     def add(self, request: Request) -> None:
         max_tokens = request.sampling_params.max_tokens
@@ -168,10 +180,13 @@ class Scheduler:
         preempted_before = self.num_preemptions
         page_size, running = self.page_size, RequestStatus.RUNNING
         is_decode = True  # every row so far one token that samples
-        # a mixed step: windows, then a tail of plain rows (prefill chunks, plain decode rows)
-        has_window = reorder = False  # reorder: some window follows a tail row
-        num_tail, tail_rows_left, tail_tokens_left = 0, *(self.mixed_limits or (0, 0))
-        capped = self.mixed_limits is not None and not self._is_burst()
+        # a mixed step: its head (windows in a drafting step, decode rows in a plain one),
+        # then a tail of the other rows (prefill chunks; plain decode rows beside windows)
+        drafting = bool(self.draft_len) and self.drafting
+        limits = self.mixed_limits if drafting else self.decode_mixed_limits
+        has_head = reorder = False  # reorder: some head row follows a tail row
+        num_tail, tail_rows_left, tail_tokens_left = 0, *(limits or (0, 0))
+        capped = limits is not None and not self._is_burst(limits)
         for req in list(self.running):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
@@ -181,7 +196,7 @@ class Scheduler:
                     num_draft = min(self.max_verify, budget - 1)
                     rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
                     budget -= 1 + num_draft
-                    is_decode, has_window, reorder = False, True, reorder or num_tail > 0
+                    is_decode, has_head, reorder = False, True, reorder or num_tail > 0
                 else:
                     self.num_windows_deferred += 1
                 continue
@@ -194,7 +209,7 @@ class Scheduler:
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))
                     budget -= 1 + num_draft
-                    is_decode, has_window, reorder = False, True, reorder or num_tail > 0
+                    is_decode, has_head, reorder = False, True, reorder or num_tail > 0
                 continue
             # the common row, a decode token, runs this loop hundreds of times per step: the
             # page check is inlined (a request owning the pages it needs skips _reserve), and
@@ -206,12 +221,15 @@ class Scheduler:
                     empty = bool(self.draft_len) and self._empty_window(req)
                     rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False, empty)))
                     budget -= 1
-                    if self.draft_len and not empty:
+                    if not drafting:  # a decode row: the head of a mixed decode step
+                        if limits is not None:  # (no mixed decode graphs: order as it came)
+                            has_head, reorder = True, reorder or num_tail > 0
+                    elif not empty:  # a plain row beside windows: the tail
                         num_tail += 1
                 continue
             assert num_tokens > start, f"request {req.request_id} has no token left to compute"
             n = min(num_tokens - start, budget)
-            if has_window and capped:  # a prefill chunk after windows: the tail's
+            if has_head and capped:  # a prefill chunk after windows: the tail's
                 n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
             if n == 0:
                 continue
@@ -226,7 +244,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if has_window and capped:  # admitted into the tail of a mixed step
+            if has_head and capped:  # admitted into the tail of a mixed step
                 n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
                 if n == 0:
                     break
@@ -241,16 +259,17 @@ class Scheduler:
             is_decode = is_decode and n == 1 and row.do_sample
             num_tail += 1
             tail_tokens_left -= n
-        if reorder:  # windows, then the tail: the mixed step's layout (stable)
-            rows = [r for r in rows if r.num_draft or r.empty_window] + [
-                r for r in rows if not (r.num_draft or r.empty_window)
+        if reorder:  # the head, then the tail: the mixed step's layout (stable)
+            head = [_is_head(r, drafting) for r in rows]
+            rows = [r for r, h in zip(rows, head, strict=True) if h] + [
+                r for r, h in zip(rows, head, strict=True) if not h
             ]
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode)
 
-    def _is_burst(self) -> bool:
+    def _is_burst(self, limits: tuple[int, int]) -> bool:
         """More requests wait for a free seat than a mixed step's tail has rows."""
         seats = self.max_num_seqs - len(self.running)
-        return min(len(self.waiting), seats) > self.mixed_limits[0]
+        return min(len(self.waiting), seats) > limits[0]
 
     def ahead_blocker(self, max_rows: int) -> str | None:
         """Why the next step may not be scheduled while the in-flight step's windows are

@@ -4,6 +4,11 @@ Captured at start-up, largest first, sharing one memory pool; never captured on 
 decode batch of B rows replays the smallest G >= B, with rows B..G-1 as pad rows on the scratch
 page (InputBuffers.write_pad_rows). Inputs are the persistent InputBuffers; the output is each
 graph's own logits tensor [G, vocab], valid until the next replay.
+
+With a tail size P, each G also gets a mixed graph (G, P): G decode rows, then a tail of prefill
+chunks of up to P tokens in all (requests admitted while the others decode). It is the layout
+of a mixed speculative step with windows one token wide (runner/mixed_layout.py), and its
+logits are [G + R, vocab]: the decode rows', then one per tail row.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from dspark.runner.input_buffers import InputBuffers, StepLayout
+from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, prepare_capture
 
 logger = logging.getLogger(__name__)
 
@@ -43,31 +49,40 @@ class DecodeGraphs:
         forward: Callable[[StepLayout], torch.Tensor],  # runs the model on the buffers
         buffers: InputBuffers,
         sizes: list[int],
+        tail_tokens: int = 0,  # P of the mixed graphs (0: none)
     ) -> None:
         self.buffers = buffers
         self.sizes = sorted(sizes)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self.tail_tokens = tail_tokens
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (G, P; 0: no tail)
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._capture(forward)
 
     @torch.inference_mode()
     def _capture(self, forward: Callable[[StepLayout], torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
+        tails = (self.tail_tokens, 0) if self.tail_tokens else (0,)
         for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
-            layout = decode_layout(g)
-            self.buffers.write_pad_rows(0, 0, g)
-            self.buffers.np("logits_indices")[:g] = range(g)
-            self.buffers.upload(layout)
-            forward(layout)  # warm-up: compiles kernels, settles the allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[g] = forward(layout)
-            self._graphs[g] = graph
+            for tail in tails:
+                if tail:
+                    layout = prepare_capture(self.buffers, g, 1, tail, GRAPH_TAIL_ROWS)
+                else:
+                    layout = decode_layout(g)
+                    self.buffers.write_pad_rows(0, 0, g)
+                    self.buffers.np("logits_indices")[:g] = range(g)
+                self.buffers.upload(layout)
+                forward(layout)  # warm-up: compiles kernels, settles the allocator
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[g, tail] = forward(layout)
+                self._graphs[g, tail] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs: %s", len(self.sizes), self.sizes)
+        logger.info("captured %d decode CUDA graphs: %s%s", len(self._graphs), self.sizes,
+                    f", with and without a tail of {self.tail_tokens} prefill tokens"
+                    if self.tail_tokens else "")  # fmt: skip
 
-    def replay(self, size: int) -> torch.Tensor:  # [G, vocab]
+    def replay(self, size: int, tail: int = 0) -> torch.Tensor:  # [G (+ R with a tail), vocab]
         self.buffers.check_pointers()
-        self._graphs[size].replay()
-        return self._outputs[size]
+        self._graphs[size, tail].replay()
+        return self._outputs[size, tail]

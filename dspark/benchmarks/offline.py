@@ -7,6 +7,12 @@ tokens/s; each request's metrics give TTFT (first token - submit) and TPOT (the 
 its later tokens). The transformers peer runs the same prompts in the same invocation, on the
 same device, so the dspark/HF ratio carries no cross-run noise.
 
+`--waves W` runs W C requests with at most C in flight (a closed loop). With one length for
+all, plain decoding stays in lockstep: each wave ends at one step and the next is admitted at
+once, which a server never sees. `--output-len-spread S` gives the requests seeded lengths in
+output_len * [1 - S, 1 + S], the same for every arm, so they end at different steps and
+admissions meet running requests.
+
 Arms compare engine configurations the same way. On a shared host consecutive runs drift (up to
 2x on the GPU machine), so two separate invocations cannot be compared; `--arms` measures several
 speculative_configs in one invocation, interleaved:
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import shlex
 import statistics
 import sys
@@ -98,6 +105,11 @@ class BenchConfig:
     # requests per level in units of C: 1, one wave of C submitted at once; W > 1, W * C
     # requests with at most C in flight, the next submitted as one ends (a closed loop)
     waves: int = 1
+    # request i's length is output_len * (1 - S + 2 S u_i), u_i uniform in [0, 1) from the
+    # seed, the same for every arm and repeat; 0: every request output_len tokens. With
+    # waves > 1, requests then end at different steps and admissions meet running requests,
+    # as in a server (in lockstep, each wave is admitted all at once)
+    output_len_spread: float = 0.0
     prompts_dir: Path | None = None
     sources: tuple[str, ...] = SOURCES
     seed: int = 0
@@ -122,6 +134,13 @@ class BenchConfig:
                 f"hf_cache must be one of {CACHE_IMPLEMENTATIONS}, got {self.hf_cache}"
             )
         check_arms(self.arms, self.speculative_config)
+        if not 0.0 <= self.output_len_spread < 1.0:
+            raise ValueError(f"output_len_spread must be in [0, 1), got {self.output_len_spread}")
+        if self.output_len_spread and self.use_hf:
+            raise ValueError(
+                "--output-len-spread gives requests different lengths, the HF peer static "
+                "batches of one length: run the peer without it"
+            )
         if self.waves > 1 and self.use_hf:
             raise ValueError(
                 f"--waves {self.waves} runs a closed loop, the HF peer static batches of C: run "
@@ -129,6 +148,10 @@ class BenchConfig:
             )
         if self.arms is not None and not self.use_dspark:
             raise ValueError("--arms are dspark engines: they cannot run with --hf-only")
+
+    @property
+    def max_output_len(self) -> int:
+        return output_lengths(1, self.output_len, self.output_len_spread, self.seed, most=True)[0]
 
     def arm_configs(self) -> dict[str, dict | None]:
         """Name -> speculative_config; without --arms one arm, "dspark", --speculative-config's."""
@@ -285,7 +308,7 @@ def engine_kwargs(config: BenchConfig) -> dict:
         kwargs["kv_cache_memory_gb"] = config.kv_cache_memory_gb
     else:
         page_size = EngineConfig.page_size
-        pages = max_c * math.ceil((config.max_prompt_len + config.output_len) / page_size)
+        pages = max_c * math.ceil((config.max_prompt_len + config.max_output_len) / page_size)
         # a --max-model-len above the bench's lengths must still fit one request
         pages = max(pages, math.ceil((config.max_model_len or 0) / page_size))
         kwargs["num_kv_pages"] = 1 + pages  # + the scratch page
@@ -293,23 +316,43 @@ def engine_kwargs(config: BenchConfig) -> dict:
 
 
 def check_lengths(config: BenchConfig, max_model_len: int) -> None:
-    if config.max_prompt_len + config.output_len > max_model_len:
+    longest = config.max_output_len
+    if config.max_prompt_len + longest > max_model_len:
         raise ValueError(
-            f"--max-prompt-len {config.max_prompt_len} plus --output-len {config.output_len} "
-            f"exceeds max_model_len {max_model_len}; lower --max-prompt-len to at most "
-            f"{max_model_len - config.output_len}"
+            f"--max-prompt-len {config.max_prompt_len} plus the longest output {longest} "
+            f"(--output-len {config.output_len}, --output-len-spread "
+            f"{config.output_len_spread}) exceeds max_model_len {max_model_len}; lower "
+            f"--max-prompt-len to at most {max_model_len - longest}"
         )
 
 
+def output_lengths(
+    n: int, output_len: int, spread: float, seed: int, most: bool = False
+) -> list[int]:
+    """n requests' lengths: output_len * (1 - spread + 2 spread u), u uniform from the seed
+    (most: the longest any can get). spread 0: all output_len.
+
+      output_len 100, spread 0.5: lengths in [50, 150] (rounded), mean ~100
+    """
+    if not spread:
+        return [output_len] * n
+    if most:
+        return [math.ceil(output_len * (1 + spread))]
+    rng = random.Random(seed)
+    return [max(1, round(output_len * (1 - spread + 2 * spread * rng.random()))) for _ in range(n)]
+
+
 def run_dspark_once(
-    llm, prompts: list[list[int]], output_len: int, max_in_flight: int | None = None
+    llm, prompts: list[list[int]], output_len: int | list[int], max_in_flight: int | None = None
 ) -> dict:
-    """All prompts, greedy to output_len tokens: wall time and per-request latencies. Without
-    max_in_flight (or with it >= the prompts) one generate call submits them at once; else a
-    closed loop keeps max_in_flight requests running, submitting the next as one ends."""
+    """All prompts, greedy to output_len tokens (one length, or one per prompt): wall time and
+    per-request latencies. Without max_in_flight (or with it >= the prompts) one generate call
+    submits them at once; else a closed loop keeps max_in_flight requests running, submitting
+    the next as one ends."""
     from dspark.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    lengths = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     synchronize(llm.engine.device)
     start = time.perf_counter()
     if max_in_flight is None or max_in_flight >= len(prompts):
@@ -338,10 +381,11 @@ def run_dspark_once(
     )
 
 
-def _closed_loop(llm, prompts: list[list[int]], params, max_in_flight: int):
+def _closed_loop(llm, prompts: list[list[int]], params: list, max_in_flight: int):
     """Keep max_in_flight requests in the engine: each that ends is replaced by the next prompt
     in the same step loop. Returns the outputs in prompt order and each one's submit time."""
-    engine, params = llm.engine, replace(params, output_kind="final_only")
+    engine = llm.engine
+    params = [replace(p, output_kind="final_only") for p in params]
     tag = f"bench-{time.monotonic_ns()}"
     outputs: dict[int, object] = {}
     submit: dict[int, float] = {}
@@ -349,7 +393,7 @@ def _closed_loop(llm, prompts: list[list[int]], params, max_in_flight: int):
     while len(outputs) < len(prompts):
         while next_prompt < len(prompts) and next_prompt - len(outputs) < max_in_flight:
             submit[next_prompt] = time.monotonic()
-            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], params)
+            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], params[next_prompt])
             next_prompt += 1
         for out in engine.step():
             if out.finished and out.request_id.startswith(tag):
@@ -440,9 +484,11 @@ def run_level(
     seconds since the first level began): the interleaving, and any drift, in the data."""
     before = {name: llm.get_metrics() for name, llm in llms.items()}
     runs = {name: [] for name in llms}
+    lengths = output_lengths(len(prompts), config.output_len, config.output_len_spread,
+                             config.seed)  # fmt: skip
     for _ in range(config.repeats):
         for name, llm in llms.items():
-            runs[name].append(run_dspark_once(llm, prompts, config.output_len, concurrency))
+            runs[name].append(run_dspark_once(llm, prompts, lengths, concurrency))
     levels = {}
     c = concurrency or len(prompts)
     for name, llm in llms.items():
@@ -528,6 +574,7 @@ def metadata(
         "model_path": str(resolve_model(config.model).path.resolve()),
         "dtype": str(dtype).removeprefix("torch."),
         "output_len": config.output_len,
+        "output_len_spread": config.output_len_spread,
         "max_prompt_len": config.max_prompt_len,
         "repeats": config.repeats,
         "concurrency": list(config.concurrency),
@@ -619,6 +666,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "most C in flight (a closed loop, the tail of one wave no longer sets the wall time)",
     )
     p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.0,
+        help="S in [0, 1): request lengths uniform in output_len * [1 - S, 1 + S], seeded, the "
+        "same for every arm (with --waves, requests then end at different steps, as in a server)",
+    )
+    p.add_argument(
         "--prompts-dir", type=Path, default=None, help="default: ../shared/data beside the repo"
     )
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated prompt sources")
@@ -662,6 +716,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_prompt_len=args.max_prompt_len,
         repeats=args.repeats,
         waves=args.waves,
+        output_len_spread=args.output_len_spread,
         prompts_dir=args.prompts_dir,
         sources=parse_sources(args.sources),
         seed=args.seed,

@@ -234,10 +234,8 @@ class ModelRunner:
         if n == 0 or n == len(rows) or any(r.num_draft or r.empty_window for r in rows):
             return None  # (no decode row, nothing but decode rows, or windows)
         tail = rows[n:]
-        reason = None
-        if any(r.num_tokens == 1 and r.do_sample for r in tail):
-            reason = "decode_rows_not_first"
-        elif len(tail) > MAX_TAIL_ROWS:
+        reason = None  # (a one-token row may be in the tail: staged as a chunk of 1)
+        if len(tail) > MAX_TAIL_ROWS:
             reason = "tail_rows"
         elif sum(r.num_tokens for r in tail) > graphs.tail_tokens:
             reason = "tail_tokens"

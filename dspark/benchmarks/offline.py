@@ -151,7 +151,8 @@ class BenchConfig:
 
     @property
     def max_output_len(self) -> int:
-        return output_lengths(1, self.output_len, self.output_len_spread, self.seed, most=True)[0]
+        """The longest a request's output can be (output_lengths)."""
+        return math.ceil(self.output_len * (1 + self.output_len_spread))
 
     def arm_configs(self) -> dict[str, dict | None]:
         """Name -> speculative_config; without --arms one arm, "dspark", --speculative-config's."""
@@ -326,18 +327,14 @@ def check_lengths(config: BenchConfig, max_model_len: int) -> None:
         )
 
 
-def output_lengths(
-    n: int, output_len: int, spread: float, seed: int, most: bool = False
-) -> list[int]:
-    """n requests' lengths: output_len * (1 - spread + 2 spread u), u uniform from the seed
-    (most: the longest any can get). spread 0: all output_len.
+def output_lengths(n: int, output_len: int, spread: float, seed: int) -> list[int]:
+    """n requests' lengths: output_len * (1 - spread + 2 spread u), u uniform from the seed;
+    spread 0: all output_len.
 
       output_len 100, spread 0.5: lengths in [50, 150] (rounded), mean ~100
     """
     if not spread:
         return [output_len] * n
-    if most:
-        return [math.ceil(output_len * (1 + spread))]
     rng = random.Random(seed)
     return [max(1, round(output_len * (1 - spread + 2 * spread * rng.random()))) for _ in range(n)]
 

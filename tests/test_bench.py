@@ -369,3 +369,33 @@ def test_output_len_spread_gives_seeded_lengths_the_same_for_every_arm(tiny_llam
             BenchConfig(output_len_spread=bad)
     with pytest.raises(ValueError, match="--output-len-spread gives requests different"):
         BenchConfig(output_len_spread=0.5, use_hf=True)
+
+
+def test_temperature_samples_each_request_with_its_own_seed(tiny_llama_dir, tmp_path, monkeypatch):
+    """--temperature 1: every request (warm-up and levels, the closed loop too) is sampled at
+    T = 1 with seed = its index, recorded in the JSON; the HF peer (greedy) and bad values are
+    refused by name."""
+    from dspark.llm import LLM
+
+    seen = []
+    generate = LLM.generate
+
+    def recording_generate(self, prompts, params=None, **kw):
+        seen.extend(params if isinstance(params, list) else [params])
+        return generate(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", recording_generate)
+    out = tmp_path / "t1.json"
+    args = _cpu_bench(tiny_llama_dir, out, "--concurrency", "3", "--output-len", "4",
+                      "--max-prompt-len", "48", "--temperature", "1.0", "--no-plot")  # fmt: skip
+    assert args.func(args) == 0
+    assert seen and all(p.temperature == 1.0 for p in seen)
+    assert [p.seed for p in seen[-3:]] == [0, 1, 2]  # the level's three requests
+    results = json.loads(out.read_text())
+    assert results["temperature"] == 1.0
+    assert results["dspark"]["levels"][0]["output_tokens"] == 12
+    with pytest.raises(ValueError, match="the HF peer runs greedy"):
+        BenchConfig(temperature=1.0, use_hf=True)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            BenchConfig(temperature=bad)

@@ -1,8 +1,8 @@
 """`dspark bench`: offline throughput and latency over a concurrency sweep, with the HF peer.
 
 For each concurrency C, C requests are submitted at once (the first C prompts of the mixed list,
-cycling if C is larger) and run greedily to exactly `output_len` tokens (ignore_eos), so every
-level does a known amount of decoding. The wall time of the whole generate call gives output
+cycling if C is larger) and run greedily (or at `--temperature T`, request i seeded with i) to
+exactly `output_len` tokens (ignore_eos), so every level does a known amount of decoding. The wall time of the whole generate call gives output
 tokens/s; each request's metrics give TTFT (first token - submit) and TPOT (the mean gap between
 its later tokens). The transformers peer runs the same prompts in the same invocation, on the
 same device, so the dspark/HF ratio carries no cross-run noise.
@@ -110,6 +110,9 @@ class BenchConfig:
     # waves > 1, requests then end at different steps and admissions meet running requests,
     # as in a server (in lockstep, each wave is admitted all at once)
     output_len_spread: float = 0.0
+    # 0: greedy; T > 0 samples from the full distribution at T (no top-k/top-p), request i
+    # with seed i, as the acceptance-sensitive arms need (speculation keeps the distribution)
+    temperature: float = 0.0
     prompts_dir: Path | None = None
     sources: tuple[str, ...] = SOURCES
     seed: int = 0
@@ -136,6 +139,13 @@ class BenchConfig:
         check_arms(self.arms, self.speculative_config)
         if not 0.0 <= self.output_len_spread < 1.0:
             raise ValueError(f"output_len_spread must be in [0, 1), got {self.output_len_spread}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature and self.use_hf:
+            raise ValueError(
+                f"--temperature {self.temperature}: the HF peer runs greedy (the brief's peer "
+                "figures are greedy): run the peer without it"
+            )
         if self.output_len_spread and self.use_hf:
             raise ValueError(
                 "--output-len-spread gives requests different lengths, the HF peer static "
@@ -340,16 +350,21 @@ def output_lengths(n: int, output_len: int, spread: float, seed: int) -> list[in
 
 
 def run_dspark_once(
-    llm, prompts: list[list[int]], output_len: int | list[int], max_in_flight: int | None = None
+    llm, prompts: list[list[int]], output_len: int | list[int], max_in_flight: int | None = None,
+    temperature: float = 0.0,
 ) -> dict:
-    """All prompts, greedy to output_len tokens (one length, or one per prompt): wall time and
-    per-request latencies. Without max_in_flight (or with it >= the prompts) one generate call
+    """All prompts, greedy (or at temperature, prompt i seeded with i) to output_len tokens
+    (one length, or one per prompt): wall time and per-request latencies. Without max_in_flight (or with it >= the prompts) one generate call
     submits them at once; else a closed loop keeps max_in_flight requests running, submitting
     the next as one ends."""
     from dspark.sampling_params import SamplingParams
 
     lengths = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    params = [
+        SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=n,
+                       ignore_eos=True)  # fmt: skip
+        for i, n in enumerate(lengths)
+    ]
     synchronize(llm.engine.device)
     start = time.perf_counter()
     if max_in_flight is None or max_in_flight >= len(prompts):
@@ -450,8 +465,8 @@ def _spec_delta(before: dict, after: dict) -> dict:
     return d
 
 
-def warm_up(llm, prompts: list[list[int]], output_len: int) -> dict:
-    warm = run_dspark_once(llm, prompts, min(output_len, WARMUP_TOKENS))
+def warm_up(llm, prompts: list[list[int]], output_len: int, temperature: float = 0.0) -> dict:
+    warm = run_dspark_once(llm, prompts, min(output_len, WARMUP_TOKENS), temperature=temperature)
     return {"num_requests": len(prompts), "output_tokens": warm["tokens"], "wall_s": warm["wall"]}
 
 
@@ -459,7 +474,10 @@ def run_arms_sweep(
     llms: dict, config: BenchConfig, batches: dict, warmup: list[list[int]]
 ) -> dict[str, dict]:
     """Each arm's sweep ({"warmup", "levels"}), every arm warmed up before any level runs."""
-    warmups = {name: warm_up(llm, warmup, config.output_len) for name, llm in llms.items()}
+    warmups = {
+        name: warm_up(llm, warmup, config.output_len, config.temperature)
+        for name, llm in llms.items()
+    }
     for name, llm in llms.items():  # an arm meant to schedule may have fallen back to fixed K
         status = llm.get_metrics().get("scheduling")
         if status:
@@ -485,7 +503,9 @@ def run_level(
                              config.seed)  # fmt: skip
     for _ in range(config.repeats):
         for name, llm in llms.items():
-            runs[name].append(run_dspark_once(llm, prompts, lengths, concurrency))
+            runs[name].append(
+                run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)
+            )
     levels = {}
     c = concurrency or len(prompts)
     for name, llm in llms.items():
@@ -572,6 +592,7 @@ def metadata(
         "dtype": str(dtype).removeprefix("torch."),
         "output_len": config.output_len,
         "output_len_spread": config.output_len_spread,
+        "temperature": config.temperature,
         "max_prompt_len": config.max_prompt_len,
         "repeats": config.repeats,
         "concurrency": list(config.concurrency),
@@ -670,6 +691,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "same for every arm (with --waves, requests then end at different steps, as in a server)",
     )
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (the default); T > 0 samples at T, request i seeded with i",
+    )
+    p.add_argument(
         "--prompts-dir", type=Path, default=None, help="default: ../shared/data beside the repo"
     )
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated prompt sources")
@@ -714,6 +741,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         waves=args.waves,
         output_len_spread=args.output_len_spread,
+        temperature=args.temperature,
         prompts_dir=args.prompts_dir,
         sources=parse_sources(args.sources),
         seed=args.seed,

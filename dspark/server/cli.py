@@ -31,8 +31,10 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "kv_cache_memory_gb": None,
     "num_kv_pages": None,
     "seed": 0,
-    "stream_interval": 1,  # EngineConfig's default
-    "mixed_prefill_tokens": 0,  # EngineConfig's default
+    # 8, not EngineConfig's 1: served at 256 streams, 0.64x offline against 0.42x (H200,
+    # docs/PERFORMANCE.md, tenth look), for chunks of 8 tokens (7.5 ms apart at one stream)
+    "stream_interval": 8,
+    "mixed_prefill_tokens": 256,  # EngineConfig's default
     "speculative_config": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {
@@ -69,8 +71,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "--stream-interval",
         type=int,
         default=None,
-        help="output tokens a stream gathers per chunk (default 1; its first token and its "
-        "end are sent at once): fewer, larger chunks cost the engine and the server less",
+        help="output tokens a stream gathers per chunk (default 8; its first token and its "
+        "end are sent at once): fewer, larger chunks cost the engine and the server less; "
+        "1 sends every token as it is made",
     )
     p.add_argument(
         "--speculative-config",

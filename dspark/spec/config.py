@@ -1,7 +1,7 @@
 """`speculative_config`: one object, as in vLLM.
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
-     "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "confident",
+     "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
@@ -12,9 +12,11 @@ Scheduling (the per-step choice to draft, spec/drafting_policy.py) needs a cost 
 on this engine by `dspark profile`: "cost_table" names one; without it the engine uses a table
 in the drafter's cost_tables/ directory whose fingerprint matches the live engine, if any.
 With no table, or "scheduling": false, every step drafts and verifies the full block (fixed K).
-"unobserved" is how the drafting choice counts a request that has never drafted: "confident"
-(a = 1, DSPARK.md 6.4's rule, the default) or "population" (the recent requests' recalibrated
-mean; drafting_policy.py).
+"unobserved" is how the drafting choice counts a request that has never drafted: "population"
+(the default: the recent requests' recalibrated mean, once there is enough evidence; until then,
+a = 1) or "confident" (a = 1 always). Either way its window, when the step drafts, is verified in
+full, and a stale request still counts a = 1, so falling load brings drafting back
+(drafting_policy.py says why the default is not DSPARK.md 6.4's letter).
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
@@ -42,7 +44,7 @@ class SpecConfig:
     cost_table: str | None = None  # None: a matching table in the drafter's cost_tables/
     min_gain: float = 0.02  # what another mode must beat the current one by (squared)
     scheduling: bool = True  # False: fixed K even with a cost table
-    unobserved: str = "confident"  # how a request that never drafted counts (UNOBSERVED)
+    unobserved: str = "population"  # how a request that never drafted counts (UNOBSERVED)
     mixed_prefill_tokens: int = 256  # prefill beside windows in a captured step (0: none)
 
     @classmethod
@@ -80,7 +82,7 @@ class SpecConfig:
             raise ValueError(
                 f'speculative_config "scheduling" must be true or false, got {scheduling!r}'
             )
-        unobserved = d.get("unobserved", "confident")
+        unobserved = d.get("unobserved", "population")
         if unobserved not in UNOBSERVED:
             raise ValueError(
                 f'speculative_config "unobserved" must be one of {list(UNOBSERVED)}, '

@@ -115,18 +115,20 @@ def test_no_table_always_drafts_and_trimmed_cells_are_not_runnable():
     assert p.decide(_ids(65)).reason == "batch beyond the table"
 
 
-def test_forgotten_requests_are_fully_confident_again():
-    p = _policy(dwell=0)
-    p.observe(_ids(64), torch.full((64, K), -10.0), [True] * 64)
-    assert not p.decide(_ids(64)).drafting
-    for rid in _ids(64):
-        p.forget(rid)
-    assert p.decide(_ids(64)).drafting
+def test_forgotten_requests_are_fully_confident_again_or_priced_by_the_population():
+    for unobserved, drafts_again in (("confident", True), ("population", False)):
+        p = _policy(dwell=0, unobserved=unobserved)
+        p.observe(_ids(64), torch.full((64, K), -10.0), [True] * 64)
+        assert not p.decide(_ids(64)).drafting
+        for rid in _ids(64):
+            p.forget(rid)
+        assert p.decide(_ids(64)).drafting is drafts_again
 
 
 def test_population_prior_prices_an_admission_wave_by_the_recent_requests():
     # 64 observed rows at c = 0.5 (sum ~0.99): drafting off at G = 64; then 64 new requests
-    confident, population = _policy(dwell=0), _policy(dwell=0, unobserved="population")
+    confident, population = _policy(dwell=0, unobserved="confident"), _policy(dwell=0)
+    assert population.unobserved == "population"  # the default
     new = [f"new{i}" for i in range(64)]
     assert population.unobserved_sum() == K  # no evidence yet: fully confident
     for p in (confident, population):

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Serving arms side by side in one device call: the offline engine once, then one `dspark serve`
-# per arm, each loaded by `dspark bench serve` at every level (C streamed requests in flight,
-# 4 C requests, at least 8; 256 tokens, ignore_eos). Results and a table under $OUT.
+# Serving arms side by side in one device call: the offline engine first (a closed loop of the
+# same requests: C in flight, 4 C in all, `--waves 4`), then one `dspark serve` per arm, each
+# loaded by `dspark bench serve` at every level (C streamed requests in flight, 4 C requests,
+# the same first 4 C prompts; 256 tokens, ignore_eos). Results and a table under $OUT.
 #
 #   MODEL=/tmp/rs PROMPTS_DIR=.dsm LEVELS=1,64,256 bash bench/device_serve_ab.sh \
 #     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
 #
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments".
-# Of each server's log only its last stats lines (steps and the share that ran eagerly among
-# them), warnings and errors are kept (serve_NAME_log.txt): the files that come back are few.
+# OFFLINE_ARMS (a `dspark bench --arms` object) gives the offline engines: a served arm is
+# compared with the offline arm of its own name, else with the first one; without it, one
+# offline arm of the default engine. Of each server's log only its last stats lines (steps
+# and the share that ran eagerly among them), warnings and errors are kept
+# (serve_NAME_log.txt): the files that come back are few.
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
@@ -18,8 +22,9 @@ MODEL=${MODEL:-default}
 COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
         --output-len 256)
 
-python3 -m dspark.cli bench --model "$MODEL" "${COMMON[@]}" --concurrency "$LEVELS" --no-plot \
-  --out "$OUT/offline.json" > /dev/null 2>&1 || echo "offline bench failed"
+python3 -m dspark.cli bench --model "$MODEL" "${COMMON[@]}" --concurrency "$LEVELS" --waves 4 \
+  ${OFFLINE_ARMS:+--arms "$OFFLINE_ARMS"} --no-plot --out "$OUT/offline.json" > /dev/null 2>&1 \
+  || echo "offline bench failed"
 
 port=8200
 for arm in "$@"; do
@@ -32,7 +37,7 @@ for arm in "$@"; do
   pid=$!
   wait_healthy "$port" "$pid" || echo "server $name did not come up"
   for c in ${LEVELS//,/ }; do
-    n=$((4 * c)); [ "$n" -lt 8 ] && n=8
+    n=$((4 * c))
     timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
       "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
       --out "/tmp/serve_${name}_c$c.json" > /dev/null 2>&1
@@ -49,17 +54,20 @@ import json, os, sys
 out, levels, arms = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], sys.argv[3:]
 names = [a.split("|")[0] for a in arms]
 try:
-    offline = {lv["concurrency"]: lv for lv in json.load(open(f"{out}/offline.json"))["dspark"]["levels"]}
+    results = json.load(open(f"{out}/offline.json"))
+    sweeps = results.get("arms") or {"dspark": results["dspark"]}
 except (OSError, KeyError):
-    offline = {}
-table = {"levels": levels, "offline": offline, "served": {}}
+    sweeps = {}
+offline_arms = {arm: {lv["concurrency"]: lv for lv in sweep["levels"]} for arm, sweep in sweeps.items()}
+first = next(iter(offline_arms.values()), {})
+table = {"levels": levels, "offline": offline_arms, "served": {}}
 rows = [f"{'C':>5} {'arm':>12} {'offline':>9} {'served':>9} {'ratio':>6} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ok':>9}"]
 for name in names:
     for c in levels:
         path = f"/tmp/serve_{name}_c{c}.json"
         s = json.load(open(path))["levels"][0]["summary"] if os.path.exists(path) else None
         table["served"][f"{name}/{c}"] = s
-        off = offline.get(c, {}).get("output_tokens_per_s", float("nan"))
+        off = offline_arms.get(name, first).get(c, {}).get("output_tokens_per_s", float("nan"))
         if s is None:
             rows.append(f"{c:>5} {name:>12} {off:>9.0f} {'-':>9}")
             continue

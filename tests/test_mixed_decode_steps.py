@@ -87,6 +87,25 @@ def test_padded_mixed_decode_steps_equal_eager_steps(tiny_vocab_dir, params):
     assert not any(k.startswith("eager_steps_mixed_") for k in stats), dict(stats)
 
 
+def test_a_prefill_into_an_idle_engine_replays_the_smallest_mixed_graph(tiny_vocab_dir):
+    """One request at a time (each admitted into an idle engine): a prompt that fits the tail
+    is staged as a mixed decode step of G = 1 whose decode row is a pad row; one longer than
+    the tail runs eagerly. The same tokens and logprobs as the eager run."""
+    params = SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=6, ignore_eos=True,
+                            logprobs=1)  # fmt: skip
+    prompts = [PROMPTS[0], PROMPTS[1], list(range(2, 12)) * 2]  # 3, 11 and 20 > TAIL tokens
+    runs = []
+    for padded in (False, True):
+        llm = _llm(tiny_vocab_dir, padded=padded)
+        outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        runs.append([(o.token_ids, o.logprobs) for o in outs])
+    _assert_same_outputs(runs[1], runs[0])
+    stats = llm.engine.runner.stats
+    assert stats["mixed_decode_steps_prefill_only"] == 2  # the 20-token prompt: eagerly
+    assert stats["eager_steps_not_decode"] == 1 and stats["eager_steps"] == 1
+    assert not any(k.startswith("eager_steps_mixed_") for k in stats), dict(stats)
+
+
 def test_prefill_beside_decode_rows_is_capped_and_the_rows_put_decode_rows_first(
     tiny_vocab_dir,
 ):

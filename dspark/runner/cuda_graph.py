@@ -8,7 +8,9 @@ graph's own logits tensor [G, vocab], valid until the next replay.
 With a tail size P, each G also gets a mixed graph (G, P): G decode rows, then a tail of prefill
 chunks of up to P tokens in all (requests admitted while the others decode). It is the layout
 of a mixed speculative step with windows one token wide (runner/mixed_layout.py), and its
-logits are [G + R, vocab]: the decode rows', then one per tail row.
+logits are [G + R, vocab]: the decode rows', then one per tail row. A step of prefill chunks
+alone that fits the tail replays the (1, P) graph with a pad decode row
+(ModelRunner._mixed_decode_graph).
 """
 
 from __future__ import annotations

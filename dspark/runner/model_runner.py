@@ -223,7 +223,13 @@ class ModelRunner:
     def _mixed_decode_graph(self, plan: StepPlan) -> tuple[int, int, int] | None:
         """A plain step of decode rows, then a tail of prefill chunks (a mixed decode step):
         (its decode rows n, the captured (G, P) it pads to), or None (eager; the reason counted
-        when the step has both)."""
+        when the step has both).
+
+        A step of prefill chunks alone (n = 0: a request admitted into an idle engine, as each
+        one is at low load) that fits the tail replays the smallest mixed graph, its one decode
+        row a pad row: a graph replay instead of an eager step's ~10 ms of host work (on the
+        H200), most of the time to first token at low load. Larger ones run eagerly, uncounted
+        here (eager_steps_not_decode)."""
         graphs = self.graphs
         if graphs is None or not graphs.tail_tokens:
             return None
@@ -231,8 +237,8 @@ class ModelRunner:
         n = 0
         while n < len(rows) and rows[n].num_tokens == 1 and rows[n].do_sample:
             n += 1
-        if n == 0 or n == len(rows) or any(r.num_draft or r.empty_window for r in rows):
-            return None  # (no decode row, nothing but decode rows, or windows)
+        if n == len(rows) or any(r.num_draft or r.empty_window for r in rows):
+            return None  # (nothing but decode rows, or windows)
         tail = rows[n:]
         reason = None  # (a one-token row may be in the tail: staged as a chunk of 1)
         if len(tail) > MAX_TAIL_ROWS:
@@ -244,7 +250,8 @@ class ModelRunner:
         elif any(PENDING_TOKEN in r.request.token_ids[r.start : r.end] for r in tail):
             reason = "pending_in_tail"
         if reason is not None:
-            self.stats[f"eager_steps_mixed_{reason}"] += 1
+            if n:
+                self.stats[f"eager_steps_mixed_{reason}"] += 1
             return None
         return n, graphs.sizes[bisect.bisect_left(graphs.sizes, n)], graphs.tail_tokens
 
@@ -261,6 +268,7 @@ class ModelRunner:
         """
         b = self.buffers
         self.stats["mixed_decode_steps"] += 1
+        self.stats["mixed_decode_steps_prefill_only"] += n == 0
         starts, num_fed = self._write_decode_rows(plan.rows[:n], serials[:n])
         tail = stage_tail(b, plan.rows[n:], n, n, self.page_size)
         m, t_live = len(plan.rows) - n, n + tail.num_tokens

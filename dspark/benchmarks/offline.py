@@ -2,9 +2,9 @@
 
 For each concurrency C, C requests are submitted at once (the first C prompts of the mixed list,
 cycling if C is larger) and run greedily (or at `--temperature T`, request i seeded with i) to
-exactly `output_len` tokens (ignore_eos), so every level does a known amount of decoding. The wall time of the whole generate call gives output
-tokens/s; each request's metrics give TTFT (first token - submit) and TPOT (the mean gap between
-its later tokens). The transformers peer runs the same prompts in the same invocation, on the
+exactly `output_len` tokens (ignore_eos), so every level does a known amount of decoding. The
+wall time of the whole generate call gives output tokens/s; each request's metrics give TTFT
+(first token - submit) and TPOT (the mean gap between its later tokens). The transformers peer runs the same prompts in the same invocation, on the
 same device, so the dspark/HF ratio carries no cross-run noise.
 
 `--waves W` runs W C requests with at most C in flight (a closed loop). With one length for
@@ -350,19 +350,23 @@ def output_lengths(n: int, output_len: int, spread: float, seed: int) -> list[in
 
 
 def run_dspark_once(
-    llm, prompts: list[list[int]], output_len: int | list[int], max_in_flight: int | None = None,
+    llm,
+    prompts: list[list[int]],
+    output_len: int | list[int],
+    max_in_flight: int | None = None,
     temperature: float = 0.0,
 ) -> dict:
     """All prompts, greedy (or at temperature, prompt i seeded with i) to output_len tokens
-    (one length, or one per prompt): wall time and per-request latencies. Without max_in_flight (or with it >= the prompts) one generate call
-    submits them at once; else a closed loop keeps max_in_flight requests running, submitting
-    the next as one ends."""
+    (one length, or one per prompt): wall time and per-request latencies. Without max_in_flight
+    (or with it >= the prompts) one generate call submits them at once; else a closed loop
+    keeps max_in_flight requests running, submitting the next as one ends."""
     from dspark.sampling_params import SamplingParams
 
     lengths = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
     params = [
-        SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=n,
-                       ignore_eos=True)  # fmt: skip
+        SamplingParams(
+            temperature=temperature, seed=i if temperature else None, max_tokens=n, ignore_eos=True
+        )  # fmt: skip
         for i, n in enumerate(lengths)
     ]
     synchronize(llm.engine.device)

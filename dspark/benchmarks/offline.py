@@ -4,8 +4,9 @@ For each concurrency C, C requests are submitted at once (the first C prompts of
 cycling if C is larger) and run greedily (or at `--temperature T`, request i seeded with i) to
 exactly `output_len` tokens (ignore_eos), so every level does a known amount of decoding. The
 wall time of the whole generate call gives output tokens/s; each request's metrics give TTFT
-(first token - submit) and TPOT (the mean gap between its later tokens). The transformers peer runs the same prompts in the same invocation, on the
-same device, so the dspark/HF ratio carries no cross-run noise.
+(first token - submit) and TPOT (the mean gap between its later tokens). The transformers peer
+runs the same prompts in the same invocation, on the same device, so the dspark/HF ratio carries
+no cross-run noise.
 
 `--waves W` runs W C requests with at most C in flight (a closed loop). With one length for
 all, plain decoding stays in lockstep: each wave ends at one step and the next is admitted at

@@ -45,6 +45,7 @@ for arm in "$@"; do
   kill -TERM "$pid" 2> /dev/null
   wait "$pid"
   { grep "dspark stats" "$log" | tail -6
+    grep -E "engine loop:|output sender:|engine pipe, read" "$log"
     grep -v "clean_up_tokenization" "$log" | grep -E -A8 "WARNING|ERROR|Traceback" | head -80
   } > "$OUT/serve_${name}_log.txt"
 done

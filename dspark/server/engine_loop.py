@@ -50,6 +50,7 @@ from dspark.sampling_params import SamplingParams
 from dspark.server import wire
 from dspark.server.engine_process import run_engine_process
 from dspark.server.errors import APIError, bad_request
+from dspark.server.phase_times import PhaseTimes
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
 from dspark.server.wire import EngineInfo, EngineStats, decode_output
 
@@ -102,6 +103,7 @@ class EngineLoop:
         self._ack_ids = itertools.count()
         self._stopped: asyncio.Future | None = None  # set when the engine process has ended
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.read_times = PhaseTimes()  # the pipe's messages: receiving, then routing each
 
     # ---- the engine process -----------------------------------------------------------------
 
@@ -121,12 +123,17 @@ class EngineLoop:
 
     def _read(self) -> None:
         """Every message that has arrived; the pipe's end is the process's end."""
+        times = self.read_times
+        times.restart()
         try:
             fd = self._conn.fileno()
             if not os.get_blocking(fd):  # set by the event loop (module docstring)
                 os.set_blocking(fd, True)
             while self._conn.poll(0):
-                self._dispatch(self._conn.recv())
+                message = self._conn.recv()
+                times.lap("receive")
+                self._dispatch(message)
+                times.lap("message")
         except (EOFError, OSError) as e:
             if not isinstance(e, EOFError):  # not the pipe's end: say what it was
                 logger.error("reading the engine's pipe failed: %s: %s", type(e).__name__, e)
@@ -180,6 +187,7 @@ class EngineLoop:
             self.process.kill()
             await self._stopped
         self._conn.close()
+        logger.info("engine pipe, read by the server: %s", self.read_times.summary("message"))
         self._fail_all("the server shut down")
 
     # ---- requests -----------------------------------------------------------------------------

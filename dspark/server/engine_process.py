@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection, wait
 
 from dspark.server import wire
 from dspark.server.output_sender import OutputSender
+from dspark.server.phase_times import PhaseTimes
 from dspark.server.wire import EngineInfo, encode_outputs, stats_of
 
 logger = logging.getLogger(__name__)
@@ -105,16 +106,22 @@ class EngineServer:
         self.conn = conn  # commands in
         self.sender = sender  # messages out
         self._live: set[str] = set()  # unfinished requests, to abort at STOP
+        self.times = PhaseTimes()  # where the loop's wall time goes, logged at the end
 
     def serve(self) -> None:
         engine, conn, sender = self.engine, self.conn, self.sender
         sender.send((wire.ADDED, (), stats_of(engine)))  # the first stats snapshot
         logger.info("engine ready: serving")
+        times = self.times
+        times.restart()
         while True:
             if not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S):
+                times.lap("idle")
                 continue
+            times.lap("idle")
             if not self._apply_commands():
                 break
+            times.lap("commands")
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -123,7 +130,11 @@ class EngineServer:
                 logger.exception("engine step failed")
                 sender.send((wire.FAILED, f"an engine step failed: {type(e).__name__}: {e}"))
                 return
+            times.lap("step")
             sender.post_step(outputs, stats_of(engine))
+            times.lap("post")
+        logger.info("engine loop: %s", times.summary("step"))
+        logger.info("output sender: %s", sender.times.summary("message"))
         self._abort_everything()
         sender.send((wire.STOPPED,))
 

@@ -27,6 +27,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from dspark.server import wire
+from dspark.server.phase_times import PhaseTimes
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class OutputSender:
         self._stats: tuple | None = None
         self._busy = False  # a message is being sent
         self.num_steps_posted = self.num_step_messages = 0
+        self.times = PhaseTimes()  # the thread's time: waiting, and pickling + sending
         threading.Thread(target=self._run, name="dspark-output-sender", daemon=True).start()
 
     def post_step(self, outputs: list[tuple], stats: tuple) -> None:
@@ -85,6 +87,7 @@ class OutputSender:
             self.num_step_messages += 1
 
     def _run(self) -> None:
+        times = self.times
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._pending or self._stats)
@@ -92,8 +95,10 @@ class OutputSender:
                     self._flush_locked()
                 message = self._queue.popleft()
                 self._busy = True
+            times.lap("idle")
             try:
                 self._conn.send(message)
+                times.lap("message")
             except (EOFError, OSError):  # the server closed the pipe: nobody is left to answer
                 logger.warning("the server closed the pipe: the engine process exits")
                 os._exit(self._exit_status)

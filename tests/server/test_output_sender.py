@@ -47,7 +47,7 @@ def test_a_blocked_send_merges_the_steps_behind_it_and_keeps_order():
     assert steps[2] == (wire.STEP, [("a", "new", [8], None, None)], ("stats", 4))
     assert sender.num_steps_posted == 5 and sender.num_step_messages == 3
     # the thread's own clock: 4 messages sent, the first blocked until the reader came
-    assert sender.times.counts["message"] == 4 and sender.times.seconds["message"] >= 0.2
+    assert sender.times.counts["message"] == 4 and sender.times.seconds["message"] > 0.1
 
 
 def test_a_fast_reader_gets_one_message_per_step():

@@ -24,6 +24,7 @@ never the token it scores.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -177,6 +178,9 @@ class DSparkDrafter(nn.Module):
         self.markov_out = nn.Linear(r, tc.vocab_size, bias=False) if r > 0 else None  # W2
         conf_in = d + r
         self.confidence = nn.Linear(conf_in, 1) if config.use_confidence else None
+        # greedy Markov slots in one launch each (spec/drafting.py); DSPARK_MARKOV_KERNEL=0
+        # keeps PyTorch's six, for A/B measurements (read when the drafter is built)
+        self.use_triton = backend == "triton" and os.environ.get("DSPARK_MARKOV_KERNEL") != "0"
         # frozen target pieces, held by reference (not parameters of the drafter)
         self._target = [target]
 

@@ -4,7 +4,12 @@ The backbone gives base logits U[k] for all K slots in one forward; the Markov h
 slot k depend on the token drafted at slot k - 1: logits_k = U[k] + bias(x[k-1]), x[0] = anchor.
 Each row samples with its own parameters (temperature, top-k, top-p; greedy = argmax), and the
 exact distribution each draft was drawn from is kept: verification needs draft_probs. The raw
-confidence logit of slot k is computed from h[k] and x[k-1] only, before x[k] exists.
+confidence logit of slot k is computed from h[k] and x[k-1] only, never from x[k]: for all K
+slots at once once the loop is done, (h[k], x[k-1]) being known by then.
+
+A batch of greedy rows on the triton backend draws each slot in one launch
+(kernels/markov_greedy_triton.py) from the base logits as the LM head made them (bf16 on the
+GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six.
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
 function of (seed, position), like every other random number in the engine. A draft is drawn by
@@ -54,24 +59,44 @@ def draft_block(
     st: SamplingTensors,  # per-row parameters (positions field unused here)
 ) -> DraftBlock:
     R, K, _ = hidden.shape
-    base = drafter.base_logits(hidden)  # [R, K, V]
     tokens = torch.empty(R, K, dtype=torch.int64, device=hidden.device)
-    # a batch of greedy rows needs no distributions: greedy verification compares argmaxes
-    probs = None if st.all_greedy else torch.empty_like(base)
-    has_conf = drafter.confidence is not None
-    conf = torch.empty(R, K, device=hidden.device) if has_conf else None
-    prev = anchors
-    is_greedy = st.temperature == 0
-    for k in range(K):
-        if has_conf:
-            conf[:, k] = drafter.confidence_logit(hidden[:, k], prev)  # before x[k] is drawn
-        logits = base[:, k] + drafter.markov_bias(prev)  # [R, V]
-        if st.all_greedy:
-            tokens[:, k] = logits.argmax(dim=-1)
-        else:
-            p = sampling_probs(logits, st)  # [R, V]
-            u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT)  # [R, 1]
-            tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), _inverse_cdf(p, u))
-            probs[:, k] = p
-        prev = tokens[:, k]
+    fused = st.all_greedy and drafter.use_triton and drafter.markov_out is not None
+    if fused:
+        _draft_greedy_fused(drafter, drafter.target.lm_head(hidden), anchors, tokens)
+        probs = None
+    else:
+        base = drafter.base_logits(hidden)  # [R, K, V] float32
+        # a batch of greedy rows needs no distributions: greedy verification compares argmaxes
+        probs = None if st.all_greedy else torch.empty_like(base)
+        prev = anchors
+        is_greedy = st.temperature == 0
+        for k in range(K):
+            logits = base[:, k] + drafter.markov_bias(prev)  # [R, V]
+            if st.all_greedy:
+                tokens[:, k] = logits.argmax(dim=-1)
+            else:
+                p = sampling_probs(logits, st)  # [R, V]
+                u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT)  # [R, 1]
+                tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), _inverse_cdf(p, u))
+                probs[:, k] = p
+            prev = tokens[:, k]
+    conf = None
+    if drafter.confidence is not None:  # slot k from h[k] and x[k-1]: [anchor, x1 .. x(K-1)]
+        prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, K]
+        conf = drafter.confidence_logit(hidden, prev_tokens)  # [R, K]
     return DraftBlock(tokens, probs, conf)
+
+
+def _draft_greedy_fused(
+    drafter: DSparkDrafter,
+    base: torch.Tensor,  # [R, K, V] the LM head's output, in the model's dtype
+    anchors: torch.Tensor,  # [R]
+    tokens: torch.Tensor,  # [R, K] int64, written slot by slot
+) -> None:
+    from dspark.kernels.markov_greedy_triton import markov_greedy
+
+    w1, w2 = drafter.markov_in.weight, drafter.markov_out.weight
+    prev = anchors
+    for k in range(tokens.shape[1]):
+        markov_greedy(base[:, k], prev, w1, w2, out=tokens[:, k])
+        prev = tokens[:, k]

@@ -36,6 +36,11 @@ BLOCK_V = 128  # vocabulary columns per program: 384 programs for SmolLM2's 49,1
 BLOCK_R = 16  # rows per tile (tl.dot needs at least 16)
 
 
+def supports_rank(rank: int) -> bool:
+    """The kernel's tl.dot over the rank needs a power of two >= 16 (64 in the shipped drafter)."""
+    return rank >= 16 and rank & (rank - 1) == 0
+
+
 def markov_greedy_ref(
     base: torch.Tensor,  # [R, V] slot k's base logits (any float dtype)
     prev: torch.Tensor,  # [R] int64, x[k-1]
@@ -109,7 +114,7 @@ def markov_greedy(
     rank = w1.shape[1]
     assert w1.shape == w2.shape == (V, rank) and w1.dtype == w2.dtype, (w1.shape, w2.shape)
     assert w1.is_contiguous() and w2.is_contiguous() and base.stride(1) == 1
-    assert rank >= 16 and rank & (rank - 1) == 0, f"rank {rank}: a power of two >= 16"
+    assert supports_rank(rank), f"rank {rank}: a power of two >= 16"
     assert prev.shape == out.shape == (R,) and out.dtype == torch.int64
     if R == 0:
         return out

@@ -180,7 +180,10 @@ class DSparkDrafter(nn.Module):
         self.confidence = nn.Linear(conf_in, 1) if config.use_confidence else None
         # greedy Markov slots in one launch each (spec/drafting.py); DSPARK_MARKOV_KERNEL=0
         # keeps PyTorch's six, for A/B measurements (read when the drafter is built)
-        self.use_triton = backend == "triton" and os.environ.get("DSPARK_MARKOV_KERNEL") != "0"
+        self.use_triton = (
+            backend == "triton" and os.environ.get("DSPARK_MARKOV_KERNEL") != "0" and r > 0
+            and r >= 16 and r & (r - 1) == 0  # the kernel's tl.dot (markov_greedy_triton.py)
+        )  # fmt: skip
         # frozen target pieces, held by reference (not parameters of the drafter)
         self._target = [target]
 

@@ -188,7 +188,7 @@ def test_draft_block_follows_the_markov_chain(target):
 
 
 def test_inverse_cdf_worked_example_never_draws_a_zero_probability_token():
-    from dspark.spec.drafting import _inverse_cdf
+    from dspark.sample.sampler import inverse_cdf as _inverse_cdf
 
     p = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).expand(4, -1)
     u = torch.tensor([[0.1], [0.2], [0.65], [0.95]])

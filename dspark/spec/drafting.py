@@ -13,10 +13,8 @@ GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six.
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
 function of (seed, position), like every other random number in the engine. A draft is drawn by
-inversion, one uniform per slot: the first token whose cumulative probability exceeds u times
-the total (an exponential race would hash one uniform per vocabulary entry per slot, which on a
-49k vocabulary was most of the drafting time). Verification only needs the distribution a draft
-was drawn from, not how it was drawn.
+inversion, one uniform per slot (sampler.inverse_cdf). Verification only needs the distribution
+a draft was drawn from, not how it was drawn.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import torch
 
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.random import STREAM_DRAFT, uniform
-from dspark.sample.sampler import SamplingTensors, sampling_probs
+from dspark.sample.sampler import SamplingTensors, inverse_cdf, sampling_probs
 
 
 @dataclass(frozen=True)
@@ -35,20 +33,6 @@ class DraftBlock:
     tokens: torch.Tensor  # [R, K] int64
     probs: torch.Tensor | None  # [R, K, V] float32, each draft's distribution; None: all greedy
     confidence_logits: torch.Tensor | None  # [R, K] float32, raw (before STS calibration)
-
-
-def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """A draw from each row of p [R, V] with one uniform u [R, 1] per row: the first index whose
-    cumulative mass exceeds u * total. Tokens of zero probability are never drawn (a run of
-    equal cumulative values is passed over by searchsorted's right side).
-
-      p = [0.2, 0.0, 0.5, 0.3], cdf = [0.2, 0.2, 0.7, 1.0]
-      u = 0.1 -> 0    u = 0.2 -> 2    u = 0.65 -> 2    u = 0.95 -> 3
-    """
-    cdf = p.cumsum(dim=-1)  # [R, V]
-    target = u * cdf[:, -1:]  # [R, 1]
-    index = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return index.clamp(max=p.shape[-1] - 1)
 
 
 def draft_block(
@@ -77,7 +61,7 @@ def draft_block(
             else:
                 p = sampling_probs(logits, st)  # [R, V]
                 u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT)  # [R, 1]
-                tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), _inverse_cdf(p, u))
+                tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), inverse_cdf(p, u))
                 probs[:, k] = p
             prev = tokens[:, k]
     conf = None

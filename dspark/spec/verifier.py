@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.sample.random import STREAM_ACCEPT, STREAM_SAMPLE, uniform
+from dspark.sample.sampler import inverse_cdf
 
 # Below this residual mass the recovered token falls back to the target distribution itself.
 RESIDUAL_EPS = 1e-9
@@ -125,6 +126,5 @@ def _final_token(
     residual = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp(min=RESIDUAL_EPS), p_t)
     probs = torch.where(rejected[:, None], residual, p_t)  # [R, V]
     position = inp.anchor_positions + 1 + num_accepted  # where the final token lands
-    u = uniform(inp.seeds, position, STREAM_SAMPLE, probs.shape[-1])  # [R, V]
-    sampled = (probs / -torch.log(u)).argmax(dim=-1)  # exponential race: a draw from probs
+    sampled = inverse_cdf(probs, uniform(inp.seeds, position, STREAM_SAMPLE))  # a draw from probs
     return torch.where(inp.is_greedy, p_t.argmax(dim=-1), sampled)

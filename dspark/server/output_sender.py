@@ -16,15 +16,25 @@ Order is kept: a control message (ADDED, FAILED, STOPPED) goes out after every o
 before it, and a request id that finished in the pending message and comes back (ids may be
 reused) starts a new message. Only the newest stats snapshot of a merged message is sent.
 Pickling happens on the sender thread; the write itself releases the interpreter lock.
+
+Each message goes out in one write, its length header and its pickle together
+(`send_whole`). multiprocessing's Connection.send writes a message over 16 KiB as two writes,
+and between them the thread waits for the interpreter lock, which the step loop may hold for
+the switch interval (5 ms): meanwhile the server, which reads a message whole in blocking mode
+(engine_loop.py), sat in its read with its event loop stopped. On the H200 at 256 streams its
+reads averaged 0.97 ms a message against 0.19 ms for this thread to send one
+(docs/PERFORMANCE.md, tenth look); that the split is the cause is not yet measured.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 from collections import deque
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
 from dspark.server import wire
 from dspark.server.phase_times import PhaseTimes
@@ -97,7 +107,7 @@ class OutputSender:
                 self._busy = True
             times.lap("idle")
             try:
-                self._conn.send(message)
+                send_whole(self._conn, message)
                 times.lap("message")
             except (EOFError, OSError):  # the server closed the pipe: nobody is left to answer
                 logger.warning("the server closed the pipe: the engine process exits")
@@ -105,6 +115,20 @@ class OutputSender:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+
+def send_whole(conn: Connection, message) -> None:
+    """conn.send(message) in one write: the header Connection.recv reads ("!i", the pickle's
+    length), then the pickle, concatenated (a partial write, rare on a blocking socket, is
+    continued)."""
+    payload = ForkingPickler.dumps(message)
+    if len(payload) > 0x7FFFFFFF:  # Connection's own framing for 2 GiB and more
+        conn.send_bytes(payload)
+        return
+    view = memoryview(b"".join((struct.pack("!i", len(payload)), payload)))
+    fd = conn.fileno()
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _list(logprobs) -> list | None:

@@ -63,3 +63,33 @@ def test_a_fast_reader_gets_one_message_per_step():
     thread.join(timeout=5)
     texts = [m[1][0][1] for m in received if m[0] == wire.STEP]
     assert texts == [str(i) for i in range(20)]
+
+
+def test_a_message_is_written_whole_in_the_framing_connection_recv_reads(monkeypatch):
+    """send_whole: one write per message (header and pickle together), read back by recv(), for
+    a small message and one far over multiprocessing's 16 KiB split and the pipe's buffer."""
+    import os
+
+    from dspark.server import output_sender
+    from dspark.server.output_sender import send_whole
+
+    writes = []
+    write = os.write
+
+    def counting_write(fd, data):
+        writes.append(len(data))
+        return write(fd, data)
+
+    monkeypatch.setattr(output_sender.os, "write", counting_write)
+    reader, writer = multiprocessing.Pipe()
+    small = (wire.STEP, [("a", "Hi", [5], None, None)], ("stats", 1))
+    large = (wire.STEP, [("b", "y" * 1_000_000, [1] * 1000, None, None)], None)
+    for message in (small, large):
+        writes.clear()
+        received = []
+        thread = threading.Thread(target=lambda out=received: out.append(reader.recv()))
+        thread.start()
+        send_whole(writer, message)
+        thread.join(timeout=10)
+        assert received == [message]
+        assert len(writes) == 1  # (a blocking socket takes the whole buffer in one call)

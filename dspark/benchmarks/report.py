@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -86,7 +87,12 @@ def environment(device: torch.device) -> dict:
 
 
 def git_state() -> dict:
-    """The commit measured, and whether uncommitted edits were part of it."""
+    """The commit measured, and whether uncommitted edits were part of it. DSPARK_GIT_COMMIT,
+    when set, names the commit instead: a tree copied without its .git (the device machine's)
+    would otherwise report whatever repository git finds above it."""
+    named = os.environ.get("DSPARK_GIT_COMMIT")
+    if named:
+        return {"git_commit": named, "git_dirty": None}
 
     def git(*args: str) -> str | None:
         try:

@@ -7,11 +7,18 @@ intermediate values masked to 32 bits, so the same bits come out on the CPU and 
 
 Streams keep different uses apart: the token sampled at a position, a draft sampled at that
 position, an acceptance coin, a recovered token.
+
+On CUDA the same bits come from one Triton launch (kernels/uniform_triton.py) instead of the
+forty-odd elementwise launches below; DSPARK_TRITON_UNIFORM=0 keeps the PyTorch path (A/B).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+_TRITON = os.environ.get("DSPARK_TRITON_UNIFORM") != "0"
 
 MASK32 = 0xFFFFFFFF
 
@@ -42,6 +49,12 @@ def uniform(
     seeds: torch.Tensor, positions: torch.Tensor, stream: int, num: int = 1
 ) -> torch.Tensor:
     """Uniforms in the open interval (0, 1): [N, num] float32, one row per (seed, position)."""
+    if _TRITON and seeds.is_cuda and seeds.dim() == 1 and seeds.shape == positions.shape and (
+        seeds.dtype == positions.dtype == torch.int64
+    ):  # fmt: skip
+        from dspark.kernels.uniform_triton import uniform_triton
+
+        return uniform_triton(seeds, positions, stream, num)
     keys = _row_keys(seeds, positions, stream)  # [N]
     index = torch.arange(num, device=seeds.device, dtype=torch.int64)  # [num]
     bits = _mix32(_mix32(keys[:, None] ^ index[None, :]) ^ 0x5BD1E995)  # [N, num]

@@ -109,7 +109,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             graphs.sizes if graphs else [1 << i for i in range(args.max_num_seqs.bit_length())]
         )
     table = profile_cost_table(llm, batches, steps=args.steps, warmup=args.warmup,
-                               rounds=args.rounds)  # fmt: skip
+                               rounds=args.rounds, sampled=not args.greedy_only)  # fmt: skip
     print(format_table(table, llm.engine.spec.num_verify))
     why = flatness_reason(table)
     if why:
@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--warmup", type=int, default=3, help="untimed steps before each cell")
     prof.add_argument("--rounds", type=int, default=2,
                       help="rounds of every cell; a cell is its lowest round median")  # fmt: skip
+    prof.add_argument("--greedy-only", action="store_true",
+                      help="skip the cells measured at temperature 1 (sampled_cells)")  # fmt: skip
     prof.add_argument("--out", default="cost_table.json")
     prof.set_defaults(func=cmd_profile)
     from dspark.benchmarks.offline import add_bench_parser

@@ -389,8 +389,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | DeltaOutput]:
         if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
-            running = [r.request_id for r in self.scheduler.running]
-            self.scheduler.drafting = self.policy.decide(running).drafting
+            reqs = self.scheduler.running
+            running = [r.request_id for r in reqs]
+            sampled = any(r.sampling_params.temperature > 0 for r in reqs)
+            self.scheduler.drafting = self.policy.decide(running, sampled).drafting
         drafting = self.spec is not None and self.scheduler.drafting
         if self.async_scheduling and (not drafting or self._drafts_async()):
             return self._step_async(drafting)

@@ -7,7 +7,14 @@ lie between. Each value is the median whole-step time (draft + verify + sampling
 
   {"fingerprint": {"gpu": "NVIDIA H200", "device_count": 1, "torch": "2.11.0", ...},
    "cells": {"1": {"1": 0.00104, "8": 0.00151},            G = 1: plain, full block (K = 7)
-             "16": {"16": 0.00099, "64": 0.00141, "128": 0.00183}}}
+             "16": {"16": 0.00099, "64": 0.00141, "128": 0.00183}},
+   "sampled_cells": {"1": {"1": 0.00109, "8": 0.00178}, ...}}        optional, same shape
+
+"cells" are measured with greedy requests. A step of rows that sample costs more (every draft
+slot's distribution, rejection sampling, the sampler itself), so a table may also hold
+"sampled_cells", measured with requests at temperature 1, for the same G: the drafting policy
+prices a batch with any sampling row by them (spec/drafting_policy.py). A table without them
+prices such batches by the greedy cells, counted.
 
 Loading is authentication: the table is used only if its fingerprint equals the live engine's
 and every G it lists has its full-block cell and every value is a finite positive number. On any
@@ -36,16 +43,28 @@ MIN_SPREAD = 0.05
 @dataclass(frozen=True)
 class CostTable:
     fingerprint: dict
-    cells: dict[int, dict[int, float]]  # G -> V -> seconds per step
+    cells: dict[int, dict[int, float]]  # G -> V -> seconds per step, greedy requests
+    sampled_cells: dict[int, dict[int, float]] | None = None  # the same, at temperature 1
 
     def step_seconds(self, g: int, v: int) -> float | None:
         """The measured time of cell (G, V), or None if it was not measured."""
         return self.cells.get(g, {}).get(v)
 
+    def for_sampling(self) -> CostTable | None:
+        """The sampled cells as a table of their own (None without them)."""
+        if self.sampled_cells is None:
+            return None
+        return CostTable(self.fingerprint, self.sampled_cells)
+
     def to_json(self) -> str:
-        cells = {str(g): {str(v): t for v, t in sorted(row.items())}
-                 for g, row in sorted(self.cells.items())}  # fmt: skip
-        return json.dumps({"fingerprint": self.fingerprint, "cells": cells}, indent=1)
+        def encode(cells):
+            return {str(g): {str(v): t for v, t in sorted(row.items())}
+                    for g, row in sorted(cells.items())}  # fmt: skip
+
+        raw = {"fingerprint": self.fingerprint, "cells": encode(self.cells)}
+        if self.sampled_cells is not None:
+            raw["sampled_cells"] = encode(self.sampled_cells)
+        return json.dumps(raw, indent=1)
 
 
 def make_fingerprint(
@@ -101,15 +120,20 @@ def check_table(table: CostTable, live: dict) -> str | None:
     if not table.cells:
         return "no cells"
     k = live["draft_len"]
-    for g, row in table.cells.items():
-        full = full_block_tokens(g, k)
-        if full not in row:
-            return f"G={g} has no full-block cell V={full}"
-        for v, t in row.items():
-            if not (g <= v <= full):
-                return f"cell G={g} V={v} is outside [{g}, {full}]"
-            if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
-                return f"cell G={g} V={v} has a malformed time {t!r}"
+    sampled = table.sampled_cells
+    if sampled is not None and set(sampled) != set(table.cells):
+        return (f"sampled cells are for G {sorted(sampled)}, the greedy cells for "
+                f"{sorted(table.cells)}")  # fmt: skip
+    for kind, cells in (("", table.cells), ("sampled ", sampled or {})):
+        for g, row in cells.items():
+            full = full_block_tokens(g, k)
+            if full not in row:
+                return f"G={g} has no {kind}full-block cell V={full}"
+            for v, t in row.items():
+                if not (g <= v <= full):
+                    return f"{kind}cell G={g} V={v} is outside [{g}, {full}]"
+                if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+                    return f"{kind}cell G={g} V={v} has a malformed time {t!r}"
     return None
 
 
@@ -119,11 +143,14 @@ def parse_table(text: str) -> CostTable:
         raw = json.loads(text)
         fingerprint, cells = raw["fingerprint"], raw["cells"]
         parsed = {int(g): {int(v): t for v, t in row.items()} for g, row in cells.items()}
+        sampled = raw.get("sampled_cells")
+        if sampled is not None:
+            sampled = {int(g): {int(v): t for v, t in row.items()} for g, row in sampled.items()}
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"malformed cost table: {type(e).__name__}: {e}") from None
     if not isinstance(fingerprint, dict):
         raise ValueError("malformed cost table: fingerprint is not an object")
-    return CostTable(fingerprint, parsed)
+    return CostTable(fingerprint, parsed, sampled)
 
 
 def load_cost_table(path: str | Path, live: dict) -> tuple[CostTable | None, str | None]:

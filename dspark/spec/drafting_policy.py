@@ -57,6 +57,10 @@ full 4.3 ms, survivals summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, fu
 4.3 = 34 tokens/ms, so drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request gives
 0.87 against 1.15 tokens/ms, and drafting comes back once the dwell has passed.
 
+A batch with any row that samples is priced by the table's sampled cells (measured at
+temperature 1: a sampled drafting step costs more than a greedy one), or by the greedy cells
+where the table has none (counted: sampled_priced_by_greedy_cells).
+
 Trimmed cells (1 < V / G < K + 1) need ragged verify graphs and are not considered yet; a table
 that has them is used for its plain and full-block cells only.
 """
@@ -117,16 +121,14 @@ class DraftingPolicy:
         # exponentially weighted predicted and realised accepted drafts over full blocks, each
         # starting from prior_blocks blocks of one accepted draft predicted and realised
         self._predicted = self._realised = prior_blocks
-        self.table = None
-        if table is not None:  # the cells the engine can run: plain and the full block
-            cells = {}
-            for g, row in table.cells.items():
-                runnable = {
-                    v: t for v, t in row.items() if v in (g, full_block_tokens(g, draft_len))
-                }
-                if len(runnable) == 2:
-                    cells[g] = runnable
-            self.table = CostTable(table.fingerprint, cells) if cells else None
+        # the cells the engine can run (plain and the full block), greedy and, if measured,
+        # sampled (a batch with any row that samples is priced by those)
+        self.table = _runnable(table, draft_len)
+        self.sampled_table = _runnable(table and table.for_sampling(), draft_len)
+        if self.table is None or self.sampled_table is None or (
+            self.sampled_table.cells.keys() != self.table.cells.keys()
+        ):  # fmt: skip
+            self.sampled_table = None
         self.sizes = sorted(self.table.cells) if self.table else []
         self.drafting = True
         self._steps_in_mode = 0
@@ -173,9 +175,10 @@ class DraftingPolicy:
 
     # ---- the choice -------------------------------------------------------------------------
 
-    def decide(self, request_ids: list[str]) -> Decision:
-        """Whether the step about to be scheduled for these running requests drafts."""
-        decision = self._decide(request_ids)
+    def decide(self, request_ids: list[str], sampled: bool = False) -> Decision:
+        """Whether the step about to be scheduled for these running requests drafts; `sampled`:
+        some of them sample (temperature > 0), so the step is priced by the sampled cells."""
+        decision = self._decide(request_ids, sampled)
         if decision.drafting != self.drafting:
             self.counters["drafting_switches"] += 1
             self.drafting, self._steps_in_mode = decision.drafting, 0
@@ -185,7 +188,7 @@ class DraftingPolicy:
         self.counters[f"decision_{decision.reason.replace(' ', '_')}"] += 1
         return decision
 
-    def _decide(self, request_ids: list[str]) -> Decision:
+    def _decide(self, request_ids: list[str], sampled: bool) -> Decision:
         if self.table is None:
             return Decision(True, "no table")
         if not request_ids:
@@ -196,8 +199,14 @@ class DraftingPolicy:
         if i == len(self.sizes):
             return Decision(True, "batch beyond the table")
         g = self.sizes[i]
+        table = self.table
+        if sampled:
+            if self.sampled_table is not None:
+                table = self.sampled_table
+            else:
+                self.counters["sampled_priced_by_greedy_cells"] += 1
         choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g), g,
-                                 self.table, self.draft_len, self.min_gain,
+                                 table, self.draft_len, self.min_gain,
                                  drafting_now=self.drafting)  # fmt: skip
         return Decision(choice.geometry.drafts, choice.reason)
 
@@ -248,3 +257,15 @@ class DraftingPolicy:
         if self.unobserved == "confident" or mean is None:
             return float(self.draft_len)
         return mean
+
+
+def _runnable(table: CostTable | None, draft_len: int) -> CostTable | None:
+    """The table's plain and full-block cells, for the G that have both (None: no such G)."""
+    if table is None:
+        return None
+    cells = {}
+    for g, row in table.cells.items():
+        runnable = {v: t for v, t in row.items() if v in (g, full_block_tokens(g, draft_len))}
+        if len(runnable) == 2:
+            cells[g] = runnable
+    return CostTable(table.fingerprint, cells) if cells else None

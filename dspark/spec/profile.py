@@ -14,6 +14,10 @@ user's step costs. Greedy windows over a fixed prompt keep acceptance (and so KV
 across cells. The engine runs without a cost table (drafting is set here).
 
   G 16: plain 1.02 ms, full block 2.41 ms  ->  {"16": {"16": 0.00102, "128": 0.00241}}
+
+With `sampled` (the default) every cell is measured again with requests at temperature 1
+(request i seeded with i), into the table's "sampled_cells": a sampled step draws every draft
+slot from its distribution and verifies by rejection sampling, and prices differently.
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ def _drain(llm: LLM) -> None:
 
 def profile_cost_table(
     llm: LLM, batches: list[int], steps: int = 8, warmup: int = 3, prompt_len: int = 64,
-    rounds: int = 2,
+    rounds: int = 2, sampled: bool = True,
 ) -> CostTable:  # fmt: skip
-    """Measure (G, G) and (G, G (K + 1)) for each G in batches on this engine."""
+    """Measure (G, G) and (G, G (K + 1)) for each G in batches on this engine, greedy and (with
+    `sampled`) at temperature 1."""
     engine = llm.engine
     if engine.spec is None or engine.policy is not None:
         raise ValueError("profiling needs a speculative engine without a cost table")
@@ -66,14 +71,32 @@ def profile_cost_table(
     if prompt_len + max_tokens > engine.max_model_len:
         raise ValueError(f"prompt_len {prompt_len} + {max_tokens} tokens exceed max_model_len "
                          f"{engine.max_model_len}")  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompt = [(7 * j + 11) % engine.model_config.vocab_size for j in range(prompt_len)]
-    cells: dict[int, dict[int, float]] = {}
     for g in batches:
         if g > engine.config.max_num_seqs:
             raise ValueError(f"batch {g} exceeds max_num_seqs {engine.config.max_num_seqs}")
+    prompt = [(7 * j + 11) % engine.model_config.vocab_size for j in range(prompt_len)]
+
+    def measure(temperature: float) -> dict[int, dict[int, float]]:
+        return _measure_cells(llm, batches, prompt, temperature, max_tokens, steps, warmup,
+                              rounds)  # fmt: skip
+
+    greedy = measure(0.0)
+    return CostTable(engine.cost_fingerprint(), greedy, measure(1.0) if sampled else None)
+
+
+def _measure_cells(
+    llm: LLM, batches: list[int], prompt: list[int], temperature: float, max_tokens: int,
+    steps: int, warmup: int, rounds: int,
+) -> dict[int, dict[int, float]]:  # fmt: skip
+    """G -> {G: plain, G (K + 1): full block} seconds, with G requests at this temperature."""
+    engine = llm.engine
+    K = engine.spec.num_verify
+    cells: dict[int, dict[int, float]] = {}
+    for g in batches:
         for i in range(g):
-            engine.add_request(f"profile-{g}-{i}", prompt, params)
+            params = SamplingParams(temperature=temperature, seed=i if temperature else None,
+                                    max_tokens=max_tokens, ignore_eos=True)  # fmt: skip
+            engine.add_request(f"profile-{g}-{i}-t{temperature:g}", prompt, params)
         sched = engine.scheduler
         sched.drafting = False
         while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
@@ -87,12 +110,22 @@ def profile_cost_table(
             full = min(full, _median_step(llm, steps, warmup))
         cells[g] = {g: plain, full_block_tokens(g, K): full}
         _drain(llm)
-    return CostTable(engine.cost_fingerprint(), cells)
+    return cells
 
 
 def format_table(table: CostTable, draft_len: int) -> str:
-    rows = ["    G   plain ms   full ms   full / plain"]
+    rows = [
+        "    G   plain ms   full ms   full / plain"
+        + ("   sampled: plain ms   full ms   full / plain" if table.sampled_cells else "")
+    ]
     for g, row in sorted(table.cells.items()):
-        plain, full = row[g], row[full_block_tokens(g, draft_len)]
-        rows.append(f"{g:>5} {plain * 1e3:>10.3f} {full * 1e3:>9.3f} {full / plain:>14.2f}")
+        line = _cells_text(row, g, draft_len)
+        if table.sampled_cells:
+            line += "           " + _cells_text(table.sampled_cells[g], g, draft_len)
+        rows.append(f"{g:>5} " + line)
     return "\n".join(rows)
+
+
+def _cells_text(row: dict[int, float], g: int, draft_len: int) -> str:
+    plain, full = row[g], row[full_block_tokens(g, draft_len)]
+    return f"{plain * 1e3:>10.3f} {full * 1e3:>9.3f} {full / plain:>14.2f}"

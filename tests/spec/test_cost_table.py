@@ -59,6 +59,22 @@ def test_every_defect_fails_closed_with_its_reason(tmp_path, live, edit, expecte
     assert got is None and expected in reason
 
 
+def test_sampled_cells_round_trip_and_are_checked_like_the_greedy_ones(tmp_path, live):
+    sampled = {1: {1: 1.1e-3, 8: 1.9e-3}, 16: {16: 1.1e-3, 128: 2.2e-3}}
+    path = tmp_path / "cost.json"
+    path.write_text(CostTable(dict(live), _table(live).cells, sampled).to_json())
+    table, reason = load_cost_table(path, live)
+    assert reason is None and table.sampled_cells == sampled
+    assert table.for_sampling().cells == sampled and _table(live).for_sampling() is None
+    for bad, expected in (({1: sampled[1]}, "sampled cells are for G [1]"),
+                          ({1: sampled[1], 16: {16: 1e-3}}, "G=16 has no sampled full-block"),
+                          ({1: {1: 0.0, 8: 1e-3}, 16: sampled[16]},
+                           "sampled cell G=1 V=1 has a malformed time 0.0")):  # fmt: skip
+        path.write_text(CostTable(dict(live), _table(live).cells, bad).to_json())
+        got, reason = load_cost_table(path, live)
+        assert got is None and expected in reason, reason
+
+
 def test_unreadable_and_malformed_files(tmp_path, live):
     assert "cannot read" in load_cost_table(tmp_path / "missing.json", live)[1]
     (tmp_path / "bad.json").write_text('{"cells": {}}')

@@ -189,14 +189,18 @@ def test_profile_measures_both_cells_with_the_live_fingerprint(tiny_vocab_dir, d
     assert table.fingerprint == llm.engine.cost_fingerprint()
     assert set(table.cells) == {1, 4}
     assert set(table.cells[4]) == {4, 16} and all(t > 0 for t in table.cells[4].values())
+    # the same cells at temperature 1
+    assert set(table.sampled_cells) == {1, 4} and set(table.sampled_cells[4]) == {4, 16}
+    assert all(t > 0 for t in table.sampled_cells[4].values())
     e = llm.engine
     assert not e.has_unfinished_requests() and e.allocator.num_free == e.allocator.num_usable
     with pytest.raises(ValueError, match="steps must be >= 5"):
         profile_cost_table(llm, [1], steps=3)
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         profile_cost_table(llm, [1], rounds=0)
-    one = profile_cost_table(llm, [1], steps=5, warmup=1, prompt_len=8, rounds=1)
-    assert set(one.cells[1]) == {1, 4}
+    one = profile_cost_table(llm, [1], steps=5, warmup=1, prompt_len=8, rounds=1,
+                             sampled=False)  # fmt: skip
+    assert set(one.cells[1]) == {1, 4} and one.sampled_cells is None
 
 
 def _write_table(path, llm, plain, full):
@@ -335,3 +339,21 @@ def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(
         LLM(str(tiny_vocab_dir), speculative_config=_spec(own, unobserved="K"), **KW)
     pop = LLM(str(tiny_vocab_dir), speculative_config=_spec(own, unobserved="population"), **KW)
     assert pop.engine.policy.unobserved == "population"
+
+
+def test_a_batch_that_samples_is_priced_by_the_sampled_cells():
+    """Greedy full blocks cheap, sampled ones dear: the same survivals draft when every row is
+    greedy and do not when one samples; without sampled cells the greedy ones price it too,
+    counted. Sampled cells for other G than the greedy ones are refused."""
+    sampled = {1: {1: 1.0, 8: 4.0}, 64: {64: 1.0, 512: 9.0}}
+    table = CostTable({}, dict(TABLE.cells), sampled)
+    p = _policy(table, dwell=0)
+    assert p.sampled_table is not None
+    p.observe(["r0"], torch.zeros(1, K), [False])  # survival sum ~0.99: 1.99 / 1.5 at G = 1
+    assert p.decide(["r0"], sampled=False).drafting
+    assert not p.decide(["r0"], sampled=True).drafting  # 1.99 / 4.0 < 1 / 1.0
+    greedy_only = _policy(dwell=0)
+    greedy_only.observe(["r0"], torch.zeros(1, K), [False])
+    assert greedy_only.decide(["r0"], sampled=True).drafting
+    assert greedy_only.counters["sampled_priced_by_greedy_cells"] == 1
+    assert _policy(CostTable({}, dict(TABLE.cells), {1: sampled[1]})).sampled_table is None

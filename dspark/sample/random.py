@@ -9,14 +9,19 @@ Streams keep different uses apart: the token sampled at a position, a draft samp
 position, an acceptance coin, a recovered token.
 
 On CUDA the same bits come from one Triton launch (kernels/uniform_triton.py) instead of the
-forty-odd elementwise launches below; DSPARK_TRITON_UNIFORM=0 keeps the PyTorch path (A/B).
+forty-odd elementwise launches below; DSPARK_TRITON_UNIFORM=0 keeps the PyTorch path (A/B). If
+the kernel fails to build or launch, the PyTorch path takes over for the process, with a
+warning naming the error (the first call comes from a warm-up step, before any graph capture).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _TRITON = os.environ.get("DSPARK_TRITON_UNIFORM") != "0"
 
@@ -49,12 +54,18 @@ def uniform(
     seeds: torch.Tensor, positions: torch.Tensor, stream: int, num: int = 1
 ) -> torch.Tensor:
     """Uniforms in the open interval (0, 1): [N, num] float32, one row per (seed, position)."""
+    global _TRITON
     if _TRITON and seeds.is_cuda and seeds.dim() == 1 and seeds.shape == positions.shape and (
         seeds.dtype == positions.dtype == torch.int64
     ):  # fmt: skip
-        from dspark.kernels.uniform_triton import uniform_triton
+        try:
+            from dspark.kernels.uniform_triton import uniform_triton
 
-        return uniform_triton(seeds, positions, stream, num)
+            return uniform_triton(seeds, positions, stream, num)
+        except Exception as e:  # noqa: BLE001 - any build or launch failure: the same bits below
+            _TRITON = False
+            logger.warning("the Triton uniforms failed (%s: %s): PyTorch's hash from now on",
+                           type(e).__name__, e)  # fmt: skip
     keys = _row_keys(seeds, positions, stream)  # [N]
     index = torch.arange(num, device=seeds.device, dtype=torch.int64)  # [num]
     bits = _mix32(_mix32(keys[:, None] ^ index[None, :]) ^ 0x5BD1E995)  # [N, num]

@@ -4,8 +4,8 @@ The backbone gives base logits U[k] for all K slots in one forward; the Markov h
 slot k depend on the token drafted at slot k - 1: logits_k = U[k] + bias(x[k-1]), x[0] = anchor.
 Each row samples with its own parameters (temperature, top-k, top-p; greedy = argmax), and the
 exact distribution each draft was drawn from is kept: verification needs draft_probs. The raw
-confidence logit of slot k is computed from h[k] and x[k-1] only, never from x[k]: for all K
-slots at once once the loop is done, (h[k], x[k-1]) being known by then.
+confidence logit of slot k is a function of h[k] and x[k-1] only, never of x[k]; all K are
+computed in one call after the loop, when every (h[k], x[k-1]) is known.
 
 A batch of greedy rows on the triton backend draws each slot in one launch
 (kernels/markov_greedy_triton.py) from the base logits as the LM head made them (bf16 on the

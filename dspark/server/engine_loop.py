@@ -52,7 +52,7 @@ from dspark.server.engine_process import run_engine_process
 from dspark.server.errors import APIError, bad_request
 from dspark.server.phase_times import PhaseTimes
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
-from dspark.server.wire import EngineInfo, EngineStats, decode_output
+from dspark.server.wire import EngineInfo, EngineStats, decode_output, merge_stats
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class EngineLoop:
             self._send((wire.ABORT, tuple(request_ids)))
 
     def _acknowledge(self, acks: tuple, stats: tuple) -> None:
-        self.stats = EngineStats(*stats)
+        self.stats = merge_stats(self.stats, stats)
         for ack_id, error in acks:
             done, subs, _ = self._pending.pop(ack_id)
             if error is not None:
@@ -283,7 +283,7 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[tuple], stats: tuple) -> None:
         """One step's outputs (one message per step)."""
-        self.stats = EngineStats(*stats)
+        self.stats = merge_stats(self.stats, stats)
         routes, now = self._routes, self._loop.time()
         for encoded in outputs:
             route = routes.get(encoded[0])

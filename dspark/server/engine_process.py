@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
@@ -46,6 +47,9 @@ from dspark.server.wire import EngineInfo, encode_outputs, stats_of
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle engine wakes at least this often
+# the speculative metrics (LLMEngine.get_metrics: a dict built and pickled) go with a step's
+# stats at most this often, and with every step where a request ends; /metrics reads them
+SPEC_METRICS_INTERVAL_S = 0.1
 PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
 
 
@@ -107,6 +111,7 @@ class EngineServer:
         self.sender = sender  # messages out
         self._live: set[str] = set()  # unfinished requests, to abort at STOP
         self.times = PhaseTimes()  # where the loop's wall time goes, logged at the end
+        self._spec_due = 0.0  # when the speculative metrics go out again (monotonic)
 
     def serve(self) -> None:
         engine, conn, sender = self.engine, self.conn, self.sender
@@ -131,7 +136,7 @@ class EngineServer:
                 sender.send((wire.FAILED, f"an engine step failed: {type(e).__name__}: {e}"))
                 return
             times.lap("step")
-            sender.post_step(outputs, stats_of(engine))
+            sender.post_step(outputs, self._stats(any(out[4] is not None for out in outputs)))
             times.lap("post")
         logger.info("engine loop: %s", times.summary("step"))
         logger.info("output sender: %s", sender.times.summary("message"))
@@ -152,7 +157,7 @@ class EngineServer:
                 assert command[0] == wire.STOP, f"unknown command {command[0]!r}"
                 keep_running = False
         if acks:
-            self.sender.send((wire.ADDED, acks, stats_of(self.engine)))
+            self.sender.send((wire.ADDED, acks, self._stats()))
         return keep_running
 
     def _add(self, subs: tuple) -> tuple[str, str] | None:
@@ -171,6 +176,14 @@ class EngineServer:
             kind = wire.INVALID if isinstance(e, (ValueError, TypeError)) else type(e).__name__
             return kind, str(e)
         return None
+
+    def _stats(self, force: bool = False) -> tuple:
+        """stats_of the engine, with its speculative metrics if due or forced."""
+        now = time.monotonic()
+        with_spec = force or now >= self._spec_due
+        if with_spec:
+            self._spec_due = now + SPEC_METRICS_INTERVAL_S
+        return stats_of(self.engine, with_spec)
 
     def _step(self) -> list[tuple]:
         outputs = encode_outputs(self.engine.step())

@@ -71,6 +71,8 @@ class OutputSender:
                 if logprobs is not None:
                     entry[2] = (entry[2] or []) + list(logprobs)
                 entry[3] = final
+            if stats[-1] is None and self._stats is not None:  # keep a merged step's metrics
+                stats = (*stats[:-1], self._stats[-1])
             self._stats = stats
             self.num_steps_posted += 1
             self._cond.notify()

@@ -50,8 +50,9 @@ class EngineInfo:
     pid: int  # the engine process's
 
 
-def stats_of(engine) -> tuple:
-    """The engine's EngineStats, as a tuple of its fields."""
+def stats_of(engine, with_spec: bool = True) -> tuple:
+    """The engine's EngineStats, as a tuple of its fields; without `with_spec` its speculative
+    metrics are None (the receiver keeps the last ones: `merge_stats`)."""
     sched, alloc = engine.scheduler, engine.allocator
     return (
         len(sched.running),
@@ -60,8 +61,15 @@ def stats_of(engine) -> tuple:
         alloc.num_usable - alloc.num_free,
         alloc.num_usable,
         sched.num_preemptions,
-        engine.get_metrics(),
+        engine.get_metrics() if with_spec else None,
     )
+
+
+def merge_stats(previous: EngineStats, stats: tuple) -> EngineStats:
+    """A received stats tuple; speculative metrics left out (None) keep the previous ones."""
+    if stats[-1] is None:
+        return EngineStats(*stats[:-1], previous.spec)
+    return EngineStats(*stats)
 
 
 def encode_outputs(outputs: list[DeltaOutput | RequestOutput]) -> list[tuple]:

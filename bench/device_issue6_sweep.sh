@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The confidence-scheduling issue's sweep in one device call per temperature: arms plain,
+# fixed K = 1 / 3 / 5 / 7 and scheduled (the policy with the shipped or given table), a closed
+# loop of C requests in flight ending at different steps (4 C per level, lengths 128-384),
+# held-out prompts. Results (JSON, PNG, steps by path) under $OUT.
+#
+#   TEMPERATURE=0 bash bench/device_issue6_sweep.sh        # then TEMPERATURE=1.0
+#
+# LEVELS (default 1,2,4,8,16,32,64,128,256,512), REPEATS (1), COST_TABLE (a path for the
+# scheduled arm; default: the table shipped beside the drafter, if its fingerprint matches).
+set -u
+source bench/device_setup.sh
+mkdir -p "$OUT"
+T=${TEMPERATURE:-0}
+TABLE=${COST_TABLE:+, \"cost_table\": \"$COST_TABLE\"}
+ARMS="{\"plain\": null,
+  \"k1\": {\"method\": \"dspark\", \"scheduling\": false, \"num_speculative_tokens\": 1},
+  \"k3\": {\"method\": \"dspark\", \"scheduling\": false, \"num_speculative_tokens\": 3},
+  \"k5\": {\"method\": \"dspark\", \"scheduling\": false, \"num_speculative_tokens\": 5},
+  \"k7\": {\"method\": \"dspark\", \"scheduling\": false},
+  \"scheduled\": {\"method\": \"dspark\"${TABLE}}}"
+name=issue6_sweep_t${T}
+python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
+  --concurrency "${LEVELS:-1,2,4,8,16,32,64,128,256,512}" \
+  --output-len 256 --output-len-spread 0.5 --waves 4 --repeats "${REPEATS:-1}" \
+  --temperature "$T" --arms "$ARMS" --out "$OUT/$name.json" 2>&1 | grep -v "^INFO" \
+  > "$OUT/$name.txt"
+python3 bench/arm_steps.py "$OUT/$name.json" > "$OUT/${name}_steps.txt"
+tail -14 "$OUT/$name.txt"

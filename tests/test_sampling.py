@@ -52,6 +52,24 @@ def test_top_k_and_top_p_masks():
     assert torch.isfinite(tiny).sum() == 1  # never an empty nucleus
 
 
+def test_the_top_k_path_keeps_what_the_full_sort_keeps():
+    """max_top_k: top-k and top-p over each row's max_top_k largest logits only, the same
+    kept logits as sorting the vocabulary (continuous random logits: no ties), and a row of
+    top-k 1 keeps its argmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=g) * 3
+    top_k = torch.tensor([1, 5, 20, 20, 40, 40])
+    for top_p in (None, torch.tensor([1.0, 0.9, 0.8, 0.5, 0.95, 0.3])):
+        full = apply_top_k_top_p(logits, top_k, top_p)
+        fast = apply_top_k_top_p(logits, top_k, top_p, max_top_k=40)
+        assert torch.equal(torch.isfinite(fast), torch.isfinite(full))
+        assert torch.equal(fast[torch.isfinite(fast)], full[torch.isfinite(full)])
+    assert torch.isfinite(fast[0]).sum() == 1 and torch.isfinite(fast[0, logits[0].argmax()])
+    st = _tensors(6, 1.0, 40, 0.8, vocab=500)
+    fast_st = SamplingTensors(**{**st.__dict__, "max_top_k": 40})
+    torch.testing.assert_close(sampling_probs(logits, fast_st), sampling_probs(logits, st))
+
+
 def test_uniforms_are_deterministic_open_and_stream_separated():
     seeds, pos = torch.tensor([0, 1, 2**62]), torch.tensor([5, 5, 7])
     u = uniform(seeds, pos, STREAM_SAMPLE, 1000)
@@ -108,3 +126,17 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     st = SamplingTensors(**{**st.__dict__, "temperature": torch.tensor([0.0, 1.0, 0.0, 1.0])})
     tokens = sample(logits, st)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_sampling_rows_tell_the_largest_top_k_of_the_step():
+    """The host knows every row's top-k: max_top_k is their largest (vocab_size when a row has
+    none, which keeps the full sort)."""
+    import numpy as np
+
+    from dspark.sample.sampling_rows import SamplingRows
+
+    rows = SamplingRows(3, 100)
+    rows.top_k[:] = [20, 40, 100]
+    positions = np.zeros(3, dtype=np.int64)
+    assert rows.tensors(np.array([0, 1]), positions[:2], torch.device("cpu")).max_top_k == 40
+    assert rows.tensors(np.array([0, 2]), positions[:2], torch.device("cpu")).max_top_k == 100

@@ -29,14 +29,32 @@ class SamplingTensors:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    # every row's top-k is at most this (host-known, set by eager steps only): top-k and top-p
+    # then run on the rows' `max_top_k` largest logits instead of sorting the vocabulary
+    max_top_k: int | None = None
+
+
+TOPK_PATH_MAX = 1024  # the largest max_top_k taken by the top-k path (beyond it: the sort)
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int | None = None,  # every row's top_k <= this: only that many are ranked
 ) -> torch.Tensor:
-    """Mask logits [N, V] to -inf outside each row's top-k and top-p nucleus (keeps >= 1)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-    vocab = logits.shape[-1]
+    """Mask logits [N, V] to -inf outside each row's top-k and top-p nucleus (keeps >= 1).
+
+    The candidates are the whole vocabulary, sorted, or with `max_top_k` (<= TOPK_PATH_MAX)
+    only each row's max_top_k largest logits (torch.topk, sorted): the tokens past them are
+    outside every row's top-k anyway, so the kept set is the same (up to which of equal
+    logits at the boundary is kept).
+    """
+    if max_top_k is not None and top_k is not None and max_top_k <= TOPK_PATH_MAX:
+        sorted_logits, order = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    vocab = sorted_logits.shape[-1]
     rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
@@ -47,6 +65,8 @@ def apply_top_k_top_p(
         drop |= mass_before >= top_p[:, None]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if vocab < logits.shape[-1]:  # (the top-k path: the rest of the vocabulary is out)
+        return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
@@ -59,8 +79,9 @@ def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     logits = logits / temperature[:, None]
     if st.any_top_k or st.any_top_p:
         logits = apply_top_k_top_p(
-            logits, st.top_k if st.any_top_k else None, st.top_p if st.any_top_p else None
-        )
+            logits, st.top_k if st.any_top_k else None, st.top_p if st.any_top_p else None,
+            st.max_top_k,
+        )  # fmt: skip
     return logits.softmax(dim=-1)
 
 

@@ -65,6 +65,7 @@ class SamplingRows:
             all_greedy=not temperature.any(),
             any_top_k=bool((top_k < self.vocab_size).any()),
             any_top_p=bool((top_p < 1.0).any()),
+            max_top_k=int(top_k.max(initial=0)),  # (vocab_size when a row has no top-k)
         )
 
     def all_greedy(self, rows: np.ndarray) -> bool:

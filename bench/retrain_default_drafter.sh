@@ -2,7 +2,8 @@
 # Train the shipped SmolLM2 drafter further, alone on one GPU, as one detached job (about
 # 20 minutes on an H200 with TRAIN_MINUTES=8; the model assembled, .whl and .data carried):
 #
-#   regenerate   the self-distillation data (the same seeded shards as the first run)
+#   regenerate   the self-distillation data (seeded; other draws than the first run since
+#                the sampler change of 2026-12-03, docs/TRAINING.md)
 #   train        from the shipped weights (--init-from), a step count that fills TRAIN_MINUTES
 #   calibrate    `dspark calibrate`: the sampled and the greedy STS fits, the reliability plot
 #   evaluate     tau per source at T = 0 and 1 on the held-out eval slices (K = 7)

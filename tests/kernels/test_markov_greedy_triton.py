@@ -65,10 +65,10 @@ def test_ties_go_to_the_first_index_within_and_across_slices(device):
                              w2).tolist() == [5, BLOCK_V + 3, V - 1]  # fmt: skip
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU drafter needs the interpreter")
-def test_draft_block_on_the_triton_backend_equals_the_pytorch_loop(tmp_path):
+def test_draft_block_on_the_triton_backend_equals_the_pytorch_loop(tmp_path, device):
     """A greedy block drafted slot by slot with the fused kernel: the PyTorch loop's tokens and
-    confidences (fp32, CPU interpreter; the drafter of tests/test_dspark_drafter.py, rank 16)."""
+    confidences (fp32; the drafter of tests/test_dspark_drafter.py with rank 16; on the CPU
+    through the interpreter)."""
     from safetensors.torch import load_file
 
     from dspark.models.llama import build_model
@@ -85,15 +85,19 @@ def test_draft_block_on_the_triton_backend_equals_the_pytorch_loop(tmp_path):
     target = build_model(config, load_file(tmp_path / "model.safetensors"), torch.float32,
                          torch.device("cpu"))  # fmt: skip
     drafter = _drafter(target, markov_rank=16)
+    target.to(device), drafter.to(device)
     n = 5
-    hidden = torch.randn(n, DRAFT_LEN, 32)
-    anchors = torch.tensor([3, 7, 7, 50, 95])
+    hidden = torch.randn(n, DRAFT_LEN, 32, device=device)
+    anchors = torch.tensor([3, 7, 7, 50, 95], device=device)
     blocks = []
     with torch.no_grad():
         for fused in (False, True):
             drafter.use_triton = fused
-            blocks.append(draft_block(drafter, hidden, anchors, torch.full((n,), 20),
-                                      _st(n, 0.0, torch.arange(n))))  # fmt: skip
+            st = _st(n, 0.0, torch.arange(n))
+            st = type(st)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                             for k, v in st.__dict__.items()})  # fmt: skip
+            blocks.append(draft_block(drafter, hidden, anchors,
+                                      torch.full((n,), 20, device=device), st))  # fmt: skip
     torch_block, fused_block = blocks
     assert torch.equal(fused_block.tokens, torch_block.tokens)
     assert fused_block.probs is None and torch_block.probs is None

@@ -9,9 +9,11 @@ Streams keep different uses apart: the token sampled at a position, a draft samp
 position, an acceptance coin, a recovered token.
 
 On CUDA the same bits come from one Triton launch (kernels/uniform_triton.py) instead of the
-forty-odd elementwise launches below; DSPARK_TRITON_UNIFORM=0 keeps the PyTorch path (A/B). If
-the kernel fails to build or launch, the PyTorch path takes over for the process, with a
-warning naming the error (the first call comes from a warm-up step, before any graph capture).
+forty-odd elementwise launches below; DSPARK_TRITON_UNIFORM=0 keeps the PyTorch path (A/B). On
+a device's first call the kernel's bits are checked against this file's on a few fixed inputs
+(seeds of both signs, positions past 2^32); if they differ, or the kernel fails to build or
+launch, the PyTorch path takes over for the process, with a warning saying why (the first call
+comes from a warm-up step, before any graph capture).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _TRITON = os.environ.get("DSPARK_TRITON_UNIFORM") != "0"
+_CHECKED: set[torch.device] = set()  # devices where the kernel's bits were checked
 
 MASK32 = 0xFFFFFFFF
 
@@ -61,11 +64,30 @@ def uniform(
         try:
             from dspark.kernels.uniform_triton import uniform_triton
 
+            if seeds.device not in _CHECKED:
+                _check_kernel(uniform_triton, seeds.device)
             return uniform_triton(seeds, positions, stream, num)
-        except Exception as e:  # noqa: BLE001 - any build or launch failure: the same bits below
+        except Exception as e:  # noqa: BLE001 - any failure or mismatch: the same bits below
             _TRITON = False
-            logger.warning("the Triton uniforms failed (%s: %s): PyTorch's hash from now on",
-                           type(e).__name__, e)  # fmt: skip
+            logger.warning("the Triton uniforms are not used (%s: %s): PyTorch's hash from now "
+                           "on", type(e).__name__, e)  # fmt: skip
+    return _uniform_torch(seeds, positions, stream, num)
+
+
+def _check_kernel(kernel, device: torch.device) -> None:
+    """Raise unless the kernel's bits equal _uniform_torch's on a few fixed inputs."""
+    seeds = torch.tensor([0, 1, -1, 2**40 + 3, -(2**62)], device=device)
+    positions = torch.tensor([0, 7, 2**33 + 1, 5, 123456789], device=device)
+    for stream in (STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT):
+        if not torch.equal(kernel(seeds, positions, stream, 3),
+                           _uniform_torch(seeds, positions, stream, 3)):  # fmt: skip
+            raise RuntimeError(f"its bits differ from PyTorch's on {device} (stream {stream})")
+    _CHECKED.add(device)
+
+
+def _uniform_torch(
+    seeds: torch.Tensor, positions: torch.Tensor, stream: int, num: int
+) -> torch.Tensor:
     keys = _row_keys(seeds, positions, stream)  # [N]
     index = torch.arange(num, device=seeds.device, dtype=torch.int64)  # [num]
     bits = _mix32(_mix32(keys[:, None] ^ index[None, :]) ^ 0x5BD1E995)  # [N, num]

@@ -24,3 +24,20 @@ def test_bits_equal_the_pytorch_generator(device):
                        uniform(seeds, positions, STREAM_DRAFT))  # fmt: skip
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     assert uniform_triton(empty, empty, STREAM_SAMPLE, 4).shape == (0, 4)
+
+
+def test_the_first_use_check_accepts_the_kernel_and_refuses_wrong_bits(device):
+    import pytest
+
+    from dspark.sample import random as rnd
+
+    rnd._check_kernel(uniform_triton, device)  # the kernel's bits: accepted
+    assert device in rnd._CHECKED
+    rnd._CHECKED.discard(device)
+
+    def off_by_one_ulp(seeds, positions, stream, num):
+        return uniform_triton(seeds, positions, stream, num) + 2.0**-24
+
+    with pytest.raises(RuntimeError, match="its bits differ from PyTorch's"):
+        rnd._check_kernel(off_by_one_ulp, device)
+    assert device not in rnd._CHECKED

@@ -120,10 +120,10 @@ class EngineServer:
         times = self.times
         times.restart()
         while True:
-            if not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S):
-                times.lap("idle")
-                continue
+            idle = not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S)
             times.lap("idle")
+            if idle:
+                continue
             if not self._apply_commands():
                 break
             times.lap("commands")

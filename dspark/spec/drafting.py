@@ -44,8 +44,7 @@ def draft_block(
 ) -> DraftBlock:
     R, K, _ = hidden.shape
     tokens = torch.empty(R, K, dtype=torch.int64, device=hidden.device)
-    fused = st.all_greedy and drafter.use_triton and drafter.markov_out is not None
-    if fused:
+    if st.all_greedy and drafter.use_triton and _kernel_takes(drafter.config.markov_rank):
         _draft_greedy_fused(drafter, drafter.target.lm_head(hidden), anchors, tokens)
         probs = None
     else:
@@ -69,6 +68,12 @@ def draft_block(
         prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, K]
         conf = drafter.confidence_logit(hidden, prev_tokens)  # [R, K]
     return DraftBlock(tokens, probs, conf)
+
+
+def _kernel_takes(rank: int) -> bool:
+    from dspark.kernels.markov_greedy_triton import supports_rank
+
+    return supports_rank(rank)
 
 
 def _draft_greedy_fused(

@@ -75,13 +75,11 @@ def profile_cost_table(
         if g > engine.config.max_num_seqs:
             raise ValueError(f"batch {g} exceeds max_num_seqs {engine.config.max_num_seqs}")
     prompt = [(7 * j + 11) % engine.model_config.vocab_size for j in range(prompt_len)]
-
-    def measure(temperature: float) -> dict[int, dict[int, float]]:
-        return _measure_cells(llm, batches, prompt, temperature, max_tokens, steps, warmup,
-                              rounds)  # fmt: skip
-
-    greedy = measure(0.0)
-    return CostTable(engine.cost_fingerprint(), greedy, measure(1.0) if sampled else None)
+    cells = [
+        _measure_cells(llm, batches, prompt, temperature, max_tokens, steps, warmup, rounds)
+        for temperature in ((0.0, 1.0) if sampled else (0.0,))
+    ]
+    return CostTable(engine.cost_fingerprint(), cells[0], cells[1] if sampled else None)
 
 
 def _measure_cells(

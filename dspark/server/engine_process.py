@@ -35,9 +35,9 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from time import monotonic
 
 from dspark.server import wire
 from dspark.server.output_sender import OutputSender
@@ -179,7 +179,7 @@ class EngineServer:
 
     def _stats(self, force: bool = False) -> tuple:
         """stats_of the engine, with its speculative metrics if due or forced."""
-        now = time.monotonic()
+        now = monotonic()
         with_spec = force or now >= self._spec_due
         if with_spec:
             self._spec_due = now + SPEC_METRICS_INTERVAL_S

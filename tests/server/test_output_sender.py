@@ -107,7 +107,9 @@ def test_speculative_metrics_are_sent_when_due_and_never_lost_in_a_merge(
     from dspark.server.wire import EngineStats, merge_stats
 
     clock = [100.0]
-    monkeypatch.setattr(engine_process.time, "monotonic", lambda: clock[0])
+    # (the module's own name: patching time.monotonic would stop the event loops of the
+    # session's live servers, which run in this process)
+    monkeypatch.setattr(engine_process, "monotonic", lambda: clock[0])
     engine = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=32).engine
     loop = EngineServer(engine, conn=None, sender=None)
     assert loop._stats()[-1] is not None  # due at once

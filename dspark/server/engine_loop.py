@@ -7,14 +7,16 @@ message is read when the loop is free, and a thread handing the lock back and fo
 more than it saves); commands are sent on the loop too (small, and the engine drains its pipe
 every step).
 
-The pipe must stay blocking. `Connection.recv` reads a whole message, and poll() reports the
-pipe readable as soon as the message's first bytes arrive; a large one (READY carries the
-tokenizer, a step at C = 256 hundreds of deltas) arrives in parts. uvloop, which uvicorn uses
-where it is installed, sets a watched fd non-blocking (libuv's poll handles do). A read then
-stops mid-message with BlockingIOError and the rest of the stream is lost: on the H200 this
-killed servers at start-up and under load (docs/PERFORMANCE.md, ninth look). So `_read` puts
-the fd back in blocking mode before it reads. A message still in transit is then waited for,
-for about as long as the engine takes to write it.
+Reading never waits for a message in transit. poll() reports the pipe readable as soon as a
+message's first bytes arrive, and a large one (READY carries the tokenizer, a step at C = 256
+hundreds of deltas) arrives in parts. `Connection.recv` reads a message whole: in blocking mode
+it waited for the rest with the event loop stopped (0.97 ms a message at 256 streams on the
+H200, against 0.19 ms for the engine to send one; docs/PERFORMANCE.md, tenth look), and in
+non-blocking mode it stopped mid-message with BlockingIOError and lost the stream (which
+killed servers under uvloop, which sets every watched fd non-blocking: ninth look). So `_read`
+takes whatever bytes are there, one os.read per poll() that says there are some, and
+`wire.FrameReader` keeps a partial frame until its rest arrives. The fd itself stays blocking:
+the commands are sent on it, and a send must not stop halfway.
 
 `submit` registers a `RequestStream` per HTTP request before its add command is sent, so no
 output can arrive unrouted; outputs are routed by request id until each request's final
@@ -59,6 +61,10 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 STOP_TIMEOUT_S = 30.0  # an engine that has not stopped by then is killed
 EXIT_WAIT_S = 5.0  # how long a process whose pipe closed may take to report its exit status
+READ_SIZE = 1 << 20  # bytes a read of the engine pipe takes at most
+# the reader logs where its time went when nothing is in flight, once it has read this many
+# messages since it last did (about one a step: a benchmark level, not each idle moment)
+LOG_EVERY_MESSAGES = 500
 
 
 class EngineState(str, enum.Enum):
@@ -98,6 +104,7 @@ class EngineLoop:
         self.stats = EngineStats()
         self.process: multiprocessing.process.BaseProcess | None = None
         self._conn = None
+        self._frames = wire.FrameReader()  # the engine's messages, from the bytes read
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # request id -> (stream, index)
         self._pending: dict[int, tuple[asyncio.Future, tuple[SubRequest, ...], int]] = {}
         self._ack_ids = itertools.count()
@@ -122,18 +129,25 @@ class EngineLoop:
         self._loop.add_reader(self._conn.fileno(), self._read)
 
     def _read(self) -> None:
-        """Every message that has arrived; the pipe's end is the process's end."""
+        """The bytes that have arrived, and every message they complete; the pipe's end is the
+        process's end."""
         times = self.read_times
         times.restart()
         try:
             fd = self._conn.fileno()
             if not os.get_blocking(fd):  # set by the event loop (module docstring)
                 os.set_blocking(fd, True)
-            while self._conn.poll(0):
-                message = self._conn.recv()
+            while self._conn.poll(0):  # (so the read below returns what is there at once)
+                data = os.read(fd, READ_SIZE)
+                if not data:
+                    raise EOFError
+                messages = self._frames.feed(data)
                 times.lap("receive")
-                self._dispatch(message)
-                times.lap("message")
+                for message in messages:
+                    self._dispatch(message)
+                    times.lap("message")
+            if not self._routes and times.counts["message"] >= LOG_EVERY_MESSAGES:
+                logger.info("engine pipe, read by the server: %s", times.take().summary("message"))
         except (EOFError, OSError) as e:
             if not isinstance(e, EOFError):  # not the pipe's end: say what it was
                 logger.error("reading the engine's pipe failed: %s: %s", type(e).__name__, e)
@@ -187,7 +201,8 @@ class EngineLoop:
             self.process.kill()
             await self._stopped
         self._conn.close()
-        logger.info("engine pipe, read by the server: %s", self.read_times.summary("message"))
+        if self.read_times.counts["message"]:
+            logger.info("engine pipe, read by the server: %s", self.read_times.summary("message"))
         self._fail_all("the server shut down")
 
     # ---- requests -----------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class EngineServer:
         self.conn = conn  # commands in
         self.sender = sender  # messages out
         self._live: set[str] = set()  # unfinished requests, to abort at STOP
-        self.times = PhaseTimes()  # where the loop's wall time goes, logged at the end
+        self.times = PhaseTimes()  # where the loop's wall time goes, logged per busy period
         self._spec_due = 0.0  # when the speculative metrics go out again (monotonic)
 
     def serve(self) -> None:
@@ -123,6 +123,8 @@ class EngineServer:
             idle = not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S)
             times.lap("idle")
             if idle:
+                if times.counts["step"]:  # a busy period ended: where its time went
+                    self._log_times()
                 continue
             if not self._apply_commands():
                 break
@@ -138,10 +140,16 @@ class EngineServer:
             times.lap("step")
             sender.post_step(outputs, self._stats(any(out[4] is not None for out in outputs)))
             times.lap("post")
-        logger.info("engine loop: %s", times.summary("step"))
-        logger.info("output sender: %s", sender.times.summary("message"))
+        if times.counts["step"]:
+            self._log_times()
         self._abort_everything()
         sender.send((wire.STOPPED,))
+
+    def _log_times(self) -> None:
+        """Where the busy period that just ended spent its time (each level of a benchmark is
+        one such period); the clocks start again."""
+        logger.info("engine loop: %s", self.times.take().summary("step"))
+        logger.info("output sender: %s", self.sender.times.take().summary("message"))
 
     def _apply_commands(self) -> bool:
         """Apply every command that arrived; False once a stop was asked for."""

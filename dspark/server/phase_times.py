@@ -11,11 +11,13 @@ went beside the offline engine's (docs/SERVING.md):
     logger.info("engine loop: %s", times.summary("step"))
     # engine loop: 5,210 steps; a step: step 1.71 ms, post 0.04 ms; idle 2.31 s in all
 
-perf_counter costs ~0.1 us a lap: cheap enough to stay on.
+A loop that serves in bursts logs a line per busy period (`take`), so that each load level of
+a benchmark is seen apart. perf_counter costs ~0.1 us a lap: cheap enough to stay on.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, defaultdict
 from time import perf_counter
 
@@ -36,6 +38,13 @@ class PhaseTimes:
         self.seconds[phase] += now - self._last
         self.counts[phase] += 1
         self._last = now
+
+    def take(self) -> PhaseTimes:
+        """The times so far, as their own PhaseTimes; these start again from nothing (laps
+        continue from the last one)."""
+        taken = copy.copy(self)
+        self.seconds, self.counts = defaultdict(float), Counter()
+        return taken
 
     def summary(self, per: str, totals: tuple[str, ...] = ("idle",)) -> str:
         """Each phase's time per `per` phase (ms), the `totals` phases in all (s)."""

@@ -13,10 +13,16 @@ rebuilt on the server's side, and the stats snapshot as a tuple of EngineStats' 
                        (STEP, (output tuple, ..), stats)      one per step
                        (FAILED, reason)                       then the process exits
                        (STOPPED,)                             the answer to STOP, its last
+
+On the pipe each message is multiprocessing.Connection's frame: its pickle's length ("!i"; -1
+then "!Q" for 2 GiB and more), then the pickle. The server reads frames with `FrameReader`
+from whatever bytes have arrived, never waiting for the rest of a message in transit.
 """
 
 from __future__ import annotations
 
+import pickle
+import struct
 from dataclasses import dataclass, field
 
 from dspark.models.tokenizer import Tokenizer
@@ -89,3 +95,44 @@ def decode_output(wire: tuple) -> DeltaOutput:
     return DeltaOutput(
         request_id, text, token_ids, logprobs, None if final is None else FinalInfo(*final)
     )
+
+
+class FrameReader:
+    """Connection.send's frames, from bytes as they arrive, split anywhere:
+
+        feed(b"\\0\\0\\0\\x05" + first 3 bytes of a 5-byte pickle)   -> []
+        feed(its last 2 bytes + a whole frame)                       -> [message 1, message 2]
+
+    Connection.recv, on the other hand, reads a whole message once its first bytes are there:
+    in blocking mode it waits for the rest, which on the server's event loop stops every
+    stream for as long as the engine takes to write it.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()  # received, not yet a whole frame
+
+    def feed(self, data: bytes) -> list:
+        """The messages that `data` completes, in order."""
+        buffer = self._buffer
+        buffer += data
+        messages, start = [], 0
+        while len(buffer) - start >= 4:
+            (size,) = struct.unpack_from("!i", buffer, start)
+            header = 4
+            if size == -1:  # a frame of 2 GiB or more: its length follows as "!Q"
+                if len(buffer) - start < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", buffer, start + 4)
+                header = 12
+            end = start + header + size
+            if len(buffer) < end:
+                break
+            messages.append(pickle.loads(buffer[start + header : end]))
+            start = end
+        del buffer[:start]
+        return messages
+
+    @property
+    def num_pending_bytes(self) -> int:
+        """Bytes of a frame not yet whole."""
+        return len(self._buffer)

@@ -1,33 +1,86 @@
-"""The server's end of the engine pipe reads whole messages even when the event loop made its
-fd non-blocking (uvloop does, for every fd it watches)."""
+"""The server's end of the engine pipe: whole messages from bytes split anywhere, read without
+waiting for the rest of a message in transit, also when the event loop made the fd non-blocking
+(uvloop does, for every fd it watches)."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
 import os
+import pickle
+import struct
 import threading
+import time
 
 from dspark.server import wire
 from dspark.server.engine_loop import EngineLoop, EngineState
-from dspark.server.wire import EngineInfo
+from dspark.server.output_sender import send_whole
+from dspark.server.wire import EngineInfo, FrameReader
+
+
+def frame(message) -> bytes:
+    payload = pickle.dumps(message)
+    return struct.pack("!i", len(payload)) + payload
+
+
+def test_frames_split_at_every_byte_are_read_whole_and_in_order():
+    messages = [(wire.STEP, [("a", "Hi", [5], None, None)], None), (wire.STOPPED,), ("x" * 300,)]
+    stream = b"".join(frame(m) for m in messages)
+    for cut in range(len(stream) + 1):
+        reader = FrameReader()
+        got = reader.feed(stream[:cut]) + reader.feed(stream[cut:])
+        assert got == messages, cut
+        assert reader.num_pending_bytes == 0
+    reader = FrameReader()
+    got = [m for byte in range(len(stream)) for m in reader.feed(stream[byte : byte + 1])]
+    assert got == messages
+
+
+def test_a_frame_with_the_long_length_header_is_read():
+    """Connection's framing for 2 GiB and more: -1, then the length as "!Q"."""
+    payload = pickle.dumps((wire.FAILED, "reason"))
+    stream = struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload + frame((1,))
+    reader = FrameReader()
+    assert reader.feed(stream[:7]) == []  # (the long header itself split)
+    assert reader.feed(stream[7:]) == [(wire.FAILED, "reason"), (1,)]
+
+
+def test_a_frame_is_exactly_what_connection_send_and_send_whole_write():
+    reader_conn, writer_conn = multiprocessing.Pipe()
+    message = (wire.STEP, [("b", "y" * 100_000, [1] * 1000, None, None)], ("stats",))
+    for send in (writer_conn.send, lambda m: send_whole(writer_conn, m)):
+        thread = threading.Thread(target=send, args=(message,))
+        thread.start()
+        reader, got = FrameReader(), []
+        while not got:
+            got = reader.feed(os.read(reader_conn.fileno(), 1 << 16))
+        thread.join(timeout=10)
+        assert got == [message]
+
+
+def _engine_loop_on_a_pipe(loop) -> tuple[EngineLoop, multiprocessing.connection.Connection]:
+    engine_loop = EngineLoop(lambda: None, max_queued_requests=1, max_queued_tokens=1)
+    engine_loop._loop = loop
+    engine_loop._conn, child = multiprocessing.Pipe()
+    return engine_loop, child
 
 
 def test_a_large_message_on_a_non_blocking_pipe_is_read_whole():
-    """8 MB, far more than a socket buffer holds: poll() reports the pipe readable once the
-    first part is there, and a non-blocking read would stop mid-message."""
+    """8 MB, far more than a socket buffer holds, read as the event loop would: a `_read` each
+    time the pipe is readable, until the message is whole."""
 
     async def read_ready() -> EngineLoop:
-        engine_loop = EngineLoop(lambda: None, max_queued_requests=1, max_queued_tokens=1)
-        engine_loop._loop = asyncio.get_running_loop()
-        engine_loop._conn, child = multiprocessing.Pipe()
+        engine_loop, child = _engine_loop_on_a_pipe(asyncio.get_running_loop())
         os.set_blocking(engine_loop._conn.fileno(), False)  # as uvloop leaves it
         info = EngineInfo("x" * 8_000_000, 4096, os.getpid())  # (a large tokenizer)
         sender = threading.Thread(target=child.send, args=((wire.READY, info),))
         sender.start()
-        while not engine_loop._conn.poll(0):
-            await asyncio.sleep(0.001)
-        engine_loop._read()
+        deadline = time.monotonic() + 10
+        while engine_loop.state == EngineState.LOADING and time.monotonic() < deadline:
+            if engine_loop._conn.poll(0):
+                engine_loop._read()
+            else:
+                await asyncio.sleep(0.001)
         sender.join(timeout=10)
         assert not sender.is_alive(), "the message was not read to its end"
         return engine_loop
@@ -35,3 +88,28 @@ def test_a_large_message_on_a_non_blocking_pipe_is_read_whole():
     engine_loop = asyncio.run(read_ready())
     assert engine_loop.state == EngineState.SERVING and engine_loop.failure is None
     assert engine_loop.info.max_model_len == 4096 and len(engine_loop.info.tokenizer) == 8_000_000
+
+
+def test_a_read_returns_at_once_when_a_message_is_still_in_transit():
+    """Half a frame on the pipe: `_read` takes it and returns (Connection.recv would wait for
+    the rest with the event loop stopped); the rest completes the message at the next read."""
+
+    async def read_in_halves() -> tuple[EngineLoop, float]:
+        engine_loop, child = _engine_loop_on_a_pipe(asyncio.get_running_loop())
+        data = frame((wire.READY, EngineInfo("tok", 2048, os.getpid())))
+        half = len(data) // 2
+        os.write(child.fileno(), data[:half])
+        rest = threading.Timer(1.0, os.write, (child.fileno(), data[half:]))
+        rest.start()  # (a read that waits for the rest returns after a second, not never)
+        start = time.perf_counter()
+        engine_loop._read()
+        took = time.perf_counter() - start
+        if took < 1.0:
+            assert engine_loop.state == EngineState.LOADING  # nothing whole yet
+        rest.join()
+        engine_loop._read()
+        return engine_loop, took
+
+    engine_loop, took = asyncio.run(read_in_halves())
+    assert took < 0.5, f"the read waited {took:.2f} s for the rest of the message"
+    assert engine_loop.state == EngineState.SERVING and engine_loop.info.max_model_len == 2048

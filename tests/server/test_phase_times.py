@@ -21,3 +21,17 @@ def test_laps_add_up_per_phase_and_the_summary_divides_by_the_counted_phase(monk
         times.summary("step") == "2 steps; a step: step 3.000 ms, post 0.500 ms; idle 3.00 s in all"
     )
     assert PhaseTimes().summary("step") == "0 steps; a step: none"
+
+
+def test_take_hands_over_the_times_so_far_and_starts_again(monkeypatch):
+    clock = iter([0.0, 0.002, 0.003, 0.007])
+    monkeypatch.setattr(phase_times, "perf_counter", lambda: next(clock))
+    times = PhaseTimes()  # 0.0
+    times.lap("step")  # 2 ms
+    period = times.take()
+    assert period.summary("step") == "1 steps; a step: step 2.000 ms"
+    assert times.summary("step") == "0 steps; a step: none"
+    times.lap("idle")  # 1 ms: laps continue from the last one
+    times.lap("step")  # 4 ms
+    assert times.summary("step") == "1 steps; a step: step 4.000 ms; idle 0.00 s in all"
+    assert period.counts == {"step": 1}

@@ -38,16 +38,18 @@ def _continuations_kernel(
     pos = tl.load(next_pos_ptr + src)
     tok = tl.load(next_tok_ptr + src)
     w = tl.arange(0, BLOCK)
-    p = pos + w  # window positions; the block's are its first K
+    p = pos + w  # the window's positions are its first WIDTH, the block's its first K
     in_window = w < WIDTH
-    page = tl.load(block_table_ptr + row * bt_stride + p // PAGE_SIZE, mask=in_window, other=0)
+    in_block = w < K
+    page = tl.load(
+        block_table_ptr + row * bt_stride + p // PAGE_SIZE, mask=in_window | in_block, other=0
+    )
     slot = page.to(tl.int64) * PAGE_SIZE + p % PAGE_SIZE
     first = row * WIDTH
     tl.store(input_ids_ptr + first, tok)
     tl.store(positions_ptr + first + w, p, mask=in_window)
     tl.store(slot_mapping_ptr + first + w, slot, mask=in_window)
     tl.store(seq_lens_ptr + row, (pos + WIDTH).to(tl.int32))
-    in_block = w < K
     tl.store(anchors_ptr + row, tok)
     tl.store(anchor_pos_ptr + row, pos)
     tl.store(block_positions_ptr + row * K + w, p, mask=in_block)
@@ -70,16 +72,17 @@ def write_continuations_triton(
     block_positions: torch.Tensor,
     block_slots: torch.Tensor,
     block_seq_lens: torch.Tensor,  # int32
-    width: int,  # K + 1
-    draft_len: int,  # K
+    width: int,  # the windows' width: num_speculative_tokens + 1
+    draft_len: int,  # K, the drafter's block (wider than a window when fewer are verified)
     page_size: int,
 ) -> None:
-    assert block_table.stride(1) == 1 and width >= draft_len, (block_table.stride(), width)
+    assert block_table.stride(1) == 1, block_table.stride()
     if rows.shape[0] == 0:
         return
     _continuations_kernel[(rows.shape[0],)](
         rows, src, next_pos, next_tok, block_table, block_table.stride(0),
         input_ids, positions, slot_mapping, seq_lens,
         anchors, anchor_pos, block_positions, block_slots, block_seq_lens,
-        WIDTH=width, K=draft_len, PAGE_SIZE=page_size, BLOCK=triton.next_power_of_2(width),
+        WIDTH=width, K=draft_len, PAGE_SIZE=page_size,
+        BLOCK=triton.next_power_of_2(max(width, draft_len)),
     )  # fmt: skip

@@ -10,10 +10,9 @@ every step).
 Reading never waits for a message in transit. poll() reports the pipe readable as soon as a
 message's first bytes arrive, and a large one (READY carries the tokenizer, a step at C = 256
 hundreds of deltas) arrives in parts. `Connection.recv` reads a message whole: in blocking mode
-it waited for the rest with the event loop stopped (0.97 ms a message at 256 streams on the
-H200, against 0.19 ms for the engine to send one; docs/PERFORMANCE.md, tenth look), and in
-non-blocking mode it stopped mid-message with BlockingIOError and lost the stream (which
-killed servers under uvloop, which sets every watched fd non-blocking: ninth look). So `_read`
+it waits for the rest with the event loop stopped, and in non-blocking mode it stopped
+mid-message with BlockingIOError and lost the stream (which killed servers under uvloop, which
+sets every watched fd non-blocking: docs/PERFORMANCE.md, ninth look). So `_read`
 takes whatever bytes are there, one os.read per poll() that says there are some, and
 `wire.FrameReader` keeps a partial frame until its rest arrives. The fd itself stays blocking:
 the commands are sent on it, and a send must not stop halfway.
@@ -40,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -52,6 +52,7 @@ from dspark.sampling_params import SamplingParams
 from dspark.server import wire
 from dspark.server.engine_process import run_engine_process
 from dspark.server.errors import APIError, bad_request
+from dspark.server.gc_pauses import GCPauses
 from dspark.server.phase_times import PhaseTimes
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
 from dspark.server.wire import EngineInfo, EngineStats, decode_output, merge_stats
@@ -111,6 +112,7 @@ class EngineLoop:
         self._stopped: asyncio.Future | None = None  # set when the engine process has ended
         self._loop: asyncio.AbstractEventLoop | None = None
         self.read_times = PhaseTimes()  # the pipe's messages: receiving, then routing each
+        self.gc_pauses = GCPauses()  # the server process's collections, logged beside those
 
     # ---- the engine process -----------------------------------------------------------------
 
@@ -127,6 +129,7 @@ class EngineLoop:
         self.process.start()
         child_conn.close()  # only the child holds its end: its exit closes the pipe
         self._loop.add_reader(self._conn.fileno(), self._read)
+        self.gc_pauses.install()
 
     def _read(self) -> None:
         """The bytes that have arrived, and every message they complete; the pipe's end is the
@@ -147,7 +150,10 @@ class EngineLoop:
                     self._dispatch(message)
                     times.lap("message")
             if not self._routes and times.counts["message"] >= LOG_EVERY_MESSAGES:
-                logger.info("engine pipe, read by the server: %s", times.take().summary("message"))
+                logger.info(
+                    "engine pipe, read by the server: %s; %s",
+                    times.take().summary("message"), self.gc_pauses.take().summary(),
+                )  # fmt: skip
         except (EOFError, OSError) as e:
             if not isinstance(e, EOFError):  # not the pipe's end: say what it was
                 logger.error("reading the engine's pipe failed: %s: %s", type(e).__name__, e)
@@ -165,6 +171,11 @@ class EngineLoop:
             if self.state == EngineState.LOADING:
                 self.state = EngineState.SERVING
             logger.info("engine process %d ready: serving", self.info.pid)
+            # what exists by now (the app, its routes, the tokenizer the engine sent) lives as
+            # long as the server: frozen, full collections skip it (the engine process does the
+            # same; vLLM freezes its heap after start-up too)
+            gc.collect()
+            gc.freeze()
         elif tag == wire.FAILED:
             self._die(message[1])
         else:
@@ -202,7 +213,11 @@ class EngineLoop:
             await self._stopped
         self._conn.close()
         if self.read_times.counts["message"]:
-            logger.info("engine pipe, read by the server: %s", self.read_times.summary("message"))
+            logger.info(
+                "engine pipe, read by the server: %s; %s",
+                self.read_times.summary("message"), self.gc_pauses.take().summary(),
+            )  # fmt: skip
+        self.gc_pauses.uninstall()
         self._fail_all("the server shut down")
 
     # ---- requests -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The continuation-window kernel writes exactly what the torch reference writes
 (spec_runner.write_continuations): the reference's worked example, and random windows over
-page boundaries with rows out of order."""
+page boundaries with rows out of order, and windows narrower than the drafter's block (fixed K
+below the block: num_speculative_tokens 1 verifies windows of 2 while the block drafts 7)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def _buffers(device, rows=8, K=3, page_size=4):
     return b, sb
 
 
-def _run_both(device, table, rows, src, next_pos, next_tok, K=3, page_size=4):
-    width = K + 1
+def _run_both(device, table, rows, src, next_pos, next_tok, K=3, page_size=4, width=None):
+    width = K + 1 if width is None else width
     ref, ref_sb = _buffers(torch.device("cpu"), K=K, page_size=page_size)
     got, got_sb = _buffers(device, K=K, page_size=page_size)
     for b in (ref, got):
@@ -61,3 +62,15 @@ def test_random_rows_across_pages(device):
     next_tok = torch.randint(0, 1000, (5,), generator=g)
     _run_both(device, table, rows, src, next_pos, next_tok)
     _run_both(device, table, rows, src, next_pos, next_tok, K=7, page_size=16)
+
+
+def test_windows_narrower_than_the_block(device):
+    """num_speculative_tokens 1 and 3 with a block of 7: the block's positions and slots past
+    the window are written too (their pages read from the block table)."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.randint(1, 64, (8, 8), generator=g, dtype=torch.int32)
+    rows, src = torch.tensor([4, 1, 6]), torch.tensor([0, 2, 1])
+    next_pos = torch.tensor([13, 30, 2])  # blocks that cross a page where windows do not
+    next_tok = torch.randint(0, 1000, (3,), generator=g)
+    for width in (2, 4):
+        _run_both(device, table, rows, src, next_pos, next_tok, K=7, page_size=16, width=width)

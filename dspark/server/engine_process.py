@@ -28,11 +28,14 @@ load or a step raises, FAILED carries the reason and the process exits.
 
 from __future__ import annotations
 
+import cProfile
 import functools
 import gc
+import io
 import logging
 import multiprocessing
 import os
+import pstats
 import signal
 import threading
 from collections.abc import Callable
@@ -51,6 +54,10 @@ IDLE_POLL_S = 0.5  # an idle engine wakes at least this often
 # stats at most this often, and with every step where a request ends; /metrics reads them
 SPEC_METRICS_INTERVAL_S = 0.1
 PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
+# a path here: the step loop runs under cProfile, written there (and its top logged) at stop;
+# it slows the loop's Python, so it says where host time goes, not how fast the loop is
+PROFILE_ENV = "DSPARK_ENGINE_PROFILE"
+PROFILE_TOP = 30
 
 
 def build_engine(config):
@@ -85,16 +92,32 @@ def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[in
     gc.collect()
     gc.freeze()
     sender = OutputSender(conn, PARENT_GONE_EXIT)
+    profile_path = os.environ.get(PROFILE_ENV)
+    profiler = cProfile.Profile() if profile_path else None
     try:
+        if profiler is not None:
+            profiler.enable()
         EngineServer(engine, conn, sender).serve()
     except (EOFError, OSError):  # the pipe closed under a receive: the server is gone
         logger.warning("the server closed the pipe: the engine process exits")
         os._exit(PARENT_GONE_EXIT)
+    if profiler is not None:
+        profiler.disable()
+        _report_profile(profiler, profile_path)
     sender.drain(timeout=30.0)
     # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
     # bindings report their objects as leaked when finalised); nothing is left to flush but logs
     logging.shutdown()
     os._exit(0)
+
+
+def _report_profile(profiler: cProfile.Profile, path: str) -> None:
+    """The step loop's profile (PROFILE_ENV): written to `path` for pstats, its top functions
+    by own time logged."""
+    profiler.dump_stats(path)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_TOP)
+    logger.info("the engine loop's profile (%s):\n%s", path, text.getvalue())
 
 
 def _exit_with_parent() -> None:

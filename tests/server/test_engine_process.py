@@ -101,3 +101,20 @@ def test_the_engine_process_exits_when_its_server_is_killed(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_step_loop_is_profiled_when_asked(tiny_llama_dir, tmp_path, monkeypatch):
+    """DSPARK_ENGINE_PROFILE: the engine process writes its loop's profile there at stop (the
+    spawned process inherits the variable), naming the engine's step."""
+    import pstats
+
+    path = tmp_path / "engine.prof"
+    monkeypatch.setenv("DSPARK_ENGINE_PROFILE", str(path))
+    live = start_server(engine_config(tiny_llama_dir))
+    try:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        live.stop()
+    functions = {name for _, _, name in pstats.Stats(str(path)).stats}
+    assert "step" in functions and "serve" in functions

@@ -9,8 +9,10 @@ MAX_SEED = 2**63 - 1
 # What step() reports for a request, as vLLM's RequestOutputKind: "cumulative" (a RequestOutput
 # every step, the text so far), "final_only" (once, when it finishes: no per-step outputs or
 # detokenization) or "delta" (a DeltaOutput per step it changed in: only the new text and
-# tokens, the finish reason and usage on the last; dspark/outputs.py).
-OUTPUT_KINDS = ("cumulative", "final_only", "delta")
+# tokens, the finish reason and usage on the last; dspark/outputs.py). "delta_tokens" is
+# "delta" without text: the engine never decodes, the caller does (the server decodes its
+# streams, off the engine's step loop); it needs no stop strings, which only decoding finds.
+OUTPUT_KINDS = ("cumulative", "final_only", "delta", "delta_tokens")
 
 
 @dataclass
@@ -103,6 +105,11 @@ class SamplingParams:
         )
         for s in self._stop_strings:
             _check(isinstance(s, str) and s != "", f"stop strings must be non-empty, got {s!r}")
+        _check(
+            not (self.output_kind == "delta_tokens" and self._stop_strings),
+            f"output_kind 'delta_tokens' reports no text, so it cannot watch stop strings "
+            f"(got stop {list(self._stop_strings)}): use 'delta'",
+        )
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, f"stop_token_ids must be >= 0, got {t!r}")
 

@@ -150,3 +150,19 @@ def test_bad_stream_interval_is_refused_by_name():
     for bad in (0, -1, 2.5, "4"):
         with pytest.raises(ValueError, match=r"stream_interval must be an integer >= 1"):
             EngineConfig(stream_interval=bad)
+
+
+def test_token_only_deltas_carry_the_tokens_and_no_text(engine):
+    """output_kind "delta_tokens" (the server decodes): the same tokens, finals and logprobs
+    as "delta", every text empty, and no decoding in the engine."""
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=10 + 2 * i, ignore_eos=True,
+                             logprobs=1 if i % 2 else None) for i in range(4)]  # fmt: skip
+    delta = _run(engine, [replace(p, output_kind="delta") for p in params], "td")
+    tokens_only = _run(engine, [replace(p, output_kind="delta_tokens") for p in params], "tt")
+    for index, deltas in delta.items():
+        got = tokens_only[index]
+        assert all(d.text == "" for d in got)
+        _, tokens, logprobs = _joined(deltas)
+        assert _joined(got)[1:] == (tokens, logprobs)
+        assert got[-1].final.finish_reason == deltas[-1].final.finish_reason
+    assert not engine._cursors and not engine._detokenizers

@@ -14,6 +14,9 @@ characters may have been decoded a step earlier. So while a request runs, its la
 With include_stop_str_in_output the text is cut after the stop string, which only drops
 characters decoded in the step that completed it (never reported), so nothing is held back.
 
+Output kind "delta_tokens" reports the tokens alone (text ""): the detokenizer only collects
+them and is never read, and the caller decodes (the server decodes its streams itself).
+
 A stream interval of N (EngineConfig.stream_interval) reports a running request once it has N
 output tokens unreported (its first token at once, its end always): the engine and the server
 then handle one delta per N tokens, which at high batch is what bounds streamed throughput.
@@ -28,9 +31,10 @@ from dspark.sampling_params import SamplingParams
 
 
 class DeltaCursor:
-    __slots__ = ("num_chars", "num_tokens", "num_unreported", "holdback")
+    __slots__ = ("num_chars", "num_tokens", "num_unreported", "holdback", "with_text")
 
     def __init__(self, params: SamplingParams) -> None:
+        self.with_text = params.output_kind != "delta_tokens"  # (else tokens only: never decoded)
         self.num_chars = 0  # characters of the text reported
         self.num_tokens = 0  # output tokens reported
         self.num_unreported = 0  # output tokens emitted since (the stream interval counts them)
@@ -40,9 +44,11 @@ class DeltaCursor:
 
     def advance(self, req: Request, detok: Detokenizer, final: FinalInfo | None) -> DeltaOutput:
         """The request's delta since the last call (`final` set on its last one)."""
-        text = detok.text
-        end = len(text) if final is not None else max(self.num_chars, len(text) - self.holdback)
-        new_text = text[self.num_chars : end]
+        new_text, end = "", 0
+        if self.with_text:
+            text = detok.text
+            end = len(text) if final is not None else max(self.num_chars, len(text) - self.holdback)
+            new_text = text[self.num_chars : end]
         start = req.num_prompt_tokens + self.num_tokens
         tokens = req.token_ids
         stop = len(tokens)

@@ -332,9 +332,10 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens,
             stop_strings=params.stop_strings,
             include_stop_str_in_output=params.include_stop_str_in_output,
-            incremental=params.output_kind != "final_only" or bool(params.stop_strings),
+            incremental=params.output_kind not in ("final_only", "delta_tokens")
+            or bool(params.stop_strings),
         )
-        if params.output_kind == "delta":
+        if params.output_kind in ("delta", "delta_tokens"):
             self._cursors[request_id] = DeltaCursor(params)
         self.scheduler.add(req)
 
@@ -489,7 +490,8 @@ class LLMEngine:
     def _report(self, req: Request) -> RequestOutput | DeltaOutput:
         detok = self._detokenizers[req.request_id]
         if req.is_finished:
-            detok.flush()
+            if req.sampling_params.output_kind != "delta_tokens":  # (that text is never read)
+                detok.flush()
             if self.policy is not None:
                 self.policy.forget(req.request_id)
             self._requests.pop(req.request_id, None)

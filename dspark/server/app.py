@@ -54,6 +54,7 @@ class ServerState:
             config.max_queued_tokens,
             on_finished=self.metrics.record,
             stream_budget=config.stream_budget,
+            decode_streams=config.stream_detokenize == "server",
         )
         self.created = int(time.time())
 

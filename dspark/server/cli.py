@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config import DTYPE_CHOICES
-from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
+from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, STREAM_DETOKENIZE, ServerConfig
 
 # option -> default; the flags default to None so a value from the file is told apart
 ENGINE_OPTIONS: dict[str, Any] = {
@@ -47,6 +47,7 @@ SERVER_OPTIONS: dict[str, Any] = {
     "max_request_bytes": ServerConfig.max_request_bytes,
     "shutdown_timeout_s": ServerConfig.shutdown_timeout_s,
     "stream_budget": ServerConfig.stream_budget,
+    "stream_detokenize": ServerConfig.stream_detokenize,
     "disable_access_log": False,
 }
 
@@ -111,6 +112,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help=f"share of the event loop's time SSE chunks may take (default "
         f"{ServerConfig.stream_budget}); under load a chunk then carries several tokens",
+    )
+    p.add_argument(
+        "--stream-detokenize",
+        default=None,
+        choices=STREAM_DETOKENIZE,
+        help=f"who decodes streamed text (default {ServerConfig.stream_detokenize}): the server, "
+        "once per chunk, or the engine, once per report inside its step loop (streams with "
+        "stop strings: the engine either way)",
     )
     p.add_argument("--disable-access-log", action="store_true", default=None)
     p.set_defaults(func=cmd_serve)

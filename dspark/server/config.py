@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host)
 DEFAULT_PORT = 8000
+STREAM_DETOKENIZE = ("server", "engine")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class ServerConfig:
     # the share of the event loop's time SSE chunks may take; under load a chunk then carries
     # several tokens (request_stream.py). None: unpaced (a chunk per step, unless behind)
     stream_budget: float | None = 0.1
+    # who decodes a stream's text: "server" (this process, once per chunk; the engine sends
+    # tokens only, output_kind "delta_tokens") or "engine" (once per report, inside its step
+    # loop). Streams with stop strings are decoded by the engine either way: it must find them
+    stream_detokenize: str = "server"
 
     def __post_init__(self) -> None:
         checks = [
@@ -44,6 +49,11 @@ class ServerConfig:
             (
                 self.shutdown_timeout_s >= 0,
                 f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}",
+            ),
+            (
+                self.stream_detokenize in STREAM_DETOKENIZE,
+                f"stream_detokenize must be one of {STREAM_DETOKENIZE}, got "
+                f"{self.stream_detokenize!r}",
             ),
             (
                 self.stream_budget is None or 0 < self.stream_budget <= 1,

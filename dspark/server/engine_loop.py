@@ -21,7 +21,12 @@ the commands are sent on it, and a send must not stop halfway.
 output can arrive unrouted; outputs are routed by request id until each request's final
 output, which is also where the server's metrics see every request, aborted ones included.
 A stream gathers what its choices gained and sends it when its pacing allows
-(request_stream.py).
+(request_stream.py). With `decode_streams` (the server's default), a stream without stop
+strings is sent to the engine as output_kind "delta_tokens": the engine reports its tokens
+only and the stream decodes them, once per chunk. Decoding in the engine cost its step loop
+one DecodeStream call per report (32 a step at 256 streams and stream interval 8: some 10% of
+the step on the H200, docs/PERFORMANCE.md, eleventh look); a stop string still needs the
+engine's decoding, to know which token completed it.
 
 Admission control lives here: a submission is refused with 503 when the requests (or prompt
 tokens) waiting for the scheduler, per the engine's latest stats, plus those sent but not yet
@@ -45,8 +50,9 @@ import logging
 import multiprocessing
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from dspark.engine.detokenizer import Detokenizer
 from dspark.outputs import DeltaOutput
 from dspark.sampling_params import SamplingParams
 from dspark.server import wire
@@ -93,9 +99,12 @@ class EngineLoop:
         max_queued_tokens: int,
         on_finished: Callable[[DeltaOutput], None] = lambda out: None,
         stream_budget: float | None = None,
+        decode_streams: bool = False,
     ) -> None:
         self._factory = engine_factory  # called in the engine process: it must pickle
         self.pacer = StreamPacer(stream_budget)  # shared by the streaming requests
+        # streams without stop strings decoded here, not in the engine's step loop
+        self.decode_streams = decode_streams
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self._on_finished = on_finished
@@ -270,9 +279,16 @@ class EngineLoop:
             )
         self._check_capacity(len(subs), num_tokens)
         is_streaming = subs[0].params.output_kind == "delta"
+        decoders = None
+        if is_streaming and self.decode_streams and not subs[0].params.stop_strings:
+            subs = [replace(s, params=replace(s.params, output_kind="delta_tokens")) for s in subs]
+            decoders = [
+                Detokenizer(self.info.tokenizer, s.params.skip_special_tokens) for s in subs
+            ]
         stream = RequestStream(
-            [s.request_id for s in subs], self.abort, self.pacer if is_streaming else None
-        )
+            [s.request_id for s in subs], self.abort, self.pacer if is_streaming else None,
+            decoders,
+        )  # fmt: skip
         for index, sub in enumerate(subs):
             self._routes[sub.request_id] = (stream, index)
         done, ack_id = self._loop.create_future(), next(self._ack_ids)

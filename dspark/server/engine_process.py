@@ -12,10 +12,11 @@ engine's step loop, which on a GPU is what bounds throughput at large batches. T
 and it waits on the pipe while idle. Requests are "delta" (streams: only what is new each step)
 or "final_only" (whole responses): the per-step cost stays proportional to the new tokens.
 
-Detokenization stays here: the engine decodes anyway to find stop strings (and which token
-completed one, to drop the tokens after it), so the text is sent with the tokens; decoding
-again on the server's side would double the work and move it to the process that does the
-HTTP work.
+Detokenization: a stream without stop strings arrives as output_kind "delta_tokens", and its
+text is decoded by the server, once per chunk (engine_loop.py; `dspark serve
+--stream-detokenize engine` keeps it here). Whole responses and streams with stop strings are
+decoded here: the engine decodes those anyway to find stop strings (and which token completed
+one, to drop the tokens after it), so their text is sent with the tokens.
 
 Lifetime: SIGINT is ignored (a Ctrl-C reaches the whole process group; the server shuts down
 on it and decides when the engine stops: STOP aborts what is left, reports it and exits).

@@ -32,6 +32,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from dspark.engine.detokenizer import Detokenizer
 from dspark.outputs import DeltaOutput
 
 COST_WEIGHT = 0.05  # of the newest chunk in the moving average of the CPU per chunk
@@ -106,8 +107,13 @@ class RequestStream:
         request_ids: list[str],
         abort: Callable[[list[str]], None],
         pacer: StreamPacer | None = None,
+        decoders: list[Detokenizer] | None = None,
     ) -> None:
         self.request_ids = request_ids
+        # one per choice when the engine sends tokens only (output_kind "delta_tokens"): the
+        # text of each update is decoded here, after coalescing (one decode per chunk)
+        self._decoders = decoders
+        self._num_chars = [0] * len(request_ids)  # of each decoder's text already sent
         self._abort = abort
         self._pacer = pacer
         self._gained: dict[int, list[Update]] = {}  # choice -> updates not yet taken
@@ -150,13 +156,28 @@ class RequestStream:
         while not self.is_done:
             await self._ready(loop)
             gained, self._gained, self._has_last = self._gained, {}, False
-            batch = {index: joined(updates) for index, updates in gained.items()}
-            self._ended.update(i for i, update in batch.items() if update.finished)
             start = time.thread_time()
+            batch = {index: joined(updates) for index, updates in gained.items()}
+            if self._decoders is not None:
+                batch = {index: self._decoded(index, u) for index, u in batch.items()}
+            self._ended.update(i for i, update in batch.items() if update.finished)
             yield batch
             if self._pacer is not None:
                 self._pacer.record(time.thread_time() - start)
                 self._due = loop.time() + self._pacer.interval_s
+
+    def _decoded(self, index: int, update: Update) -> Update:
+        """The update with its text: what its tokens add to the choice's text (a character
+        still incomplete waits for the next update; the last one flushes)."""
+        if isinstance(update, EngineFailed):
+            return update
+        decoder = self._decoders[index]
+        decoder.add_tokens(update.token_ids)
+        if update.final is not None:
+            decoder.flush()
+        text = decoder.text
+        new_text, self._num_chars[index] = text[self._num_chars[index] :], len(text)
+        return update._replace(text=new_text)
 
     async def _ready(self, loop: asyncio.AbstractEventLoop) -> None:
         """Until the slots hold an update that may go now."""

@@ -272,3 +272,61 @@ def test_a_stream_interval_sends_the_first_token_then_chunks_of_n(tiny_llama_dir
     assert token_ids == whole["choices"][0]["token_ids"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert last["usage"] == whole["usage"]
+
+
+# ---- streams decoded by the server (output_kind "delta_tokens") ----------------------------
+
+
+def test_a_stream_decodes_token_only_updates_once_per_chunk_across_split_characters():
+    """The engine sends tokens only; the stream decodes each coalesced update. A character
+    split over updates waits for its last byte's token, and the texts add up to the full
+    decode (emoji and CJK span several byte-level tokens)."""
+    from dspark.engine.detokenizer import Detokenizer
+    from dspark.models.loader import resolve_model
+    from dspark.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model("default"))
+    ids = tok.encode("Unicode: café 日本語 🚀🚀 done")
+
+    async def scenario() -> list[str]:
+        stream = RequestStream(["a"], abort=lambda ids: None, decoders=[Detokenizer(tok)])
+        loop, updates, texts = asyncio.get_running_loop(), stream.updates(), []
+        for i, token in enumerate(ids):  # one update per token: every split is met
+            last = i == len(ids) - 1
+            final = FinalInfo("length", None, 1, len(ids), None, {}) if last else None
+            stream.put(0, DeltaOutput("a", "", [token], None, final), loop.time())
+            texts.append((await updates.__anext__())[0].text)
+        return texts
+
+    texts = asyncio.run(scenario())
+    assert "".join(texts) == tok.decode(ids)
+    assert "" in texts  # (some token completed no character: its update carried no text)
+
+
+def test_streams_decoded_by_the_server_or_the_engine_send_the_same_text(tiny_llama_dir):
+    """`stream_detokenize` "server" (the default: the engine is sent "delta_tokens") and
+    "engine" stream the same text and tokens as the whole response; a stream with stop
+    strings is decoded by the engine either way."""
+    body = _greedy(prompt="Once upon a time, far away")
+    texts = {}
+    for mode in ("server", "engine"):
+        live = start_server(engine_config(tiny_llama_dir), stream_detokenize=mode)
+        try:
+            whole = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
+            *chunks, _ = _stream(live, "completions", body)
+            texts[mode] = "".join(c["choices"][0]["text"] for c in chunks)
+            assert texts[mode] == whole["choices"][0]["text"]
+            tokens = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+            assert tokens == whole["choices"][0]["token_ids"]
+            assert live.state.engine_loop.decode_streams == (mode == "server")
+        finally:
+            live.stop()
+    assert texts["server"] == texts["engine"]
+
+
+def test_token_only_outputs_refuse_stop_strings():
+    from dspark.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="delta_tokens.*stop strings"):
+        SamplingParams(output_kind="delta_tokens", stop=["END"])
+    SamplingParams(output_kind="delta_tokens", stop_token_ids=[2])  # (ids need no decoding)

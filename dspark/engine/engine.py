@@ -93,6 +93,13 @@ def _drafter_layers(drafter_dir: Path | None) -> int:
     return int(json.loads((drafter_dir / "config.json").read_text()).get("num_layers", 0))
 
 
+def _verified_positions(drafter_dir: Path | None) -> int:
+    """Positions a row's step samples or verifies at most: the drafter's block + 1, else 1."""
+    if drafter_dir is None:
+        return 1
+    return int(json.loads((drafter_dir / "config.json").read_text())["draft_len"]) + 1
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -109,8 +116,9 @@ class LLMEngine:
         del weights
         drafter_dir, target_hash = _drafter_dir(config, source)
         self.kv_plan = plan_kv(
-            config, self.model, self.dtype, self.device, _drafter_layers(drafter_dir)
-        )
+            config, self.model, self.dtype, self.device, _drafter_layers(drafter_dir),
+            _verified_positions(drafter_dir),
+        )  # fmt: skip
         self.max_model_len = self.kv_plan.max_model_len
         kv_caches = allocate_kv_caches(
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device

@@ -44,6 +44,7 @@ def plan_kv(
     dtype: torch.dtype,
     device: torch.device,
     extra_layers: int = 0,  # the DSpark drafter's layers: its context cache shares the pages
+    positions_per_row: int = 1,  # positions a row samples or verifies in a step (K + 1)
 ) -> KVPlan:
     mc = model.config
     per_layer = kv_bytes_per_token(mc, dtype) // mc.num_layers
@@ -51,7 +52,7 @@ def plan_kv(
     if config.num_kv_pages is not None:
         num_pages = config.num_kv_pages
     else:
-        budget = _kv_budget_bytes(config, model, dtype, device)
+        budget = _kv_budget_bytes(config, model, dtype, device, positions_per_row)
         num_pages = max(2, int(budget // page_bytes))
     plan = KVPlan(num_pages, _max_model_len(config, mc, num_pages), config.page_size)
     logger.info(
@@ -85,8 +86,24 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig, num_pages: int) -> int
     return config.max_model_len
 
 
+def sampler_bytes(config: EngineConfig, vocab_size: int, positions_per_row: int = 1) -> int:
+    """The sampler's temporaries at the largest batch: SAMPLER_BUFFERS float32 rows of the
+    vocabulary per sampled position. A speculative step verifies K + 1 positions a row, each
+    with its distribution at temperature > 0:
+
+      max_num_seqs 512, K 7, vocab 49,152: 6 x 512 x 8 x 49,152 x 4 B = 4.5 GiB
+      (one softmax over those 4,096 rows is 768 MiB; without this reserve a sampled verify at
+      G = 512 ran out of memory on the H200: docs/PERFORMANCE.md, eleventh look)
+    """
+    return SAMPLER_BUFFERS * config.max_num_seqs * positions_per_row * vocab_size * 4
+
+
 def _kv_budget_bytes(
-    config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    positions_per_row: int = 1,
 ) -> float:
     if config.kv_cache_memory_gb is not None:
         return config.kv_cache_memory_gb * 2**30
@@ -95,7 +112,7 @@ def _kv_budget_bytes(
     _, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
     activations = _profile_step_bytes(config, model, dtype, device)
-    sampler = SAMPLER_BUFFERS * config.max_num_seqs * model.config.vocab_size * 4
+    sampler = sampler_bytes(config, model.config.vocab_size, positions_per_row)
     budget = total * config.gpu_memory_utilization - weights - activations - sampler
     logger.info(
         "GPU memory: %.1f GB total, weights %.2f GB, step activations %.2f GB, sampler %.2f GB",

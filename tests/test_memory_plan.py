@@ -1,0 +1,25 @@
+"""The memory plan's sampler reserve: per sampled position, so a speculative engine reserves
+for the K + 1 positions each row verifies (the sampled verify at the largest batch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dspark.drafters
+from dspark.config import EngineConfig
+from dspark.engine.engine import _verified_positions
+from dspark.engine.memory import SAMPLER_BUFFERS, sampler_bytes
+
+
+def test_the_sampler_reserve_counts_every_verified_position():
+    config = EngineConfig(model="default", max_num_seqs=512)
+    plain = sampler_bytes(config, 49_152)
+    assert plain == SAMPLER_BUFFERS * 512 * 49_152 * 4
+    assert sampler_bytes(config, 49_152, positions_per_row=8) == 8 * plain
+    assert sampler_bytes(config, 49_152, 8) == 4.5 * 2**30  # the docstring's example
+
+
+def test_verified_positions_come_from_the_drafter_block():
+    shipped = Path(dspark.drafters.__file__).parent / "smollm2_135m_instruct"
+    assert _verified_positions(shipped) == 7 + 1
+    assert _verified_positions(None) == 1

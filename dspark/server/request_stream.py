@@ -17,7 +17,9 @@ sends at most one chunk per `StreamPacer.interval_s`,
     budget 0.1, 20 us per chunk:   1 stream -> 0.2 ms   (under a step: every token its chunk)
                                  256 streams -> 51 ms   (a chunk carries ~20 steps' tokens)
 
-and chunks cost about `budget` of the loop's time whatever the load. A stream's first output,
+and chunks cost about `budget` of the loop's time whatever the load. Decoding a stream's tokens
+(when the server decodes, `decoders`) is left out of the per-chunk cost: it is paid per token,
+however the tokens are grouped. A stream's first output,
 its final one and a failure are never held (TTFT and a stream's end are not delayed); an output
 that arrives before its stream is due waits in the slot until the due time.
 
@@ -156,11 +158,14 @@ class RequestStream:
         while not self.is_done:
             await self._ready(loop)
             gained, self._gained, self._has_last = self._gained, {}, False
-            start = time.thread_time()
             batch = {index: joined(updates) for index, updates in gained.items()}
             if self._decoders is not None:
                 batch = {index: self._decoded(index, u) for index, u in batch.items()}
             self._ended.update(i for i, update in batch.items() if update.finished)
+            # (the clock starts after decoding: its cost is per token, which no pacing saves;
+            # counted per chunk, it would lengthen the interval, so each chunk would carry more
+            # tokens and cost more, without end at a few hundred streams)
+            start = time.thread_time()
             yield batch
             if self._pacer is not None:
                 self._pacer.record(time.thread_time() - start)

@@ -330,3 +330,40 @@ def test_token_only_outputs_refuse_stop_strings():
     with pytest.raises(ValueError, match="delta_tokens.*stop strings"):
         SamplingParams(output_kind="delta_tokens", stop=["END"])
     SamplingParams(output_kind="delta_tokens", stop_token_ids=[2])  # (ids need no decoding)
+
+
+def test_the_pacer_leaves_decoding_out_of_a_chunks_cost(monkeypatch):
+    """Decoding is paid per token, however tokens are grouped: counted per chunk, it would
+    lengthen the interval, so chunks would carry more tokens and cost more, without end. A
+    decode that takes 1 s (on the stream's own clock) leaves the recorded cost at the
+    consumer's 2 ms."""
+    import types
+
+    from dspark.engine.detokenizer import Detokenizer
+    from dspark.models.loader import resolve_model
+    from dspark.models.tokenizer import load_tokenizer
+    from dspark.server import request_stream
+
+    clock = [0.0]
+    monkeypatch.setattr(request_stream, "time", types.SimpleNamespace(thread_time=lambda: clock[0]))
+
+    class SlowDecoder(Detokenizer):
+        def add_tokens(self, new_tokens):
+            clock[0] += 1.0
+            return super().add_tokens(new_tokens)
+
+    tok = load_tokenizer(resolve_model("default"))
+    pacer = StreamPacer(budget=0.1)
+
+    async def scenario() -> None:
+        stream = RequestStream(["a"], lambda ids: None, pacer, decoders=[SlowDecoder(tok)])
+        loop, updates = asyncio.get_running_loop(), stream.updates()
+        for token in tok.encode("Hello there"):
+            stream.put(0, DeltaOutput("a", "", [token], None, None), loop.time())
+            await updates.__anext__()
+            clock[0] += 0.002  # the consumer's own work on the chunk
+        stream.put(0, _out("", finished=True), loop.time())
+        await updates.__anext__()
+
+    asyncio.run(scenario())
+    assert pacer.cpu_per_chunk_s == pytest.approx(0.002)

@@ -86,18 +86,19 @@ def _drafter_dir(config: EngineConfig, source: ModelSource) -> tuple[Path | None
     return path, target_hash
 
 
+def _drafter_config(drafter_dir: Path | None) -> dict:
+    """The drafter's config.json ({} without a drafter)."""
+    return {} if drafter_dir is None else json.loads((drafter_dir / "config.json").read_text())
+
+
 def _drafter_layers(drafter_dir: Path | None) -> int:
     """Layers of the drafter (its KV shares the target's pages), 0 without one."""
-    if drafter_dir is None:
-        return 0
-    return int(json.loads((drafter_dir / "config.json").read_text()).get("num_layers", 0))
+    return int(_drafter_config(drafter_dir).get("num_layers", 0))
 
 
 def _verified_positions(drafter_dir: Path | None) -> int:
     """Positions a row's step samples or verifies at most: the drafter's block + 1, else 1."""
-    if drafter_dir is None:
-        return 1
-    return int(json.loads((drafter_dir / "config.json").read_text())["draft_len"]) + 1
+    return int(_drafter_config(drafter_dir).get("draft_len", 0)) + 1
 
 
 class LLMEngine:

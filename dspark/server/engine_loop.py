@@ -159,15 +159,20 @@ class EngineLoop:
                     self._dispatch(message)
                     times.lap("message")
             if not self._routes and times.counts["message"] >= LOG_EVERY_MESSAGES:
-                logger.info(
-                    "engine pipe, read by the server: %s; %s",
-                    times.take().summary("message"), self.gc_pauses.take().summary(),
-                )  # fmt: skip
+                self._log_read_times()
         except (EOFError, OSError) as e:
             if not isinstance(e, EOFError):  # not the pipe's end: say what it was
                 logger.error("reading the engine's pipe failed: %s: %s", type(e).__name__, e)
             self._loop.remove_reader(self._conn.fileno())
             asyncio.ensure_future(self._reap())
+
+    def _log_read_times(self) -> None:
+        """Where the reader's time went since it last said, with the collections meanwhile
+        (the clocks start again)."""
+        logger.info(
+            "engine pipe, read by the server: %s; %s",
+            self.read_times.take().summary("message"), self.gc_pauses.take().summary(),
+        )  # fmt: skip
 
     def _dispatch(self, message: tuple) -> None:
         tag = message[0]
@@ -222,10 +227,7 @@ class EngineLoop:
             await self._stopped
         self._conn.close()
         if self.read_times.counts["message"]:
-            logger.info(
-                "engine pipe, read by the server: %s; %s",
-                self.read_times.summary("message"), self.gc_pauses.take().summary(),
-            )  # fmt: skip
+            self._log_read_times()
         self.gc_pauses.uninstall()
         self._fail_all("the server shut down")
 

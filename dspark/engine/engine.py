@@ -150,6 +150,7 @@ class LLMEngine:
             spec=self.spec,
             mixed_tail_tokens=config.spec().mixed_prefill_tokens if self.spec else 0,
             decode_tail_tokens=config.mixed_prefill_tokens,
+            trimmed_widths=config.spec().trimmed_widths if self.spec else (),
         )
         if self.runner.spec_runner is not None:  # prefill beside windows keeps their graph
             self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
@@ -195,6 +196,10 @@ class LLMEngine:
                 f"num_speculative_tokens {k} exceeds the drafter's draft_len {draft_len} "
                 f"({path}); allowed 1..{draft_len}"
             )
+        wide = [w for w in spec_config.trimmed_widths if w > k]
+        if wide:
+            raise ValueError(f"trimmed_widths {wide} exceed num_speculative_tokens {k}: a trimmed "
+                             f"cell verifies 2..{k} tokens per row on average")  # fmt: skip
         temperatures = greedy_temperatures = None
         if drafter.config.use_confidence:
             temperatures = load_calibration(path, draft_len)
@@ -220,11 +225,12 @@ class LLMEngine:
 
     def cost_fingerprint(self) -> dict:
         """What a cost table measured on this engine must record (DSPARK.md 7)."""
-        graphs = self.runner.spec_runner.graphs
+        spec_runner = self.runner.spec_runner
+        graphs = spec_runner.graphs
         return make_fingerprint(
             self.device, self._target_hash, checkpoint_hash(ModelSource(self._drafter_dir)),
             self.spec.num_verify, str(self.dtype).removeprefix("torch."),
-            graphs.sizes if graphs else [], self.config.page_size,
+            graphs.sizes if graphs else [], self.config.page_size, spec_runner.trimmed_widths,
         )  # fmt: skip
 
     def _build_policy(self) -> tuple[DraftingPolicy | None, str]:
@@ -247,6 +253,7 @@ class LLMEngine:
         policy = DraftingPolicy(
             table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
             unobserved=spec_config.unobserved,
+            trimmed_widths=self.runner.spec_runner.trimmed_widths,
         )  # fmt: skip
         if table is None or policy.table is None:
             reason = reason or "it has no G with both a plain and a full-block cell"
@@ -402,7 +409,9 @@ class LLMEngine:
             reqs = self.scheduler.running
             running = [r.request_id for r in reqs]
             sampled = any(r.sampling_params.temperature > 0 for r in reqs)
-            self.scheduler.drafting = self.policy.decide(running, sampled).drafting
+            decision = self.policy.decide(running, sampled)
+            self.scheduler.drafting = decision.drafting
+            self.scheduler.trimmed_cell = decision.trimmed_cell
         drafting = self.spec is not None and self.scheduler.drafting
         if self.async_scheduling and (not drafting or self._drafts_async()):
             return self._step_async(drafting)

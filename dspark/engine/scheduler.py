@@ -110,6 +110,9 @@ class StepPlan:
     num_preempted: int = 0
     # every row one token that samples (no windows, no prefill): a decode graph's step
     is_decode: bool = False
+    # (G, V) of the trimmed cell the drafting policy chose for this step's windows (their
+    # verify lengths are then chosen on the device, spec/ragged.py); None: the full block
+    trimmed_cell: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +146,8 @@ class Scheduler:
         self.max_verify = draft_len if max_verify is None else max_verify
         # False: the next schedule() gives no request a window (the drafting policy's choice)
         self.drafting = True
+        # the drafting policy's trimmed cell (G, V) for the next schedule()'s windows, or None
+        self.trimmed_cell: tuple[int, int] | None = None
         # totals since start (the stats line reads their increments)
         self.num_prompt_tokens_computed = 0  # prompt tokens prefilled (again after preemption)
         self.num_generated_tokens = 0  # output tokens emitted
@@ -264,7 +269,8 @@ class Scheduler:
             rows = [r for r, h in zip(rows, head, strict=True) if h] + [
                 r for r, h in zip(rows, head, strict=True) if not h
             ]
-        return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode)
+        trimmed = self.trimmed_cell if drafting else None
+        return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed)
 
     def _is_burst(self, limits: tuple[int, int]) -> bool:
         """More requests wait for a free seat than a mixed step's tail has rows."""

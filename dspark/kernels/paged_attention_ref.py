@@ -1,9 +1,10 @@
 """Pure-PyTorch ragged paged attention: the reference every faster kernel is tested against.
 
 Runs on the CPU and the GPU. It loops over requests on the host, gathers each request's KV
-from its pages, and applies a causal-within-request mask. The KV lengths come from the device
-tensor, not the host mirror: the mirror may be an upper bound (a window whose anchor position
-was written on the device, DSPARK.md 8).
+from its pages, and applies a causal-within-request mask. The KV lengths and the windows come
+from the device tensors, not the host mirrors: a mirror may be an upper bound (a window whose
+anchor position was written on the device, or whose verify length was chosen there; DSPARK.md
+8).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ def paged_attention_ref(
     num_heads = q.shape[1]
     page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.empty_like(q)
-    cu = attn.cu_num_tokens_cpu
     # sync: the reference loops on the host (free on the CPU; on a GPU it is the oracle, not a
     # fast path, and never runs inside a captured graph)
-    for r, kv_len in enumerate(attn.seq_lens.tolist()):
+    R = attn.num_reqs
+    lens = torch.cat([attn.cu_num_tokens[: R + 1], attn.seq_lens[:R]]).tolist()
+    cu, seq_lens = lens[: R + 1], lens[R + 1 :]
+    for r, kv_len in enumerate(seq_lens):
         start, end = cu[r], cu[r + 1]
         q_len = end - start
         if q_len == 0:

@@ -65,6 +65,7 @@ class InFlightStep:
     window_rows: list[int] | None = None  # plan rows with a window, in verification order
     verify_len: list[int] | None = None
     verified: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens, num accepted
+    trimmed_verify_len: torch.Tensor | None = None  # [R] a trimmed cell's, chosen on the device
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
     is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it
@@ -100,6 +101,7 @@ class ModelRunner:
         capture_graphs: bool = True,  # False: run the padded batches eagerly (tests, debugging)
         spec: SpecDecoder | None = None,  # speculation: drafting, context, verification
         mixed_tail_tokens: int = 0,  # P of the captured mixed steps (runner/mixed_layout.py)
+        trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) (spec/ragged.py)
         decode_tail_tokens: int = 0,  # P of the captured mixed decode steps (cuda_graph.py)
     ) -> None:
         self.model = model
@@ -142,8 +144,9 @@ class ModelRunner:
             ladder = self.graph_sizes if capture_graphs else []
             tails = (mixed_tail_tokens,) if mixed_tail_tokens else ()
             self.spec_runner = SpecRunner(
-                spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder, tails
-            )
+                spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder, tails,
+                trimmed_widths,
+            )  # fmt: skip
         if self.graph_sizes and capture_graphs:
             tail = decode_tail_tokens
             if tail and max(self.graph_sizes) + tail > self.buffers.input_ids.shape[0]:

@@ -16,6 +16,9 @@ tokens in all (runner/mixed_layout.py). Its sampling modes are GREEDY and FILTER
 TEMPERATURE step replays FILTERED, where filters pass through), so that the ladder of G times
 the tail sizes stays cheap to capture.
 
+Trimmed cells (G, V) (spec/ragged.py) are captured beside each G's full block, in every
+sampling mode: the same staged inputs, cut on the device to V target tokens after drafting.
+
 Captured at start-up, largest first, sharing one memory pool, like the decode graphs.
 """
 
@@ -47,6 +50,18 @@ def window_layout(num_rows: int, width: int) -> StepLayout:
     )
 
 
+def trimmed_layout(num_rows: int, num_tokens: int, width: int) -> StepLayout:
+    """A trimmed cell's target layout, V tokens in G rows of at most `width`: the host mirrors
+    are upper bounds (each row's window is chosen on the device), every token scored."""
+    return StepLayout(
+        num_tokens=num_tokens,
+        num_rows=num_rows,
+        num_logits=num_tokens,
+        cu_num_tokens_cpu=tuple(min(i * width, num_tokens) for i in range(num_rows + 1)),
+        seq_lens_cpu=(width,) * num_rows,
+    )
+
+
 def graph_mode(mode: SamplingMode, tail: int = 0) -> SamplingMode:
     """The captured mode that serves a live step's sampling needs (tail: its P, 0 if none)."""
     if mode.all_greedy:
@@ -57,38 +72,54 @@ def graph_mode(mode: SamplingMode, tail: int = 0) -> SamplingMode:
 class SpecGraphs:
     def __init__(
         self,
-        step: Callable[[int, int, SamplingMode], SpecStepOutput],  # SpecDecoder.step, (G, P)
+        step: Callable[..., SpecStepOutput],  # (G, P, V, mode): V a trimmed cell's, or None
         prepare: Callable[[int, int], None],  # fills the buffers with G pad windows, P tail
         sizes: list[int],
         tails: tuple[int, ...] = (),  # P of the mixed steps captured beside each G
         modes: tuple[SamplingMode, ...] = MODES,
+        trimmed: dict[int, tuple[int, ...]] | None = None,  # G -> V of its trimmed cells
     ) -> None:
         self.sizes = sorted(sizes)
         self.tails = tuple(sorted(tails))
         self.modes = modes
-        self._graphs: dict[tuple[int, int, SamplingMode], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, int, SamplingMode], SpecStepOutput] = {}
+        self.trimmed = trimmed or {}
+        Key = tuple[int, int, int | None, SamplingMode]
+        self._graphs: dict[Key, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[Key, SpecStepOutput] = {}
         self._capture(step, prepare)
+
+    def _keys(self, g: int):
+        """The captured steps of size G, in capture order: mixed steps (largest tail first),
+        then the trimmed cells (largest first), then the full block."""
+        for tail in reversed(self.tails):
+            for mode in TAIL_MODES:
+                yield g, tail, None, mode
+        for v in (*sorted(self.trimmed.get(g, ()), reverse=True), None):
+            for mode in self.modes:
+                yield g, 0, v, mode
 
     @torch.inference_mode()
     def _capture(self, step, prepare) -> None:
         pool = torch.cuda.graph_pool_handle()
         for g in reversed(self.sizes):
-            for tail in (*reversed(self.tails), 0):
-                for mode in TAIL_MODES if tail else self.modes:
-                    prepare(g, tail)
-                    step(g, tail, mode)  # warm-up: compiles kernels, settles the allocator
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._outputs[g, tail, mode] = step(g, tail, mode)
-                    self._graphs[g, tail, mode] = graph
+            for key in self._keys(g):
+                _, tail, v, mode = key
+                prepare(g, tail)
+                step(g, tail, v, mode)  # warm-up: compiles kernels, settles the allocator
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[key] = step(g, tail, v, mode)
+                self._graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d speculative CUDA graphs: sizes %s x %d sampling modes, and "
-                    "mixed steps with tails of %s tokens", len(self._graphs), self.sizes,
-                    len(self.modes), list(self.tails))  # fmt: skip
+        logger.info("captured %d speculative CUDA graphs: sizes %s x %d sampling modes, mixed "
+                    "steps with tails of %s tokens, trimmed cells %s", len(self._graphs),
+                    self.sizes, len(self.modes), list(self.tails),
+                    {g: list(v) for g, v in self.trimmed.items()})  # fmt: skip
 
-    def replay(self, size: int, mode: SamplingMode, tail: int = 0) -> SpecStepOutput:
-        key = (size, tail, graph_mode(mode, tail))
+    def replay(
+        self, size: int, mode: SamplingMode, tail: int = 0, trimmed: int | None = None
+    ) -> SpecStepOutput:
+        key = (size, tail, trimmed, graph_mode(mode, tail))
         self._graphs[key].replay()
         return self._outputs[key]

@@ -17,6 +17,13 @@ same SpecDecoder.step eagerly, and the reason is counted.
   cu [0, 4, 8, 12]; the second window's last two tokens and the third's last three are scored
   but never accepted (the third's KV slots [s, 0, 0, 0]: scratch after the anchor's).
 
+The drafting policy may give a step of such windows a trimmed cell (G, V) (StepPlan.trimmed_cell,
+spec/ragged.py): it is staged exactly like the full block, and the captured trimmed cell (or,
+without graphs, the eager step) chooses each row's verify length on the device under the budget
+D = V - G and runs the target over the compacted windows. A step that cannot run it (some row
+is not a window or wants logprobs, its G is not the cell's, fewer drafts than D) verifies the
+full block instead, the reason counted (`trimmed_fallback_*`).
+
 A step of such windows can have a step launched behind it before its results reach the host
 (async scheduling of drafting steps): a continuation row's anchor is the last token its
 request's window emitted, so after each such step the runner keeps every window's next anchor
@@ -49,8 +56,9 @@ from dspark.runner.mixed_layout import (
     capture_layout,
     prepare_capture,
 )
-from dspark.runner.spec_graphs import SpecGraphs, window_layout
+from dspark.runner.spec_graphs import SpecGraphs, trimmed_layout, window_layout
 from dspark.sample.sampler import top_logprobs
+from dspark.spec.ragged import FullWidthWindows, TrimmedCell
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
 
@@ -129,6 +137,7 @@ class SpecRunner:
         stats: Counter[str],
         graph_sizes: list[int],  # the ladder to capture ([]: none, every step eager)
         tail_sizes: tuple[int, ...] = (),  # P of the mixed steps to capture beside each G
+        trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) per G
     ) -> None:
         self.spec, self.buffers, self.run_model = spec, buffers, run_model
         self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
@@ -140,9 +149,15 @@ class SpecRunner:
         tails = tail_sizes
         if not sizes or max(sizes) * width + self.max_tail_tokens > self.capacity:
             tails = ()  # (token buffers too small: mixed steps run eagerly)
+        # the trimmed cells' mean window widths (2 <= w <= K; they need the confidence head)
+        self.trimmed_widths = tuple(w for w in trimmed_widths if 2 <= w <= spec.num_verify)
+        if not spec.drafter.config.use_confidence:
+            self.trimmed_widths = ()
+        trimmed = {g: tuple(g * w for w in self.trimmed_widths) for g in sizes}
         self.graphs = None
         if sizes:
-            self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes, tails)
+            self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes, tails,
+                                     trimmed=trimmed)  # fmt: skip
         # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
         self.uniform_windows = self.graphs is not None
         # the next anchors (positions, tokens; [R] on the device) of the last uniform step's
@@ -276,16 +291,22 @@ class SpecRunner:
             ))  # fmt: skip
         mode = SamplingMode.of(rows, self.vocab_size)
         width, table = layout.window_width, self.buffers.np("block_table")
+        trimmed = self._trimmed_tokens(plan, layout, rows, graph_size)
         if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
             self.spec.stage(rows, graph_size, pad_token_offset=cu[len(plan.rows)],
                             window_width=width, block_table=table)  # fmt: skip
             self._feed_continuations(plan, width)
             self.stats["spec_graph_steps"] += 1
             self.stats["spec_graph_steps_mixed"] += bool(graph_tail)
-            return self.graphs.replay(graph_size, mode, graph_tail)
+            self.stats["spec_graph_steps_trimmed"] += trimmed is not None
+            return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width)
         self.stats["eager_spec_steps"] += 1
+        if trimmed is not None:
+            self.stats["eager_spec_steps_trimmed"] += 1
+            target, cell = self._trimmed_step(len(rows), trimmed)
+            return self.spec.step(len(rows), mode, target, None, cell)
         b, dev = self.buffers, self.device
         if layout.tail_rows:  # a mixed layout: windows in rows 0..R-1, their logits first
             target = self._target_step(layout, b.block_table)
@@ -302,6 +323,52 @@ class SpecRunner:
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
         return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
+
+    def _trimmed_tokens(
+        self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None
+    ) -> int | None:
+        """V this step runs its trimmed cell with, or None: the full block (a step the policy
+        gave no trimmed cell, or one that cannot run it, the reason counted)."""
+        if plan.trimmed_cell is None:
+            return None
+        g, v = plan.trimmed_cell
+        num_drafts = v - g  # D, the cell's budget of drafts (lagged.cell_geometry)
+        reason = None
+        if not self.trimmed_widths:
+            reason = "not_enabled"
+        elif layout.window_width is None or layout.tail_rows:
+            reason = "not_all_windows"
+        elif any(plan.rows[r.table_row].request.sampling_params.logprobs is not None
+                 for r in rows):  # fmt: skip
+            reason = "logprobs"  # (the host packs logprobs by window lengths it knows)
+        elif sum(r.verify_len for r in rows) < num_drafts:
+            reason = "fewer_drafts_than_budget"
+        elif graph_size is not None and (graph_size != g or v not in self.graphs.trimmed[g]):
+            reason = "cell_not_captured"
+        if reason is not None:
+            self.stats[f"trimmed_fallback_{reason}"] += 1
+            return None
+        # a captured cell runs V tokens; an eager step, its R live rows and the same D
+        return v if graph_size is not None else len(rows) + num_drafts
+
+    def _trimmed_step(self, num_rows: int, num_tokens: int) -> tuple[TargetStep, TrimmedCell]:
+        """The target of a trimmed cell of num_rows full-width windows and num_tokens tokens:
+        drafts go into the full-width ids, the target reads the compacted ones."""
+        b, width = self.buffers, 1 + self.spec.num_verify
+        t = num_rows * width
+        windows = FullWidthWindows(
+            b.input_ids[:t], b.positions[:t], b.slot_mapping[:t],
+            b.cu_num_tokens[: num_rows + 1], b.seq_lens[:num_rows], width,
+        )  # fmt: skip
+        layout = trimmed_layout(num_rows, num_tokens, width)
+        target = TargetStep(
+            run=lambda: self.run_model(layout, self.spec.taps),
+            input_ids=b.input_ids[:t],
+            positions=b.positions[:num_tokens],
+            slot_mapping=b.slot_mapping[:num_tokens],
+            block_table=b.block_table,
+        )
+        return target, TrimmedCell(num_tokens, windows)
 
     def _feed_continuations(self, plan: StepPlan, width: int | None) -> None:
         """The continuation rows' anchors, from the previous step's verification on the device,
@@ -351,6 +418,8 @@ class SpecRunner:
         step.window_rows = window_rows
         step.verify_len = [plan.rows[i].num_draft for i in window_rows]
         step.verified = to_host((out.tokens[:R], out.num_accepted[:R]))
+        if out.verify_len is not None:  # a trimmed cell: the lengths the device chose
+            step.trimmed_verify_len = to_host(out.verify_len[:R])
         if out.confidence_logits is not None:  # (R x K floats: the metrics' survivals too)
             step.confidence = to_host(out.confidence_logits[:R].float())
         cu = layout.cu_num_tokens_cpu
@@ -364,13 +433,16 @@ class SpecRunner:
         plan = step.plan
         emitted, accepted = (x.tolist() for x in step.verified)
         greedy = [plan.rows[i].request.sampling_params.is_greedy for i in step.window_rows]
+        caps = step.verify_len  # what the host allowed; a trimmed cell verified fewer
+        if step.trimmed_verify_len is not None:
+            step.verify_len = step.trimmed_verify_len.tolist()
         self.spec.record(step.verify_len, accepted, step.confidence, greedy)
         if step.confidence is not None:
             # (an empty window's block drafted over scratch-page slots: no evidence)
             rows, confidence = step.window_rows, step.confidence
             seen_greedy, seen_accepted, verify_len = greedy, accepted, step.verify_len
-            if 0 in verify_len:
-                seen = [j for j, v in enumerate(verify_len) if v]
+            if 0 in caps:
+                seen = [j for j, v in enumerate(caps) if v]
                 rows, confidence = [rows[j] for j in seen], confidence[seen]
                 seen_greedy = [greedy[j] for j in seen]
                 seen_accepted = [accepted[j] for j in seen]
@@ -440,8 +512,13 @@ class SpecRunner:
         b.upload(layout)
         self.spec.stage([], size)
 
-    def _graph_step(self, size: int, tail: int, mode: SamplingMode) -> SpecStepOutput:
+    def _graph_step(
+        self, size: int, tail: int, trimmed: int | None, mode: SamplingMode
+    ) -> SpecStepOutput:
         width = 1 + self.spec.num_verify
+        if trimmed is not None:
+            target, cell = self._trimmed_step(size, trimmed)
+            return self.spec.step(size, mode, target, None, cell)
         if tail:  # a mixed step: the windows' logits come first
             layout = capture_layout(size, width, tail, GRAPH_TAIL_ROWS)
             index = slice(0, size * width)

@@ -2,7 +2,7 @@
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
-     "mixed_prefill_tokens": 256}
+     "mixed_prefill_tokens": 256, "trimmed_widths": []}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -17,6 +17,12 @@ With no table, or "scheduling": false, every step drafts and verifies the full b
 a = 1) or "confident" (a = 1 always). Either way its window, when the step drafts, is verified in
 full, and a stale request still counts a = 1, so falling load brings drafting back
 (drafting_policy.py says why the default is not DSPARK.md 6.4's letter).
+"trimmed_widths" lists the trimmed cells the engine can run besides the full block: for each w
+(2 <= w <= K) and each graph size G, the cell (G, w G), a step of G windows verifying w G target
+tokens in all, each row's share chosen on the device from its fresh survivals (spec/ragged.py).
+The cost table must have measured them (`dspark profile` does, for the engine it profiles), and
+the drafting policy then picks among plain decoding, these cells and the full block. Empty (the
+default) until a measurement shows they pay on the deployment GPU.
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
@@ -30,7 +36,7 @@ from typing import Any
 
 METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
-        "unobserved", "mixed_prefill_tokens")  # fmt: skip
+        "unobserved", "mixed_prefill_tokens", "trimmed_widths")  # fmt: skip
 UNOBSERVED = ("confident", "population")
 
 
@@ -46,6 +52,7 @@ class SpecConfig:
     scheduling: bool = True  # False: fixed K even with a cost table
     unobserved: str = "population"  # how a request that never drafted counts (UNOBSERVED)
     mixed_prefill_tokens: int = 256  # prefill beside windows in a captured step (0: none)
+    trimmed_widths: tuple[int, ...] = ()  # w of the trimmed cells (G, w G) the engine can run
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -94,7 +101,16 @@ class SpecConfig:
                 f'speculative_config "mixed_prefill_tokens" must be an integer in [0, 8192], '
                 f"got {mixed!r}"
             )
+        widths = d.get("trimmed_widths", [])
+        if not isinstance(widths, (list, tuple)) or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w >= 2 for w in widths
+        ):  # fmt: skip
+            raise ValueError(
+                f'speculative_config "trimmed_widths" must be a list of integers >= 2 (tokens '
+                f"per row of a trimmed cell, at most num_speculative_tokens), got {widths!r}"
+            )
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
                    min_gain=float(gain), scheduling=scheduling, unobserved=unobserved,
-                   mixed_prefill_tokens=mixed)  # fmt: skip
+                   mixed_prefill_tokens=mixed,
+                   trimmed_widths=tuple(sorted(set(widths))))  # fmt: skip

@@ -10,6 +10,10 @@ lie between. Each value is the median whole-step time (draft + verify + sampling
              "16": {"16": 0.00099, "64": 0.00141, "128": 0.00183}},
    "sampled_cells": {"1": {"1": 0.00109, "8": 0.00178}, ...}}        optional, same shape
 
+A fingerprint's "trimmed_widths" (absent in tables older than trimmed cells: none) says which
+trimmed cells the engine runs: for each w, the cell (G, w G) of every G, and the table must hold
+each of them.
+
 "cells" are measured with greedy requests. A step of rows that sample costs more (every draft
 slot's distribution, rejection sampling, the sampler itself), so a table may also hold
 "sampled_cells", measured with requests at temperature 1, for the same G: the drafting policy
@@ -31,8 +35,10 @@ from pathlib import Path
 
 FINGERPRINT_KEYS = (
     "gpu", "device_count", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
-    "dtype", "graph_sizes", "page_size", "engine_version",
+    "dtype", "graph_sizes", "page_size", "engine_version", "trimmed_widths",
 )  # fmt: skip
+# keys a table may lack, with the value that absence means (tables written before the key)
+FINGERPRINT_DEFAULTS = {"trimmed_widths": []}
 # tables shipped beside a drafter (one per engine they were measured on), used when their
 # fingerprint matches and speculative_config names none
 COST_TABLES_DIR = "cost_tables"
@@ -75,6 +81,7 @@ def make_fingerprint(
     dtype: str,
     graph_sizes: list[int],
     page_size: int,
+    trimmed_widths: tuple[int, ...] = (),
 ) -> dict:
     """The live fingerprint: what a table's measurements depend on."""
     import torch
@@ -100,6 +107,7 @@ def make_fingerprint(
         "graph_sizes": list(graph_sizes),
         "page_size": page_size,
         "engine_version": dspark.__version__,
+        "trimmed_widths": list(trimmed_widths),
     }
 
 
@@ -110,12 +118,13 @@ def full_block_tokens(g: int, draft_len: int) -> int:
 
 def check_table(table: CostTable, live: dict) -> str | None:
     """Why this table may not be used by the live engine, or None if it may."""
-    missing = [k for k in FINGERPRINT_KEYS if k not in table.fingerprint]
+    fingerprint = {**FINGERPRINT_DEFAULTS, **table.fingerprint}
+    missing = [k for k in FINGERPRINT_KEYS if k not in fingerprint]
     if missing:
         return f"fingerprint lacks {missing}"
     for key in FINGERPRINT_KEYS:
-        if table.fingerprint[key] != live.get(key):
-            return (f"fingerprint mismatch on {key}: table {table.fingerprint[key]!r}, "
+        if fingerprint[key] != live.get(key, FINGERPRINT_DEFAULTS.get(key)):
+            return (f"fingerprint mismatch on {key}: table {fingerprint[key]!r}, "
                     f"live {live.get(key)!r}")  # fmt: skip
     if not table.cells:
         return "no cells"
@@ -129,6 +138,9 @@ def check_table(table: CostTable, live: dict) -> str | None:
             full = full_block_tokens(g, k)
             if full not in row:
                 return f"G={g} has no {kind}full-block cell V={full}"
+            unmeasured = [g * w for w in fingerprint["trimmed_widths"] if g * w not in row]
+            if unmeasured:
+                return f"G={g} has no {kind}trimmed cell V={unmeasured[0]} (unmeasured)"
             for v, t in row.items():
                 if not (g <= v <= full):
                     return f"{kind}cell G={g} V={v} is outside [{g}, {full}]"

@@ -61,8 +61,15 @@ A batch with any row that samples is priced by the table's sampled cells (measur
 temperature 1: a sampled drafting step costs more than a greedy one), or by the greedy cells
 where the table has none (counted: sampled_priced_by_greedy_cells).
 
-Trimmed cells (1 < V / G < K + 1) need ragged verify graphs and are not considered yet; a table
-that has them is used for its plain and full-block cells only.
+Trimmed cells. With trimmed_widths (the cells (G, w G) the runner can run, spec/ragged.py) and a
+table that measured them, the choice is lagged.choose_cell over G's plain, trimmed and full
+cells: the expected tokens of a budget of D drafts are R plus the D highest lagged survivals,
+so each request's survivals are kept per position, not only summed. A row's vector is its own
+smoothed one (or the population's, for a request that never drafted) rescaled to the total the
+sums above give it, each position clipped to 1; a stale row is all ones. The full block's
+expected tokens are then those of the sum-only choice, and a table without trimmed cells gives
+exactly the choices above. A trimmed choice reaches the runner as StepPlan.trimmed_cell; the
+device fills its budget from the step's fresh survivals.
 """
 
 from __future__ import annotations
@@ -72,16 +79,18 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark.spec.cost_table import CostTable, full_block_tokens
-from dspark.spec.lagged import choose_drafting, survival
+from dspark.spec.lagged import choose_cell, choose_drafting, survival
 
 
 @dataclass(frozen=True)
 class Decision:
     drafting: bool
-    reason: str  # for the counters: "full block", "no drafting", "dwell", "no table", ...
+    reason: str  # for the counters: "full block", "no drafting", "trimmed", "dwell", ...
+    trimmed_cell: tuple[int, int] | None = None  # (G, V) when the choice is a trimmed cell
 
 
 class DraftingPolicy:
@@ -99,6 +108,7 @@ class DraftingPolicy:
         min_population_blocks: float = 16.0,
         block_half_life: float = 1.0,  # blocks, of a request's smoothed survival sum
         regression_half_life: float = 8.0,  # steps, of a request's pull to the population mean
+        trimmed_widths: tuple[int, ...] = (),  # the runner's trimmed cells (G, w G)
     ) -> None:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
@@ -107,6 +117,7 @@ class DraftingPolicy:
         self.unobserved = unobserved
         self.min_population_blocks = min_population_blocks
         self._population_sum = self._population_blocks = 0.0  # weighted observed sums, blocks
+        self._population_vector = np.zeros(draft_len)  # weighted observed survivals [K]
         self.draft_len = draft_len
         self.temperatures = {g: t.float().cpu()[:draft_len] for g, t in temperatures.items()}
         self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
@@ -123,8 +134,8 @@ class DraftingPolicy:
         self._predicted = self._realised = prior_blocks
         # the cells the engine can run (plain and the full block), greedy and, if measured,
         # sampled (a batch with any row that samples is priced by those)
-        self.table = _runnable(table, draft_len)
-        self.sampled_table = _runnable(table and table.for_sampling(), draft_len)
+        self.table = _runnable(table, draft_len, trimmed_widths)
+        self.sampled_table = _runnable(table and table.for_sampling(), draft_len, trimmed_widths)
         if self.table is None or self.sampled_table is None or (
             self.sampled_table.cells.keys() != self.table.cells.keys()
         ):  # fmt: skip
@@ -133,8 +144,8 @@ class DraftingPolicy:
         self.drafting = True
         self._steps_in_mode = 0
         self._step = 0  # decisions made: the clock of staleness
-        # request id -> (sum of its last block's K survivals, the step it was observed at)
-        self._survival_sums: dict[str, tuple[float, int]] = {}
+        # request id -> (its smoothed survivals [K], the step they were last observed at)
+        self._survivals: dict[str, tuple[np.ndarray, int]] = {}
         self.counters: Counter[str] = Counter()
 
     # ---- what the step saw ------------------------------------------------------------------
@@ -149,14 +160,16 @@ class DraftingPolicy:
     ) -> None:
         """After a speculative step's sync: each window's raw confidences and what it kept."""
         temps = torch.stack([self.temperatures[g] for g in greedy])
-        sums = survival(confidence_logits[:, : self.draft_len].float(), temps).sum(-1).tolist()
+        a = survival(confidence_logits[:, : self.draft_len].float(), temps).double().numpy()
+        sums = a.sum(-1).tolist()
         w = self._block_weight
-        for rid, total in zip(request_ids, sums, strict=True):
-            seen = self._survival_sums.get(rid)
-            smoothed = total if seen is None else seen[0] + w * (total - seen[0])
-            self._survival_sums[rid] = (smoothed, self._step)
+        for rid, vector in zip(request_ids, a, strict=True):
+            seen = self._survivals.get(rid)
+            smoothed = vector if seen is None else seen[0] + w * (vector - seen[0])
+            self._survivals[rid] = (smoothed, self._step)
         decay = self._decay ** len(sums)
         self._population_sum = self._population_sum * decay + sum(sums)
+        self._population_vector = self._population_vector * decay + a.sum(0)
         self._population_blocks = self._population_blocks * decay + len(sums)
         if num_accepted is None or verify_len is None:
             return
@@ -171,7 +184,7 @@ class DraftingPolicy:
         return self._realised / self._predicted
 
     def forget(self, request_id: str) -> None:
-        self._survival_sums.pop(request_id, None)
+        self._survivals.pop(request_id, None)
 
     # ---- the choice -------------------------------------------------------------------------
 
@@ -205,10 +218,16 @@ class DraftingPolicy:
                 table = self.sampled_table
             else:
                 self.counters["sampled_priced_by_greedy_cells"] += 1
-        choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g), g,
-                                 table, self.draft_len, self.min_gain,
-                                 drafting_now=self.drafting)  # fmt: skip
-        return Decision(choice.geometry.drafts, choice.reason)
+        if len(table.cells[g]) > 2:  # trimmed cells: per-position survivals price them
+            a = torch.from_numpy(self.lagged_survival(request_ids, g))
+            choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting)
+        else:
+            choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g), g,
+                                     table, self.draft_len, self.min_gain,
+                                     drafting_now=self.drafting)  # fmt: skip
+        geometry = choice.geometry
+        trimmed = (g, geometry.num_tokens) if choice.reason == "trimmed" else None
+        return Decision(geometry.drafts, choice.reason, trimmed)
 
     def stale_after(self, g: int) -> int:
         """Steps after which a request's survivals are stale at graph size G (module doc)."""
@@ -224,24 +243,45 @@ class DraftingPolicy:
         ages (half-life regression_half_life steps; module docstring), once the population
         has min_population_blocks blocks of evidence.
         """
+        return sum(total for total, _ in self._row_estimates(request_ids, g))
+
+    def lagged_survival(self, request_ids: list[str], g: int) -> np.ndarray:
+        """[R, K] the requests' lagged survivals per position: each row's vector (its own, or
+        the population's; ones when stale or without evidence) rescaled to the row's total of
+        survival_sum, clipped to 1 (module docstring)."""
+        rows = []
+        for total, vector in self._row_estimates(request_ids, g):
+            if vector is None or vector.sum() <= 0:
+                rows.append(np.full(self.draft_len, min(1.0, total / self.draft_len)))
+            else:
+                rows.append(np.minimum(1.0, vector * (total / vector.sum())))
+        return np.array(rows, dtype=np.float32).reshape(len(rows), self.draft_len)
+
+    def _row_estimates(
+        self, request_ids: list[str], g: int
+    ) -> list[tuple[float, np.ndarray | None]]:
+        """Each request's (estimated survival sum, the vector it is shaped by, or None)."""
         fresh_since = self._step - self.stale_after(g)
         scale, k = self.correction, self.draft_len
         unseen = self.unobserved_sum()
         mean = self.population_mean()
-        total = 0.0
+        population = None
+        if mean is not None and self.unobserved == "population":
+            population = self._population_vector
+        rows = []
         for rid in request_ids:
-            seen = self._survival_sums.get(rid)
+            seen = self._survivals.get(rid)
             if seen is None:
-                total += unseen
+                rows.append((unseen, population))
             elif seen[1] < fresh_since:
-                total += k
+                rows.append((float(k), None))
             else:
-                own = min(k, scale * seen[0])
+                own = min(k, scale * float(seen[0].sum()))
                 if mean is not None:
                     own = mean + (own - mean) * 0.5 ** ((self._step - seen[1]) /
                                                        self._regression_half_life)  # fmt: skip
-                total += own
-        return total
+                rows.append((own, seen[0]))
+        return rows
 
     def population_mean(self) -> float | None:
         """The recent requests' recalibrated mean survival sum per block (exponentially
@@ -259,13 +299,18 @@ class DraftingPolicy:
         return mean
 
 
-def _runnable(table: CostTable | None, draft_len: int) -> CostTable | None:
-    """The table's plain and full-block cells, for the G that have both (None: no such G)."""
+def _runnable(
+    table: CostTable | None, draft_len: int, trimmed_widths: tuple[int, ...] = ()
+) -> CostTable | None:
+    """The table's cells the engine can run: plain, the full block and its trimmed cells, for
+    the G that have both plain and full (None: no such G)."""
     if table is None:
         return None
     cells = {}
     for g, row in table.cells.items():
-        runnable = {v: t for v, t in row.items() if v in (g, full_block_tokens(g, draft_len))}
-        if len(runnable) == 2:
-            cells[g] = runnable
+        full = full_block_tokens(g, draft_len)
+        if g not in row or full not in row:
+            continue
+        runnable = (g, full, *(g * w for w in trimmed_widths))
+        cells[g] = {v: t for v, t in row.items() if v in runnable}
     return CostTable(table.fingerprint, cells) if cells else None

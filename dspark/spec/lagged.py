@@ -131,16 +131,31 @@ def _best_cell(g, row, num_live, draft_len, expected, min_gain, drafting_now) ->
     return CellChoice(cell_geometry(g, best_v, num_live), best, reason)
 
 
-def select_verify_lengths(a: torch.Tensor, num_drafts: int) -> torch.Tensor:
+def select_verify_lengths(
+    a: torch.Tensor,  # [R, K] fresh survivals, non-increasing along each row
+    num_drafts: int,  # D, the cell's budget
+    cap: torch.Tensor | None = None,  # [R] at most this many per row (None: K)
+) -> torch.Tensor:  # [R] verify lengths
     """On the device, no host sync: the D candidates (r, j) of highest fresh survival, ties by
     position then row, as verify lengths [R] (a prefix of each row, since a is non-increasing).
+    Candidates past a row's cap (a window shortened near max_tokens, an empty window, a pad
+    row: all known on the host before drafting) are never chosen.
 
       a = [[0.9, 0.5], [0.9, 0.2]], D = 3 -> candidates (0,1) (1,1) (0,2) -> lengths [2, 1]
+      the same with cap [1, 2]           -> candidates (0,1) (1,1) (1,2) -> lengths [1, 2]
+
+    Why this is lossless (DSPARK.md 6.3): a[r, k+1] depends on draft x[r, k], but it is at most
+    a[r, k] and ranks after it on a tie (position ascending), so whether (r, k) is among the D
+    best is decided by candidates that do not depend on x[r, k]; D itself was fixed before
+    these drafts existed.
     """
     num_rows, k = a.shape
+    if cap is not None:  # (below every survival: ranked last, and never chosen)
+        a = torch.where(torch.arange(k, device=a.device)[None, :] < cap[:, None], a, -1.0)
     # flatten position-major, so a stable sort on survival alone leaves ties by (j, r)
     flat = a.t().reshape(-1)  # index i = j * R + r
     order = torch.sort(flat, descending=True, stable=True).indices
     chosen = torch.zeros_like(flat, dtype=torch.bool)
     chosen[order[: min(num_drafts, flat.numel())]] = True
+    chosen &= flat >= 0
     return chosen.view(k, num_rows).sum(dim=0)

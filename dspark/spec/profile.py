@@ -15,6 +15,10 @@ across cells. The engine runs without a cost table (drafting is set here).
 
   G 16: plain 1.02 ms, full block 2.41 ms  ->  {"16": {"16": 0.00102, "128": 0.00241}}
 
+With trimmed cells (speculative_config "trimmed_widths"), each trimmed cell (G, w G) is
+measured the same way beside the full block: the scheduler is handed the cell as the drafting
+policy would, and the device picks each row's share of the budget.
+
 With `sampled` (the default) every cell is measured again with requests at temperature 1
 (request i seeded with i), into the table's "sampled_cells": a sampled step draws every draft
 slot from its distribution and verifies by rejection sampling, and prices differently.
@@ -67,7 +71,8 @@ def profile_cost_table(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     K = engine.spec.num_verify
     # enough room for every timed step to draft a full block without reaching max_tokens
-    max_tokens = (2 * rounds * (steps + warmup) + 2) * (K + 1)
+    num_cells = 2 + len(engine.runner.spec_runner.trimmed_widths)
+    max_tokens = (num_cells * rounds * (steps + warmup) + 2) * (K + 1)
     if prompt_len + max_tokens > engine.max_model_len:
         raise ValueError(f"prompt_len {prompt_len} + {max_tokens} tokens exceed max_model_len "
                          f"{engine.max_model_len}")  # fmt: skip
@@ -86,9 +91,11 @@ def _measure_cells(
     llm: LLM, batches: list[int], prompt: list[int], temperature: float, max_tokens: int,
     steps: int, warmup: int, rounds: int,
 ) -> dict[int, dict[int, float]]:  # fmt: skip
-    """G -> {G: plain, G (K + 1): full block} seconds, with G requests at this temperature."""
+    """G -> {G: plain, G (K + 1): full block, w G: trimmed} seconds, with G requests at this
+    temperature."""
     engine = llm.engine
     K = engine.spec.num_verify
+    widths = engine.runner.spec_runner.trimmed_widths
     cells: dict[int, dict[int, float]] = {}
     for g in batches:
         for i in range(g):
@@ -100,15 +107,31 @@ def _measure_cells(
         while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                    for r in sched.running):  # fmt: skip
             engine.step()
-        plain = full = math.inf
+        # the cells in the order measured each round: plain, the trimmed ones, the full block
+        order = [g, *(g * w for w in widths), full_block_tokens(g, K)]
+        best = dict.fromkeys(order, math.inf)
         for _ in range(rounds):
-            sched.drafting = False
-            plain = min(plain, _median_step(llm, steps, warmup))
-            sched.drafting = True
-            full = min(full, _median_step(llm, steps, warmup))
-        cells[g] = {g: plain, full_block_tokens(g, K): full}
+            for v in order:
+                sched.drafting = v > g
+                sched.trimmed_cell = (g, v) if g < v < order[-1] else None
+                ran = _trimmed_steps(engine)
+                best[v] = min(best[v], _median_step(llm, steps, warmup))
+                if sched.trimmed_cell and _trimmed_steps(engine) - ran < steps + warmup:
+                    raise RuntimeError(f"trimmed cell G={g} V={v} did not run as one (fallbacks: "
+                                       f"{_fallbacks(engine)}): not measured")  # fmt: skip
+        sched.drafting, sched.trimmed_cell = True, None
+        cells[g] = best
         _drain(llm)
     return cells
+
+
+def _trimmed_steps(engine) -> int:
+    stats = engine.runner.stats
+    return stats["spec_graph_steps_trimmed"] + stats["eager_spec_steps_trimmed"]
+
+
+def _fallbacks(engine) -> dict[str, int]:
+    return {k: v for k, v in engine.runner.stats.items() if k.startswith("trimmed_fallback_")}
 
 
 def format_table(table: CostTable, draft_len: int) -> str:
@@ -121,7 +144,22 @@ def format_table(table: CostTable, draft_len: int) -> str:
         if table.sampled_cells:
             line += "           " + _cells_text(table.sampled_cells[g], g, draft_len)
         rows.append(f"{g:>5} " + line)
-    return "\n".join(rows)
+    trimmed = _trimmed_text(table, draft_len)
+    return "\n".join(rows + ([trimmed] if trimmed else []))
+
+
+def _trimmed_text(table: CostTable, draft_len: int) -> str:
+    """The trimmed cells, as tokens per row w: step ms (over plain), greedy then sampled."""
+    lines = []
+    for name, cells in (("greedy", table.cells), ("sampled", table.sampled_cells or {})):
+        for g, row in sorted(cells.items()):
+            full = full_block_tokens(g, draft_len)
+            trimmed = [(v, t) for v, t in sorted(row.items()) if g < v < full]
+            if trimmed:
+                text = "  ".join(f"w={v // g}: {t * 1e3:.3f} ({t / row[g]:.2f})"
+                                 for v, t in trimmed)  # fmt: skip
+                lines.append(f"{g:>5} {name} trimmed cells ms (/ plain): {text}")
+    return "\n".join(lines)
 
 
 def _cells_text(row: dict[int, float], g: int, draft_len: int) -> str:

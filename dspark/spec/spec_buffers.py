@@ -15,6 +15,8 @@ the windows start at tokens 0 and 3 of the target layout):
   draft_dst [R, K]:      [[1, 2, 0], [4, 5, 6]]      target token index of draft k, or the
                                                      anchor's own index when k >= verify_len
   verify_len:            [2, 3]
+  verify_cap:            [2, 3]                      verify_len, 0 for pad rows: the most a
+                                                     trimmed cell may verify (spec/ragged.py)
   window_len:            [3, 4]                      the windows' tokens in the target layout:
                                                      verify_len + 1, or K + 1 for every row of a
                                                      step laid out for a captured graph (a short
@@ -86,6 +88,7 @@ class SpecBuffers:
             ("anchors", max_rows, torch.int64),
             ("anchor_pos", max_rows, torch.int64),
             ("verify_len", max_rows, torch.int64),
+            ("verify_cap", max_rows, torch.int64),
             ("window_len", max_rows, torch.int64),
             ("block_positions", max_rows * K, torch.int64),
             ("block_slots", max_rows * K, torch.int64),
@@ -146,6 +149,7 @@ class SpecBuffers:
         self.np("anchors")[:num_rows] = [r.anchor for r in rows] + [0] * pad
         self.np("anchor_pos")[:num_rows] = anchor_pos
         self.np("verify_len")[:num_rows] = verify_len
+        self.np("verify_cap")[:num_rows] = np.where(np.arange(num_rows) < n, verify_len, 0)
         self.np("window_len")[:num_rows] = window_len
         self.np("block_positions")[: num_rows * K] = block_pos.reshape(-1)
         self.np("block_slots")[: num_rows * K] = slots.reshape(-1)

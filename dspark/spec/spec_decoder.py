@@ -16,6 +16,10 @@ Window rows of a step, worked example (verify_len [2, 1], K = 3, anchors at posi
   target tokens:   [a0 d0 d1 | a1 d0]   at positions [9 10 11 | 4 5]
   drafter block:   rows of K = 3 slots  at positions [9 10 11 | 4 5 6]
   draft scatter:   input_ids[t0 + 1 + k] = drafts[j, k] for k < verify_len[j]
+
+A trimmed cell (G, V) (spec/ragged.py) adds one stage between 1 and 2: the fresh confidences
+choose each row's verify length under the cell's budget, and the full-width inputs are
+compacted in place to V tokens; 2-4 then run on that ragged layout.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.spec.drafting import DraftBlock, draft_block
+from dspark.spec.ragged import TrimmedCell, compact_windows, trim_verify_lengths
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.verifier import VerifyInput, VerifyOutput, verify, verify_greedy
 
@@ -52,6 +57,7 @@ class SpecStepOutput:
     tokens: torch.Tensor  # [R, K + 1] accepted drafts, then the recovered/bonus token
     num_accepted: torch.Tensor  # [R]
     confidence_logits: torch.Tensor | None  # [R, K] raw, for the scheduler
+    verify_len: torch.Tensor | None = None  # [R] chosen on the device (a trimmed cell only)
 
 
 class SpecDecoder:
@@ -77,6 +83,9 @@ class SpecDecoder:
         self.calibrated = confidence_temperatures is not None
         temps = confidence_temperatures or [1.0] * self.draft_len
         self.confidence_temperatures = torch.tensor(temps, dtype=torch.float32, device=device)
+        self.greedy_confidence_temperatures = torch.tensor(
+            greedy_confidence_temperatures or temps, dtype=torch.float32, device=device
+        )
         # the host's survivals (metrics, drafting policy) per row: greedy rows use the greedy
         # fit where the calibration has one (dspark/spec/calibration.py)
         self.survival_temperatures = {
@@ -118,19 +127,40 @@ class SpecDecoder:
         mode: SamplingMode,
         target: TargetStep,
         window_index: torch.Tensor | slice | None,  # logit rows of the window tokens; None: all
+        trimmed: TrimmedCell | None = None,  # run as this trimmed cell (all rows full width)
     ) -> SpecStepOutput:
         """Draft, run the target, feed the drafter's context, verify: device work only, so
         the same code runs eagerly and inside a captured graph."""
         st = self.buffers.sampling(num_rows, mode)
         block = self.draft(num_rows, st, target.input_ids, target.block_table[:num_rows])
+        verify_len = cu = None
+        if trimmed is not None:
+            verify_len, cu = self.trim(num_rows, st, block, trimmed)
         out = target.run()
         self.append_context(out.hidden_states, target.positions, target.slot_mapping)
         window_logits = out.logits if window_index is None else out.logits[window_index]
-        verified = self.verify(window_logits, num_rows, st, block)
+        verified = self.verify(window_logits, num_rows, st, block, verify_len, cu)
         return SpecStepOutput(
             out.logits, window_logits, verified.tokens, verified.num_accepted,
-            block.confidence_logits,
+            block.confidence_logits, verify_len,
         )  # fmt: skip
+
+    def trim(
+        self, num_rows: int, st: SamplingTensors, block: DraftBlock, trimmed: TrimmedCell
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [R] verify lengths, [R + 1] their cu
+        """The trimmed cell's stage (spec/ragged.py): fresh survivals fill the budget, and the
+        full-width inputs become the ragged layout of trimmed.num_tokens tokens."""
+        assert block.confidence_logits is not None, "a trimmed cell needs the confidence head"
+        k = self.num_verify
+        temps = torch.where(
+            (st.temperature == 0)[:, None], self.greedy_confidence_temperatures[None, :k],
+            self.confidence_temperatures[None, :k],
+        )  # [R, K]  # fmt: skip
+        verify_len = trim_verify_lengths(
+            block.confidence_logits[:, :k], temps, self.buffers.verify_cap[:num_rows],
+            trimmed.num_tokens - num_rows,
+        )  # fmt: skip
+        return verify_len, compact_windows(trimmed.windows, verify_len, trimmed.num_tokens)
 
     # ---- 1. draft ---------------------------------------------------------------------------
 
@@ -174,11 +204,14 @@ class SpecDecoder:
         num_rows: int,
         st: SamplingTensors,  # per window row
         block: DraftBlock,
+        verify_len: torch.Tensor | None = None,  # [R] (None: the staged ones)
+        cu: torch.Tensor | None = None,  # [R + 1] window starts in window_logits, with it
     ) -> VerifyOutput:
         b, R, dev = self.buffers, num_rows, self.device
-        verify_len = b.verify_len[:R]
-        cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)  # window starts in window_logits
-        cu[1:] = b.window_len[:R].cumsum(0)
+        if verify_len is None:
+            verify_len = b.verify_len[:R]
+            cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
+            cu[1:] = b.window_len[:R].cumsum(0)
         if st.all_greedy:
             return verify_greedy(window_logits, block.tokens, verify_len, cu)
         # owner row of each window token (shape-static: no host sync, capturable)

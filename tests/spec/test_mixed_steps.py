@@ -11,7 +11,7 @@ from dspark import LLM, SamplingParams
 from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
 from dspark.runner.mixed_layout import MAX_TAIL_ROWS, capture_layout, write_tail_pads
-from dspark.runner.spec_graphs import graph_mode
+from tests.spec.eager_replay import EagerReplay
 from tests.spec.test_uniform_windows import _assert_same_outputs
 from tests.tiny_models import make_tiny_drafter
 
@@ -25,32 +25,6 @@ TAIL = 16  # tail tokens of the padded runs (the scheduler caps the prefill besi
 @pytest.fixture(scope="module")
 def drafter(tiny_vocab_dir, tmp_path_factory):
     return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_mixed"), taps=(0,))
-
-
-class EagerReplay:
-    """SpecGraphs without capture: replay runs the step a graph captures (SpecDecoder.step over
-    G windows, the target over the padded layout) on the buffers as staged, so the padded
-    layouts of graph steps run on the CPU. The step's host mirrors are the live layout's: the
-    CPU reference attention reads them, where the Triton kernel a graph holds reads only the
-    device buffers (the mirrors size its grid)."""
-
-    def __init__(self, spec_runner, sizes: list[int], tails: tuple[int, ...]) -> None:
-        self.spec_runner, self.sizes, self.tails = spec_runner, sorted(sizes), tails
-        self.layout = None
-        run = spec_runner.run
-
-        def keep_layout(plan, layout, *args):
-            self.layout = layout
-            return run(plan, layout, *args)
-
-        spec_runner.run = keep_layout
-
-    def replay(self, size, mode, tail=0):
-        r, width = self.spec_runner, self.layout.window_width
-        assert self.layout.num_rows == size + (self.layout.tail_rows if tail else 0)
-        target = r._target_step(self.layout, r.buffers.block_table)
-        index = slice(0, size * width) if tail else None
-        return r.spec.step(size, graph_mode(mode, tail), target, index)
 
 
 def _llm(tiny_vocab_dir, drafter, padded: bool | None, max_num_seqs: int = 4):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -85,12 +87,15 @@ def test_the_captured_step_function_runs_eagerly_on_pad_windows(tiny_vocab_dir, 
     runner = llm.engine.runner
     caches = runner.kv_caches + runner.spec.kv_caches  # [2, pages, page_size, nkv, hd] each
     before = [kv[:, 1:].clone() for kv in caches]  # every page but the scratch page
-    for mode in (GREEDY, FILTERED):
+    for mode, trimmed in itertools.product((GREEDY, FILTERED), (None, 4 * 2)):
         runner.spec_runner._prepare_graph(4)
-        out = runner.spec_runner._graph_step(4, 0, mode)
-        assert out.logits.shape[0] == 4 * (DRAFT_LEN + 1)
+        out = runner.spec_runner._graph_step(4, 0, trimmed, mode)
+        assert out.logits.shape[0] == trimmed or 4 * (DRAFT_LEN + 1)
         assert out.tokens.shape == (4, DRAFT_LEN + 1) and out.num_accepted.shape == (4,)
         assert ((0 <= out.num_accepted) & (out.num_accepted <= DRAFT_LEN)).all()
+        if trimmed:  # a trimmed cell of pad windows: no candidate, every row verifies none
+            assert out.verify_len.tolist() == [0, 0, 0, 0]
+            assert out.num_accepted.tolist() == [0, 0, 0, 0]
     # pad windows wrote only the scratch page (page 0): no other page changed
     for kv, old in zip(caches, before, strict=True):
         assert torch.equal(kv[:, 1:], old)

@@ -1,0 +1,234 @@
+"""Trimmed cells (G, V): verify lengths chosen on the device from fresh survivals under the
+cell's budget, the full-width windows compacted in place (spec/ragged.py), end to end through
+the engine on the CPU: greedy output equals plain decoding, sampled output keeps the target's
+distribution, and the cost table, the policy and the profiler know the cells."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
+from dspark.spec.cost_table import CostTable, check_table, full_block_tokens
+from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.spec.profile import format_table, profile_cost_table
+from dspark.spec.ragged import FullWidthWindows, compact_windows, trim_verify_lengths
+from tests.helpers import assert_matches_distribution
+from tests.spec.eager_replay import EagerReplay
+from tests.spec.test_spec_engine import PROMPTS12, _exact_pair_distribution
+from tests.tiny_models import make_tiny_drafter
+
+K = 3  # verified of the tiny drafter's 4
+
+
+def test_compact_windows_worked_example():
+    """spec/ragged.py's docstring: K = 3 (width 4), rows a0 and a1 live, row 2 a pad row."""
+    w = 4
+    ids = torch.tensor([10, 11, 12, 13, 20, 21, 22, 23, PAD_TOKEN_ID, 0, 0, 0])
+    positions = torch.tensor([9, 10, 11, 12, 4, 5, 6, 7, 0, 1, 2, 3])
+    slots = torch.tensor([109, 110, 111, 112, 204, 205, 206, 207] + [PAD_SLOT] * 4)
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    seq_lens = torch.tensor([13, 8, 4], dtype=torch.int32)
+    logits = torch.tensor([[0.9, 0.8, 0.1], [0.7, 0.6, 0.5], [5.0, 5.0, 5.0]]).logit()
+    # calibrated survival = cumprod(sigmoid(logit / T)); T = 1, and c so that a is as shown
+    confidence = torch.stack([logits[:, 0], *(
+        (logits[:, j].sigmoid() / logits[:, j - 1].sigmoid()).logit() for j in (1, 2)
+    )], dim=1)  # fmt: skip
+    verify_len = trim_verify_lengths(confidence, torch.ones(3, 3), torch.tensor([3, 3, 0]), 4)
+    assert verify_len.tolist() == [2, 2, 0]
+    windows = FullWidthWindows(ids, positions, slots, cu, seq_lens, w)
+    new_cu = compact_windows(windows, verify_len, 7)
+    assert new_cu.tolist() == cu.tolist() == [0, 3, 6, 7]
+    assert ids[:7].tolist() == [10, 11, 12, 20, 21, 22, PAD_TOKEN_ID]
+    assert positions[:7].tolist() == [9, 10, 11, 4, 5, 6, 0]
+    assert slots[:7].tolist() == [109, 110, 111, 204, 205, 206, PAD_SLOT]
+    assert seq_lens.tolist() == [12, 7, 1]
+
+
+def test_tokens_past_the_last_window_go_to_the_scratch_page():
+    """Fewer candidates than the budget (capture on pad windows): the leftover tokens belong
+    to no row and write the scratch page."""
+    ids, pos = torch.arange(8), torch.arange(8)
+    slots = torch.arange(100, 108)
+    windows = FullWidthWindows(ids, pos, slots, torch.tensor([0, 4, 8]), torch.tensor([4, 4]), 4)
+    cu = compact_windows(windows, torch.tensor([1, 0]), 5)  # 3 tokens in windows, V = 5
+    assert cu.tolist() == [0, 2, 3]
+    assert slots[:5].tolist() == [100, 101, 104, PAD_SLOT, PAD_SLOT]
+    assert SCRATCH_PAGE == 0 and PAD_SLOT == SCRATCH_PAGE
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_t"), taps=(0,))
+
+
+KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=4, max_model_len=64,
+          async_spec_steps=False)  # fmt: skip
+LADDER = (1, 2, 4)
+
+
+def _spec(drafter, **extra):
+    return {"model": str(drafter), "num_speculative_tokens": K, "trimmed_widths": [2, 3],
+            **extra}  # fmt: skip
+
+
+def _trimming_table(fingerprint: dict, sizes=LADDER) -> CostTable:
+    """Plain and the full block far dearer than the trimmed cells: the policy always drafts
+    and picks a trimmed cell (w = 2 the cheapest per token)."""
+    cells = {g: {g: 1.0, 2 * g: 0.1, 3 * g: 0.2, full_block_tokens(g, K): 1.0} for g in sizes}
+    return CostTable(fingerprint, cells, cells)
+
+
+def _llm(tiny_vocab_dir, drafter, tmp_path, padded: bool, **kw):
+    """An engine whose policy trims every drafting step: eager (the live rows, budget D of the
+    cell), or padded to the ladder as captured cells replay (EagerReplay)."""
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **{**KW, **kw})
+    path = tmp_path / f"trim_{padded}.json"
+    sizes = [1 << i for i in range((kw.get("max_num_seqs", 4)).bit_length())]
+    path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(path)),
+              **{**KW, **kw})  # fmt: skip
+    spec_runner = llm.engine.runner.spec_runner
+    spec_runner.uniform_windows = True  # (what graphs turn on: trimmed cells need full width)
+    if padded:
+        trimmed = {g: (2 * g, 3 * g) for g in sizes}
+        spec_runner.graphs = EagerReplay(spec_runner, list(sizes), trimmed=trimmed)
+    return llm
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_trimmed_cells_greedy_equal_plain(tiny_vocab_dir, drafter, tmp_path, padded):
+    """Rows verifying 0..K drafts side by side, windows shortened near max_tokens, an opted-out
+    request, a batch that shrinks as requests end and sizes between the ladder's."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, use_speculation=(i != 3))
+        for i, n in enumerate([20, 13, 31, 17, 9])
+    ]
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS12, params, use_tqdm=False)
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded)
+    got = llm.generate(PROMPTS12, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    m = llm.get_metrics()
+    stats = llm.engine.runner.stats
+    trimmed = stats["spec_graph_steps_trimmed" if padded else "eager_spec_steps_trimmed"]
+    assert trimmed > 0, dict(stats)
+    assert m["drafting_policy"]["decision_trimmed"] > 0
+    counts = m["verify_len_counts"]  # rows verified 0 and K drafts in trimmed steps
+    assert counts[0] > 0 and counts[K] > 0, counts
+    assert m["num_verified_tokens"] < (K + 1) * sum(counts)
+    if padded:
+        replayed = llm.engine.runner.spec_runner.graphs.replayed
+        assert {(g, v) for g, _, v in replayed if v} >= {(4, 8)}
+    e = llm.engine
+    assert e.allocator.num_free == e.allocator.num_usable
+
+
+def test_trimmed_cells_fall_back_to_the_full_block_with_reasons(tiny_vocab_dir, drafter, tmp_path):
+    """Logprobs need the host's window lengths: such steps verify the full block, counted."""
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    llm.generate(PROMPTS12[:3], params, use_tqdm=False)
+    stats = llm.engine.runner.stats
+    assert stats["trimmed_fallback_logprobs"] > 0 and not stats["eager_spec_steps_trimmed"]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_trimmed_sampled_speculation_keeps_the_target_distribution(
+    tiny_vocab_dir, drafter, tmp_path, temperature, top_p
+):
+    """Tokens 2 and 3 of 3,000 seeded requests (token 1 from the prefill; then windows of up to
+    2 drafts, of which the trimmed cell verifies half: D = G = R drafts for 2 R candidates):
+    their joint is the target's."""
+    n, prompt = 3000, [2, 3, 4]
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded=True, max_num_seqs=64,
+               num_kv_pages=1024)  # fmt: skip
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_tokens=4,
+                             ignore_eos=True) for s in range(n)]  # fmt: skip
+    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    m = llm.get_metrics()
+    assert llm.engine.runner.stats["spec_graph_steps_trimmed"] > 0
+    assert m["verify_len_counts"][1] > 0 and m["num_accepted_tokens"] > 0, m
+    pairs = torch.tensor([o[1] * 12 + o[2] for o in outs])
+    counts = torch.bincount(pairs, minlength=144).float()
+    expected = _exact_pair_distribution(llm.engine.model, prompt, temperature, top_p) * n
+    assert_matches_distribution(counts, expected)
+
+
+def test_profile_measures_the_trimmed_cells(tiny_vocab_dir, drafter):
+    kw = {**KW, "max_model_len": 512}
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **kw)
+    with pytest.raises(RuntimeError, match="G=2 V=4 did not run as one .*not_all_windows"):
+        profile_cost_table(llm, [2], steps=5, warmup=1, prompt_len=8, rounds=1)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **kw)
+    llm.engine.runner.spec_runner.uniform_windows = True  # (as with graphs)
+    table = profile_cost_table(llm, [2], steps=5, warmup=1, prompt_len=8, rounds=1)
+    assert set(table.cells[2]) == {2, 4, 6, 8} == set(table.sampled_cells[2])
+    assert table.fingerprint["trimmed_widths"] == [2, 3]
+    assert check_table(table, llm.engine.cost_fingerprint()) is None
+    assert "w=2" in format_table(table, K) and "w=3" in format_table(table, K)
+    assert llm.engine.runner.stats["eager_spec_steps_trimmed"] > 0
+    assert llm.engine.scheduler.trimmed_cell is None
+
+
+# ---- the table, the policy, the configuration ----------------------------------------------
+
+
+def _fingerprint(**extra) -> dict:
+    base = dict(gpu="cpu", device_count=0, torch="t", triton=None, target_hash="a",
+                drafter_hash="b", draft_len=K, dtype="float32", graph_sizes=[1, 2],
+                page_size=16, engine_version="0")  # fmt: skip
+    return {**base, **extra}
+
+
+def test_cost_table_authenticates_trimmed_cells():
+    live = _fingerprint(trimmed_widths=[2])
+    cells = {g: {g: 1.0, 2 * g: 1.2, 4 * g: 1.5} for g in (1, 2)}
+    assert check_table(CostTable(live, cells), live) is None
+    # a table from before trimmed cells (no key) is an engine without them
+    old = _fingerprint()
+    assert check_table(CostTable(old, cells), {**old, "trimmed_widths": []}) is None
+    assert "mismatch on trimmed_widths" in check_table(CostTable(old, cells), live)
+    unmeasured = {1: {1: 1.0, 2: 1.2, 4: 1.5}, 2: {2: 1.0, 8: 1.5}}
+    assert check_table(CostTable(live, unmeasured), live) == (
+        "G=2 has no trimmed cell V=4 (unmeasured)"
+    )
+
+
+def test_policy_prices_trimmed_cells_from_per_position_survivals():
+    g = 4
+    table = CostTable({}, {g: {g: 1.0, 2 * g: 1.1, full_block_tokens(g, K): 1.6}})
+    ones = {False: torch.ones(K), True: torch.ones(K)}
+    policy = DraftingPolicy(table, ones, K, min_dwell_steps=0, trimmed_widths=(2,))
+    ids = [f"r{i}" for i in range(4)]
+    # first drafts likely, later ones hopeless: one draft a row (w = 2) is the best cell
+    logits = torch.tensor([[3.0, -4.0, -4.0]] * 4)
+    policy.observe(ids, logits, [False] * 4)
+    decision = policy.decide(ids)
+    assert decision.drafting and decision.reason == "trimmed"
+    assert decision.trimmed_cell == (g, 2 * g)
+    a = policy.lagged_survival(ids, g)
+    assert a.shape == (4, K) and a.sum() == pytest.approx(policy.survival_sum(ids, g), rel=1e-5)
+    # every draft survives: the full block
+    policy.observe(ids, torch.full((4, K), 9.0), [False] * 4)
+    assert policy.decide(ids).reason == "full block"
+    # without the runner's trimmed cells the table's are ignored
+    plain_policy = DraftingPolicy(table, ones, K, min_dwell_steps=0)
+    assert set(plain_policy.table.cells[g]) == {g, full_block_tokens(g, K)}
+
+
+def test_trimmed_widths_configuration_errors(tiny_vocab_dir, drafter):
+    kw = dict(dtype="float32", device="cpu", num_kv_pages=16)
+    with pytest.raises(ValueError, match='trimmed_widths" must be a list of integers >= 2'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, trimmed_widths=[1]), **kw)
+    with pytest.raises(ValueError, match=r"trimmed_widths \[4\] exceed num_speculative_tokens 3"):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, trimmed_widths=[2, 4]), **kw)
+    spec = json.loads(json.dumps(_spec(drafter)))
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **kw)
+    assert llm.engine.cost_fingerprint()["trimmed_widths"] == [2, 3]

@@ -66,3 +66,8 @@ def test_device_selection_worked_example_and_ties():
     assert select_verify_lengths(a, 99).tolist() == [2, 2]
     ties = torch.full((3, 2), 0.5)  # all equal: position 1 of every row before any position 2
     assert select_verify_lengths(ties, 4).tolist() == [2, 1, 1]
+    # caps (shortened windows, pad rows at 0): never chosen past them, even with budget left
+    assert select_verify_lengths(a, 3, torch.tensor([1, 2])).tolist() == [1, 2]
+    assert select_verify_lengths(a, 99, torch.tensor([2, 0])).tolist() == [2, 0]
+    # the empty batch and the empty budget
+    assert select_verify_lengths(torch.zeros(0, 2), 5).tolist() == []

@@ -232,3 +232,46 @@ def test_trimmed_widths_configuration_errors(tiny_vocab_dir, drafter):
     spec = json.loads(json.dumps(_spec(drafter)))
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **kw)
     assert llm.engine.cost_fingerprint()["trimmed_widths"] == [2, 3]
+
+
+# ---- the GPU: captured trimmed cells ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_captured_trimmed_cells_equal_the_eager_step(
+    tiny_vocab_dir, drafter, tmp_path, temperature
+):
+    """The same trimming policy three ways on the GPU: eager full-width windows, captured cells
+    (synchronous drafting steps) and captured cells launched ahead: the same tokens, and greedy
+    ones equal plain decoding."""
+    kw = dict(dtype="float32", device="cuda", num_kv_pages=256, max_num_seqs=8, max_model_len=128)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate([40, 33, 51, 37, 29])]  # fmt: skip
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **kw)
+    path = tmp_path / "trim_gpu.json"
+    sizes = probe.engine.runner.spec_runner.graphs.sizes
+    path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
+    runs = {}
+    for name, graphs, ahead in (("eager", False, False), ("graphs", True, False),
+                                ("ahead", True, True)):  # fmt: skip
+        spec = _spec(drafter, cost_table=str(path))
+        llm = LLM(str(tiny_vocab_dir), use_cuda_graphs=graphs, async_spec_steps=ahead,
+                  speculative_config=spec, **kw)  # fmt: skip
+        if not graphs:  # (eager steps of full-width windows: what the graphs capture)
+            llm.engine.runner.spec_runner.uniform_windows = True
+            if llm.engine.policy.table is None:  # (no graphs: the ladder differs) same table
+                policy = DraftingPolicy(_trimming_table({}, sizes),
+                                        llm.engine.spec.survival_temperatures, K,
+                                        trimmed_widths=(2, 3))  # fmt: skip
+                llm.engine.policy = policy
+                llm.engine.runner.spec_runner.confidence_sinks.append(policy.observe)
+        outs = llm.generate(PROMPTS12, params, use_tqdm=False)
+        runs[name] = [o.outputs[0].token_ids for o in outs]
+        stats = llm.engine.runner.stats
+        trimmed = stats["spec_graph_steps_trimmed"] + stats["eager_spec_steps_trimmed"]
+        assert trimmed > 0, dict(stats)
+    assert runs["graphs"] == runs["eager"] == runs["ahead"]
+    if temperature == 0:
+        plain = LLM(str(tiny_vocab_dir), **kw).generate(PROMPTS12, params, use_tqdm=False)
+        assert runs["graphs"] == [o.outputs[0].token_ids for o in plain]

@@ -297,6 +297,7 @@ class LLMEngine:
         stats = self.runner.stats
         fallbacks = {k.removeprefix("eager_spec_steps_"): n for k, n in stats.items()
                      if k.startswith("eager_spec_steps_")}  # fmt: skip
+        fallbacks.update({k: n for k, n in stats.items() if k.startswith("trimmed_fallback_")})
         if self.policy is not None:
             m["drafting_policy"] = dict(self.policy.counters)
             m["survival_correction"] = self.policy.correction  # realised / predicted drafts
@@ -305,7 +306,8 @@ class LLMEngine:
         m["fallbacks"] = fallbacks
         # steps by path: captured speculative (mixed among them), eager speculative, plain
         m["steps"] = {k: stats[k] for k in ("spec_graph_steps", "spec_graph_steps_mixed",
-                      "eager_spec_steps", "graph_steps", "eager_steps")}  # fmt: skip
+                      "spec_graph_steps_trimmed", "eager_spec_steps", "spec_steps_trimmed_eager",
+                      "graph_steps", "eager_steps")}  # fmt: skip
         m["async_spec_steps"] = {
             "launched_ahead": stats["spec_steps_launched_ahead"],
             "continuation_windows": stats["continuation_windows"],

@@ -304,7 +304,7 @@ class SpecRunner:
         self._feed_continuations(plan, width)
         self.stats["eager_spec_steps"] += 1
         if trimmed is not None:
-            self.stats["eager_spec_steps_trimmed"] += 1
+            self.stats["spec_steps_trimmed_eager"] += 1
             target, cell = self._trimmed_step(len(rows), trimmed)
             return self.spec.step(len(rows), mode, target, None, cell)
         b, dev = self.buffers, self.device

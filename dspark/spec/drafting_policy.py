@@ -199,6 +199,9 @@ class DraftingPolicy:
         self._step += 1
         self.counters[f"steps_{'drafting' if decision.drafting else 'not_drafting'}"] += 1
         self.counters[f"decision_{decision.reason.replace(' ', '_')}"] += 1
+        if decision.trimmed_cell is not None:  # the chosen budget: tokens per row of the cell
+            g, v = decision.trimmed_cell
+            self.counters[f"trimmed_w{v // g}"] += 1
         return decision
 
     def _decide(self, request_ids: list[str], sampled: bool) -> Decision:

@@ -127,7 +127,7 @@ def _measure_cells(
 
 def _trimmed_steps(engine) -> int:
     stats = engine.runner.stats
-    return stats["spec_graph_steps_trimmed"] + stats["eager_spec_steps_trimmed"]
+    return stats["spec_graph_steps_trimmed"] + stats["spec_steps_trimmed_eager"]
 
 
 def _fallbacks(engine) -> dict[str, int]:

@@ -117,7 +117,7 @@ def test_trimmed_cells_greedy_equal_plain(tiny_vocab_dir, drafter, tmp_path, pad
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     m = llm.get_metrics()
     stats = llm.engine.runner.stats
-    trimmed = stats["spec_graph_steps_trimmed" if padded else "eager_spec_steps_trimmed"]
+    trimmed = stats["spec_graph_steps_trimmed" if padded else "spec_steps_trimmed_eager"]
     assert trimmed > 0, dict(stats)
     assert m["drafting_policy"]["decision_trimmed"] > 0
     counts = m["verify_len_counts"]  # rows verified 0 and K drafts in trimmed steps
@@ -136,7 +136,7 @@ def test_trimmed_cells_fall_back_to_the_full_block_with_reasons(tiny_vocab_dir, 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     llm.generate(PROMPTS12[:3], params, use_tqdm=False)
     stats = llm.engine.runner.stats
-    assert stats["trimmed_fallback_logprobs"] > 0 and not stats["eager_spec_steps_trimmed"]
+    assert stats["trimmed_fallback_logprobs"] > 0 and not stats["spec_steps_trimmed_eager"]
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
@@ -173,7 +173,7 @@ def test_profile_measures_the_trimmed_cells(tiny_vocab_dir, drafter):
     assert table.fingerprint["trimmed_widths"] == [2, 3]
     assert check_table(table, llm.engine.cost_fingerprint()) is None
     assert "w=2" in format_table(table, K) and "w=3" in format_table(table, K)
-    assert llm.engine.runner.stats["eager_spec_steps_trimmed"] > 0
+    assert llm.engine.runner.stats["spec_steps_trimmed_eager"] > 0
     assert llm.engine.scheduler.trimmed_cell is None
 
 
@@ -269,7 +269,7 @@ def test_captured_trimmed_cells_equal_the_eager_step(
         outs = llm.generate(PROMPTS12, params, use_tqdm=False)
         runs[name] = [o.outputs[0].token_ids for o in outs]
         stats = llm.engine.runner.stats
-        trimmed = stats["spec_graph_steps_trimmed"] + stats["eager_spec_steps_trimmed"]
+        trimmed = stats["spec_graph_steps_trimmed"] + stats["spec_steps_trimmed_eager"]
         assert trimmed > 0, dict(stats)
     assert runs["graphs"] == runs["eager"] == runs["ahead"]
     if temperature == 0:

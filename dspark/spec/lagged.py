@@ -155,7 +155,8 @@ def select_verify_lengths(
     # flatten position-major, so a stable sort on survival alone leaves ties by (j, r)
     flat = a.t().reshape(-1)  # index i = j * R + r
     order = torch.sort(flat, descending=True, stable=True).indices
+    # (index_fill_ with a Python scalar: no host tensor to copy inside a captured graph)
     chosen = torch.zeros_like(flat, dtype=torch.bool)
-    chosen[order[: min(num_drafts, flat.numel())]] = True
+    chosen.index_fill_(0, order[: min(num_drafts, flat.numel())], True)
     chosen &= flat >= 0
     return chosen.view(k, num_rows).sum(dim=0)

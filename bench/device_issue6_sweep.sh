@@ -7,7 +7,9 @@
 #   TEMPERATURE=0 bash bench/device_issue6_sweep.sh        # then TEMPERATURE=1.0
 #
 # LEVELS (default 1,2,4,8,16,32,64,128,256,512), REPEATS (1), COST_TABLE (a path for the
-# scheduled arm; default: the table shipped beside the drafter, if its fingerprint matches).
+# scheduled arm; default: the table shipped beside the drafter, if its fingerprint matches),
+# TRIMMED_TABLE (a table profiled with trimmed_widths TRIMMED_WIDTHS, default [2,3,4]: adds the
+# arm "trimmed", the policy with those cells), ARMS_JSON (a whole `dspark bench --arms` object).
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
@@ -18,7 +20,8 @@ ARMS="{\"plain\": null,
   \"k3\": {\"method\": \"dspark\", \"scheduling\": false, \"num_speculative_tokens\": 3},
   \"k5\": {\"method\": \"dspark\", \"scheduling\": false, \"num_speculative_tokens\": 5},
   \"k7\": {\"method\": \"dspark\", \"scheduling\": false},
-  \"scheduled\": {\"method\": \"dspark\"${TABLE}}}"
+  \"scheduled\": {\"method\": \"dspark\"${TABLE}}${TRIMMED_TABLE:+, \"trimmed\": {\"method\": \"dspark\", \"trimmed_widths\": ${TRIMMED_WIDTHS:-[2,3,4]}, \"cost_table\": \"$TRIMMED_TABLE\"\}}}"
+ARMS=${ARMS_JSON:-$ARMS}
 name=issue6_sweep_t${T}
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
   --concurrency "${LEVELS:-1,2,4,8,16,32,64,128,256,512}" \

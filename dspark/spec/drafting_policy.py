@@ -144,8 +144,14 @@ class DraftingPolicy:
         self.drafting = True
         self._steps_in_mode = 0
         self._step = 0  # decisions made: the clock of staleness
-        # request id -> (its smoothed survivals [K], the step they were last observed at)
-        self._survivals: dict[str, tuple[np.ndarray, int]] = {}
+        # request id -> (sum of its smoothed K survivals, the step it was last observed at)
+        self._survival_sums: dict[str, tuple[float, int]] = {}
+        # with trimmed cells to price, each request's smoothed survivals per position [K] too
+        # (kept only then: a dozen numpy calls per row cost the step loop ~1 us each)
+        self.prices_trimmed = self.table is not None and any(
+            len(row) > 2 for row in self.table.cells.values()
+        )  # fmt: skip
+        self._survival_vectors: dict[str, np.ndarray] = {}
         self.counters: Counter[str] = Counter()
 
     # ---- what the step saw ------------------------------------------------------------------
@@ -160,16 +166,17 @@ class DraftingPolicy:
     ) -> None:
         """After a speculative step's sync: each window's raw confidences and what it kept."""
         temps = torch.stack([self.temperatures[g] for g in greedy])
-        a = survival(confidence_logits[:, : self.draft_len].float(), temps).double().numpy()
+        a = survival(confidence_logits[:, : self.draft_len].float(), temps)  # [R, K]
         sums = a.sum(-1).tolist()
         w = self._block_weight
-        for rid, vector in zip(request_ids, a, strict=True):
-            seen = self._survivals.get(rid)
-            smoothed = vector if seen is None else seen[0] + w * (vector - seen[0])
-            self._survivals[rid] = (smoothed, self._step)
+        for rid, total in zip(request_ids, sums, strict=True):
+            seen = self._survival_sums.get(rid)
+            smoothed = total if seen is None else seen[0] + w * (total - seen[0])
+            self._survival_sums[rid] = (smoothed, self._step)
         decay = self._decay ** len(sums)
         self._population_sum = self._population_sum * decay + sum(sums)
-        self._population_vector = self._population_vector * decay + a.sum(0)
+        if self.prices_trimmed:
+            self._observe_vectors(request_ids, a.double().numpy(), decay)
         self._population_blocks = self._population_blocks * decay + len(sums)
         if num_accepted is None or verify_len is None:
             return
@@ -178,13 +185,22 @@ class DraftingPolicy:
         self._predicted = self._predicted * decay + sum(sums[j] for j in full)
         self._realised = self._realised * decay + sum(num_accepted[j] for j in full)
 
+    def _observe_vectors(self, request_ids: list[str], a: np.ndarray, decay: float) -> None:
+        """observe()'s per-position twin of the smoothed sums (trimmed cells only)."""
+        w = self._block_weight
+        for rid, vector in zip(request_ids, a, strict=True):
+            seen = self._survival_vectors.get(rid)
+            self._survival_vectors[rid] = vector if seen is None else seen + w * (vector - seen)
+        self._population_vector = self._population_vector * decay + a.sum(0)
+
     @property
     def correction(self) -> float:
         """Realised / predicted accepted drafts over recent full blocks (1 with no evidence)."""
         return self._realised / self._predicted
 
     def forget(self, request_id: str) -> None:
-        self._survivals.pop(request_id, None)
+        self._survival_sums.pop(request_id, None)
+        self._survival_vectors.pop(request_id, None)
 
     # ---- the choice -------------------------------------------------------------------------
 
@@ -244,47 +260,56 @@ class DraftingPolicy:
 
         A fresh row's estimate is its smoothed sum pulled toward the population mean as it
         ages (half-life regression_half_life steps; module docstring), once the population
-        has min_population_blocks blocks of evidence.
+        has min_population_blocks blocks of evidence. (Called before every step: plain
+        floats, no numpy; lagged_survival shares its rules.)
         """
-        return sum(total for total, _ in self._row_estimates(request_ids, g))
-
-    def lagged_survival(self, request_ids: list[str], g: int) -> np.ndarray:
-        """[R, K] the requests' lagged survivals per position: each row's vector (its own, or
-        the population's; ones when stale or without evidence) rescaled to the row's total of
-        survival_sum, clipped to 1 (module docstring)."""
-        rows = []
-        for total, vector in self._row_estimates(request_ids, g):
-            if vector is None or vector.sum() <= 0:
-                rows.append(np.full(self.draft_len, min(1.0, total / self.draft_len)))
-            else:
-                rows.append(np.minimum(1.0, vector * (total / vector.sum())))
-        return np.array(rows, dtype=np.float32).reshape(len(rows), self.draft_len)
-
-    def _row_estimates(
-        self, request_ids: list[str], g: int
-    ) -> list[tuple[float, np.ndarray | None]]:
-        """Each request's (estimated survival sum, the vector it is shaped by, or None)."""
         fresh_since = self._step - self.stale_after(g)
         scale, k = self.correction, self.draft_len
         unseen = self.unobserved_sum()
         mean = self.population_mean()
+        total = 0.0
+        for rid in request_ids:
+            seen = self._survival_sums.get(rid)
+            if seen is None:
+                total += unseen
+            elif seen[1] < fresh_since:
+                total += k
+            else:
+                total += self._fresh_estimate(seen, scale, mean)
+        return total
+
+    def _fresh_estimate(self, seen: tuple[float, int], scale: float, mean: float | None) -> float:
+        """A fresh row's recalibrated sum, pulled toward the population mean as it ages."""
+        own = min(self.draft_len, scale * seen[0])
+        if mean is None:
+            return own
+        return mean + (own - mean) * 0.5 ** ((self._step - seen[1]) / self._regression_half_life)
+
+    def lagged_survival(self, request_ids: list[str], g: int) -> np.ndarray:
+        """[R, K] the requests' lagged survivals per position: each row's vector (its own, or
+        the population's for a request that never drafted; none when stale or without
+        evidence) rescaled to the row's total of survival_sum, clipped to 1."""
+        fresh_since = self._step - self.stale_after(g)
+        scale, k = self.correction, self.draft_len
+        unseen, mean = self.unobserved_sum(), self.population_mean()
         population = None
         if mean is not None and self.unobserved == "population":
             population = self._population_vector
-        rows = []
-        for rid in request_ids:
-            seen = self._survivals.get(rid)
+        rows = np.ones((len(request_ids), k))
+        for i, rid in enumerate(request_ids):
+            seen = self._survival_sums.get(rid)
             if seen is None:
-                rows.append((unseen, population))
+                total, vector = unseen, population
             elif seen[1] < fresh_since:
-                rows.append((float(k), None))
+                continue  # (stale: fully confident)
             else:
-                own = min(k, scale * float(seen[0].sum()))
-                if mean is not None:
-                    own = mean + (own - mean) * 0.5 ** ((self._step - seen[1]) /
-                                                       self._regression_half_life)  # fmt: skip
-                rows.append((own, seen[0]))
-        return rows
+                total = self._fresh_estimate(seen, scale, mean)
+                vector = self._survival_vectors.get(rid)
+            if vector is None or vector.sum() <= 0:
+                rows[i] = min(1.0, total / k)
+            else:
+                rows[i] = np.minimum(1.0, vector * (total / vector.sum()))
+        return rows.astype(np.float32)
 
     def population_mean(self) -> float | None:
         """The recent requests' recalibrated mean survival sum per block (exponentially

@@ -1,10 +1,14 @@
 """`dspark profile`: measure the whole-step time of every cell the engine can run and write the
 cost table (DSPARK.md 7; the format is in spec/cost_table.py).
 
-For each batch size G: G greedy requests (a fixed synthetic prompt, ignore_eos) are prefilled,
-then the engine steps with drafting off (plain decoding, V = G) and on (the full block,
-V = G (K + 1)), each `warmup` steps untimed and then `steps` steps timed one by one, for `rounds`
-rounds of the two; a cell's value is the lowest of its rounds' medians. One round is not enough
+For each batch size G and each cell: G greedy requests (a fixed synthetic prompt, ignore_eos)
+are prefilled, then the engine steps in the cell's mode, drafting off (plain decoding, V = G)
+or on (the full block, V = G (K + 1)), `warmup` steps untimed and then `steps` steps timed one
+by one, and the requests are dropped; `rounds` rounds of every cell, and a cell's value is the
+lowest of its rounds' medians. Every cell starts from the same context (fresh requests each
+time), so the KV growth of one cell's steps never leaks into the next: with five cells of
+eleven steps in two rounds on the same requests, the last cells would run some hundreds of
+tokens further into their contexts than the first. One round is not enough
 on a shared GPU: on the H200 (2026-12-03) the first cell measured, G = 1's full block, read
 3.17 ms against 2.26 ms at G = 2, while the bench's K = 7 arm realised about 2.7 ms per step at
 concurrency 1. The lowest median of the rounds is the steady cost, which is what the drafting
@@ -26,6 +30,8 @@ slot from its distribution and verifies by rejection sampling, and prices differ
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -71,8 +77,7 @@ def profile_cost_table(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     K = engine.spec.num_verify
     # enough room for every timed step to draft a full block without reaching max_tokens
-    num_cells = 2 + len(engine.runner.spec_runner.trimmed_widths)
-    max_tokens = (num_cells * rounds * (steps + warmup) + 2) * (K + 1)
+    max_tokens = (steps + warmup + 2) * (K + 1)
     if prompt_len + max_tokens > engine.max_model_len:
         raise ValueError(f"prompt_len {prompt_len} + {max_tokens} tokens exceed max_model_len "
                          f"{engine.max_model_len}")  # fmt: skip
@@ -98,31 +103,46 @@ def _measure_cells(
     widths = engine.runner.spec_runner.trimmed_widths
     cells: dict[int, dict[int, float]] = {}
     for g in batches:
-        for i in range(g):
-            params = SamplingParams(temperature=temperature, seed=i if temperature else None,
-                                    max_tokens=max_tokens, ignore_eos=True)  # fmt: skip
-            engine.add_request(f"profile-{g}-{i}-t{temperature:g}", prompt, params)
-        sched = engine.scheduler
-        sched.drafting = False
-        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                   for r in sched.running):  # fmt: skip
-            engine.step()
         # the cells in the order measured each round: plain, the trimmed ones, the full block
         order = [g, *(g * w for w in widths), full_block_tokens(g, K)]
         best = dict.fromkeys(order, math.inf)
         for _ in range(rounds):
             for v in order:
-                sched.drafting = v > g
-                sched.trimmed_cell = (g, v) if g < v < order[-1] else None
-                ran = _trimmed_steps(engine)
-                best[v] = min(best[v], _median_step(llm, steps, warmup))
-                if sched.trimmed_cell and _trimmed_steps(engine) - ran < steps + warmup:
-                    raise RuntimeError(f"trimmed cell G={g} V={v} did not run as one (fallbacks: "
-                                       f"{_fallbacks(engine)}): not measured")  # fmt: skip
-        sched.drafting, sched.trimmed_cell = True, None
+                params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                        ignore_eos=True)  # fmt: skip
+                trimmed = (g, v) if g < v < order[-1] else None
+                best[v] = min(best[v], _measure_cell(llm, g, v > g, trimmed, prompt, params,
+                                                     steps, warmup))  # fmt: skip
         cells[g] = best
-        _drain(llm)
     return cells
+
+
+def _measure_cell(
+    llm: LLM, g: int, drafting: bool, trimmed: tuple[int, int] | None, prompt: list[int],
+    params: SamplingParams, steps: int, warmup: int,
+) -> float:  # fmt: skip
+    """One cell's median step (seconds): G fresh requests prefilled, then steps in the mode."""
+    engine, sched = llm.engine, llm.engine.scheduler
+    for i in range(g):  # (request i seeded with i when it samples)
+        seeded = dataclasses.replace(params, seed=i) if params.temperature else params
+        engine.add_request(f"profile-{g}-{i}-{next(_serial)}", prompt, seeded)
+    sched.drafting, sched.trimmed_cell = False, None
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                               for r in sched.running):  # fmt: skip
+        engine.step()
+    sched.drafting, sched.trimmed_cell = drafting, trimmed
+    ran = _trimmed_steps(engine)
+    seconds = _median_step(llm, steps, warmup)
+    ran = _trimmed_steps(engine) - ran
+    sched.drafting, sched.trimmed_cell = True, None
+    _drain(llm)
+    if trimmed and ran < steps + warmup:
+        raise RuntimeError(f"trimmed cell G={g} V={trimmed[1]} did not run as one (fallbacks: "
+                           f"{_fallbacks(engine)}): not measured")  # fmt: skip
+    return seconds
+
+
+_serial = itertools.count()  # request ids stay unique across cells and rounds
 
 
 def _trimmed_steps(engine) -> int:

@@ -62,6 +62,7 @@ from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
 from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table, make_fingerprint
 from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.spec.realised_costs import RealisedCosts
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self.async_spec_steps = config.async_spec_steps
         self._in_flight: InFlightStep | None = None
+        self._last_decision = None  # the policy's last choice and when (realised step costs)
+        self._last_decision_time = 0.0
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -254,6 +257,7 @@ class LLMEngine:
             table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
             unobserved=spec_config.unobserved,
             trimmed_widths=self.runner.spec_runner.trimmed_widths,
+            realised_costs=RealisedCosts() if spec_config.realised_costs else None,
         )  # fmt: skip
         if table is None or policy.table is None:
             reason = reason or "it has no G with both a plain and a full-block cell"
@@ -301,6 +305,8 @@ class LLMEngine:
         if self.policy is not None:
             m["drafting_policy"] = dict(self.policy.counters)
             m["survival_correction"] = self.policy.correction  # realised / predicted drafts
+            if self.policy.realised_costs is not None:  # realised / table step time per cell
+                m["realised_cost_ratios"] = self.policy.realised_costs.as_dict()
             if self.policy.counters["decision_no_table"]:
                 fallbacks["no_cost_table"] = self.policy.counters["decision_no_table"]
         m["fallbacks"] = fallbacks
@@ -408,12 +414,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | DeltaOutput]:
         if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
-            reqs = self.scheduler.running
-            running = [r.request_id for r in reqs]
-            sampled = any(r.sampling_params.temperature > 0 for r in reqs)
-            decision = self.policy.decide(running, sampled)
-            self.scheduler.drafting = decision.drafting
-            self.scheduler.trimmed_cell = decision.trimmed_cell
+            self._decide_drafting()
         drafting = self.spec is not None and self.scheduler.drafting
         if self.async_scheduling and (not drafting or self._drafts_async()):
             return self._step_async(drafting)
@@ -426,6 +427,23 @@ class LLMEngine:
         self.scheduler.advance(plan)
         sampled = self.runner.execute(plan)
         return outputs + self._update(plan, sampled) + self._collect_aborted()
+
+    def _decide_drafting(self) -> None:
+        """The drafting policy's choice for the step about to be scheduled; the period since
+        the last choice (one step of the pipeline) is the realised cost of that one's cell."""
+        now = time.perf_counter()
+        if self._last_decision is not None:
+            self.policy.record_step(self._last_decision, now - self._last_decision_time)
+        reqs = self.scheduler.running
+        running = [r.request_id for r in reqs]
+        sampled = any(r.sampling_params.temperature > 0 for r in reqs)
+        decision = self.policy.decide(running, sampled)
+        self.scheduler.drafting = decision.drafting
+        self.scheduler.trimmed_cell = decision.trimmed_cell
+        # (a step with waiting or prefilling requests is not the steady cell the table prices:
+        # it is, and that is what realised costs are for; an idle engine teaches nothing)
+        self._last_decision = decision if running else None
+        self._last_decision_time = now
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

@@ -77,13 +77,17 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dspark.spec.cost_table import CostTable, full_block_tokens
 from dspark.spec.lagged import choose_cell, choose_drafting, survival
+from dspark.spec.realised_costs import RealisedCosts
+
+# what a request's lagged survivals rest on (DraftingPolicy._row_totals)
+FRESH, STALE, UNSEEN = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class Decision:
     drafting: bool
     reason: str  # for the counters: "full block", "no drafting", "trimmed", "dwell", ...
     trimmed_cell: tuple[int, int] | None = None  # (G, V) when the choice is a trimmed cell
+    # bookkeeping for realised step costs, not part of the choice (not compared)
+    cell: tuple[int, int] | None = field(default=None, compare=False)  # (G, V) priced
+    sampled: bool = field(default=False, compare=False)  # priced by the sampled cells
 
 
 class DraftingPolicy:
@@ -109,12 +116,14 @@ class DraftingPolicy:
         block_half_life: float = 1.0,  # blocks, of a request's smoothed survival sum
         regression_half_life: float = 8.0,  # steps, of a request's pull to the population mean
         trimmed_widths: tuple[int, ...] = (),  # the runner's trimmed cells (G, w G)
+        realised_costs: RealisedCosts | None = None,  # price cells by realised step times too
     ) -> None:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         if unobserved not in ("confident", "population"):
             raise ValueError(f'unobserved must be "confident" or "population", got {unobserved!r}')
         self.unobserved = unobserved
+        self.realised_costs = realised_costs
         self.min_population_blocks = min_population_blocks
         self._population_sum = self._population_blocks = 0.0  # weighted observed sums, blocks
         self._population_vector = np.zeros(draft_len)  # weighted observed survivals [K]
@@ -225,8 +234,6 @@ class DraftingPolicy:
             return Decision(True, "no table")
         if not request_ids:
             return Decision(self.drafting, "idle")
-        if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
-            return Decision(False, "dwell")
         i = bisect.bisect_left(self.sizes, len(request_ids))
         if i == len(self.sizes):
             return Decision(True, "batch beyond the table")
@@ -237,16 +244,32 @@ class DraftingPolicy:
                 table = self.sampled_table
             else:
                 self.counters["sampled_priced_by_greedy_cells"] += 1
+        sampled = table is self.sampled_table
+        if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
+            return Decision(False, "dwell", None, (g, g), sampled)
+        if self.realised_costs is not None:  # (realised_costs.py)
+            priced = self.realised_costs.priced(g, table.cells[g], sampled)
+            table = CostTable(table.fingerprint, {g: priced})
         if len(table.cells[g]) > 2:  # trimmed cells: per-position survivals price them
-            a = torch.from_numpy(self.lagged_survival(request_ids, g))
+            a = self.lagged_survival(request_ids, g)
             choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting)
         else:
             choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g), g,
                                      table, self.draft_len, self.min_gain,
                                      drafting_now=self.drafting)  # fmt: skip
         geometry = choice.geometry
-        trimmed = (g, geometry.num_tokens) if choice.reason == "trimmed" else None
-        return Decision(geometry.drafts, choice.reason, trimmed)
+        cell = (g, geometry.num_tokens)
+        trimmed = cell if choice.reason == "trimmed" else None
+        return Decision(geometry.drafts, choice.reason, trimmed, cell, sampled)
+
+    def record_step(self, decision: Decision, seconds: float) -> None:
+        """The engine's period of a step the policy decided (realised_costs.py); a decision
+        with no cell (no table, idle, beyond the table) teaches nothing."""
+        if self.realised_costs is None or decision.cell is None:
+            return
+        g, v = decision.cell
+        table = self.sampled_table if decision.sampled else self.table
+        self.realised_costs.record(decision.cell, decision.sampled, table.cells[g][v], seconds)
 
     def stale_after(self, g: int) -> int:
         """Steps after which a request's survivals are stale at graph size G (module doc)."""
@@ -261,55 +284,53 @@ class DraftingPolicy:
         A fresh row's estimate is its smoothed sum pulled toward the population mean as it
         ages (half-life regression_half_life steps; module docstring), once the population
         has min_population_blocks blocks of evidence. (Called before every step: plain
-        floats, no numpy; lagged_survival shares its rules.)
+        floats, no numpy.)
         """
+        return sum(self._row_totals(request_ids, g)[0])
+
+    def _row_totals(self, request_ids: list[str], g: int) -> tuple[list[float], list[int]]:
+        """Each request's estimated survival sum, and its kind: FRESH, STALE or UNSEEN."""
         fresh_since = self._step - self.stale_after(g)
         scale, k = self.correction, self.draft_len
         unseen = self.unobserved_sum()
         mean = self.population_mean()
-        total = 0.0
+        decay = 0.5 ** (1.0 / self._regression_half_life)
+        totals, kinds = [], []
         for rid in request_ids:
             seen = self._survival_sums.get(rid)
             if seen is None:
-                total += unseen
+                totals.append(unseen)
+                kinds.append(UNSEEN)
             elif seen[1] < fresh_since:
-                total += k
+                totals.append(float(k))
+                kinds.append(STALE)
             else:
-                total += self._fresh_estimate(seen, scale, mean)
-        return total
-
-    def _fresh_estimate(self, seen: tuple[float, int], scale: float, mean: float | None) -> float:
-        """A fresh row's recalibrated sum, pulled toward the population mean as it ages."""
-        own = min(self.draft_len, scale * seen[0])
-        if mean is None:
-            return own
-        return mean + (own - mean) * 0.5 ** ((self._step - seen[1]) / self._regression_half_life)
+                own = min(k, scale * seen[0])
+                if mean is not None:
+                    own = mean + (own - mean) * decay ** (self._step - seen[1])
+                totals.append(own)
+                kinds.append(FRESH)
+        return totals, kinds
 
     def lagged_survival(self, request_ids: list[str], g: int) -> np.ndarray:
         """[R, K] the requests' lagged survivals per position: each row's vector (its own, or
-        the population's for a request that never drafted; none when stale or without
+        the population's for a request that never drafted; ones when stale or without
         evidence) rescaled to the row's total of survival_sum, clipped to 1."""
-        fresh_since = self._step - self.stale_after(g)
-        scale, k = self.correction, self.draft_len
-        unseen, mean = self.unobserved_sum(), self.population_mean()
-        population = None
-        if mean is not None and self.unobserved == "population":
+        totals, kinds = self._row_totals(request_ids, g)
+        k = self.draft_len
+        flat = np.ones(k) / k  # (the shape of a row with no vector: its total spread evenly)
+        population = flat
+        if self.unobserved == "population" and self.population_mean() is not None:
             population = self._population_vector
-        rows = np.ones((len(request_ids), k))
-        for i, rid in enumerate(request_ids):
-            seen = self._survival_sums.get(rid)
-            if seen is None:
-                total, vector = unseen, population
-            elif seen[1] < fresh_since:
-                continue  # (stale: fully confident)
-            else:
-                total = self._fresh_estimate(seen, scale, mean)
-                vector = self._survival_vectors.get(rid)
-            if vector is None or vector.sum() <= 0:
-                rows[i] = min(1.0, total / k)
-            else:
-                rows[i] = np.minimum(1.0, vector * (total / vector.sum()))
-        return rows.astype(np.float32)
+        vectors = np.stack([
+            self._survival_vectors.get(rid, flat) if kind == FRESH
+            else population if kind == UNSEEN else flat
+            for rid, kind in zip(request_ids, kinds, strict=True)
+        ]).reshape(len(request_ids), k)  # fmt: skip
+        mass = vectors.sum(axis=1, keepdims=True)
+        scale = np.asarray(totals)[:, None] / np.where(mass > 0, mass, 1.0)
+        rows = np.where(mass > 0, vectors * scale, np.asarray(totals)[:, None] / k)
+        return np.minimum(1.0, rows).astype(np.float32)
 
     def population_mean(self) -> float | None:
         """The recent requests' recalibrated mean survival sum per block (exponentially

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark.spec.cost_table import CostTable
@@ -64,7 +65,7 @@ class CellChoice:
 
 
 def choose_cell(
-    lagged_survival: torch.Tensor,  # [R, K] from the previous step's confidences (host)
+    lagged_survival: torch.Tensor | np.ndarray,  # [R, K] from the previous step's confidences
     g: int,
     table: CostTable,
     draft_len: int,
@@ -76,12 +77,15 @@ def choose_cell(
     The incumbent is the full block while drafting (fixed K, the safe default) and plain
     decoding while not. Another cell must beat the incumbent by min_gain, and by that margin
     twice over when it switches drafting off or back on (hysteresis: noise in the lagged
-    estimates cannot flip the mode every step).
+    estimates cannot flip the mode every step). The survivals are sorted once on the host
+    (numpy): a budget of D drafts expects R plus the sum of the D largest.
     """
-    num_live = lagged_survival.shape[0]
+    a = np.asarray(lagged_survival, dtype=np.float64)
+    num_live = a.shape[0]
+    best_first = np.concatenate([[0.0], np.cumsum(np.sort(a, axis=None)[::-1])])
 
     def expected(num_drafts: int) -> float:
-        return expected_tokens(lagged_survival, num_drafts)
+        return num_live + float(best_first[min(max(num_drafts, 0), best_first.size - 1)])
 
     return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now)
 

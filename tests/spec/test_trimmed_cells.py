@@ -242,9 +242,12 @@ def test_trimmed_widths_configuration_errors(tiny_vocab_dir, drafter):
 def test_captured_trimmed_cells_equal_the_eager_step(
     tiny_vocab_dir, drafter, tmp_path, temperature
 ):
-    """The same trimming policy three ways on the GPU: eager full-width windows, captured cells
-    (synchronous drafting steps) and captured cells launched ahead: the same tokens, and greedy
-    ones equal plain decoding."""
+    """The same trimming policy three ways on the GPU: each captured step run eagerly on the
+    same padded buffers (EagerReplay: the same shapes, so the same bits), captured cells
+    replayed (synchronous drafting steps), and replayed with drafting steps launched ahead: the
+    same tokens. (Eager steps of unpadded batches draft in other shapes: their confidences
+    differ in the last bits, which may move a near-tie of the selection, so they are not
+    compared bit for bit.)"""
     kw = dict(dtype="float32", device="cuda", num_kv_pages=256, max_num_seqs=8, max_model_len=128)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, ignore_eos=True)
               for i, n in enumerate([40, 33, 51, 37, 29])]  # fmt: skip
@@ -253,25 +256,15 @@ def test_captured_trimmed_cells_equal_the_eager_step(
     sizes = probe.engine.runner.spec_runner.graphs.sizes
     path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
     runs = {}
-    for name, graphs, ahead in (("eager", False, False), ("graphs", True, False),
-                                ("ahead", True, True)):  # fmt: skip
-        spec = _spec(drafter, cost_table=str(path))
-        llm = LLM(str(tiny_vocab_dir), use_cuda_graphs=graphs, async_spec_steps=ahead,
-                  speculative_config=spec, **kw)  # fmt: skip
-        if not graphs:  # (eager steps of full-width windows: what the graphs capture)
-            llm.engine.runner.spec_runner.uniform_windows = True
-            if llm.engine.policy.table is None:  # (no graphs: the ladder differs) same table
-                policy = DraftingPolicy(_trimming_table({}, sizes),
-                                        llm.engine.spec.survival_temperatures, K,
-                                        trimmed_widths=(2, 3))  # fmt: skip
-                llm.engine.policy = policy
-                llm.engine.runner.spec_runner.confidence_sinks.append(policy.observe)
+    for name, ahead in (("eager", False), ("graphs", False), ("ahead", True)):
+        llm = LLM(str(tiny_vocab_dir), async_spec_steps=ahead,
+                  speculative_config=_spec(drafter, cost_table=str(path)), **kw)  # fmt: skip
+        spec_runner = llm.engine.runner.spec_runner
+        if name == "eager":
+            graphs = spec_runner.graphs
+            spec_runner.graphs = EagerReplay(spec_runner, graphs.sizes, graphs.tails,
+                                             graphs.trimmed)  # fmt: skip
         outs = llm.generate(PROMPTS12, params, use_tqdm=False)
         runs[name] = [o.outputs[0].token_ids for o in outs]
-        stats = llm.engine.runner.stats
-        trimmed = stats["spec_graph_steps_trimmed"] + stats["spec_steps_trimmed_eager"]
-        assert trimmed > 0, dict(stats)
+        assert llm.engine.runner.stats["spec_graph_steps_trimmed"] > 0, dict(spec_runner.stats)
     assert runs["graphs"] == runs["eager"] == runs["ahead"]
-    if temperature == 0:
-        plain = LLM(str(tiny_vocab_dir), **kw).generate(PROMPTS12, params, use_tqdm=False)
-        assert runs["graphs"] == [o.outputs[0].token_ids for o in plain]

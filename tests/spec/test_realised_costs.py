@@ -1,0 +1,80 @@
+"""Realised step costs (spec/realised_costs.py): cells priced by the table scaled by what the
+engine's steps in them took, so drafting steps dearer in a serving loop than in the profiler's
+steady state stop paying where the table alone says they pay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.spec.cost_table import CostTable
+from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.spec.realised_costs import RealisedCosts
+from tests.spec.test_drafting_policy import KW, PROMPTS, _spec, drafter  # noqa: F401
+
+K = 7
+
+
+def test_worked_example_of_the_docstring():
+    costs = RealisedCosts(half_life=64.0, min_steps=8)
+    g, full = 256, 256 * 8
+    row = {g: 2.2e-3, full: 5.2e-3}
+    assert costs.priced(g, row, False) == row  # nothing seen: the table
+    for _ in range(7):
+        costs.record((g, g), False, 2.2e-3, 2.42e-3)  # plain steps 1.1x the table
+    assert costs.ratio((g, g), False) is None  # fewer than min_steps
+    costs.record((g, g), False, 2.2e-3, 2.42e-3)
+    assert costs.ratio((g, g), False) == pytest.approx(1.1)
+    # the full block not seen yet: scaled by the plain cell's drift
+    assert costs.priced(g, row, False)[full] == pytest.approx(5.2e-3 * 1.1)
+    for _ in range(8):
+        costs.record((g, full), False, 5.2e-3, 5.2e-3 * 1.6)
+    priced = costs.priced(g, row, False)
+    assert priced[g] == pytest.approx(2.42e-3) and priced[full] == pytest.approx(8.32e-3)
+    assert costs.priced(g, row, True) == row  # sampled cells are their own
+    # an idle pause between calls is clipped: one step cannot swing the ratio past 4
+    costs.record((g, full), False, 5.2e-3, 10.0)
+    assert costs.ratio((g, full), False) < 1.6 + 4.0 / 8
+    assert costs.as_dict()["G=256 V=256 greedy"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="half_life and min_steps must be > 0"):
+        RealisedCosts(half_life=0)
+
+
+def test_policy_stops_drafting_when_drafting_steps_realise_dearer():
+    g, full = 64, 64 * (K + 1)
+    table = CostTable({}, {g: {g: 1.0, full: 2.2}})
+    ones = {False: torch.ones(K), True: torch.ones(K)}
+    ids = [f"r{i}" for i in range(g)]
+    logits = torch.full((g, K), 0.0)  # survivals 0.5, 0.25, ...: a sum of ~1 a row
+    for realised in (None, RealisedCosts(min_steps=4)):
+        policy = DraftingPolicy(table, ones, K, min_dwell_steps=2, realised_costs=realised)
+        policy.observe(ids, logits, [False] * g)
+        decision = policy.decide(ids)  # full: 64 * 1.99 / 2.2 = 58 tokens/s, plain 64 / 1.0
+        assert decision.drafting is False and decision.cell == (g, g)
+        policy.observe(ids, torch.full((g, K), 3.0), [False] * g)  # confident: ~5.8 a row
+        for _ in range(2):  # the dwell
+            policy.record_step(policy.decide(ids), 1.0)
+        decision = policy.decide(ids)
+        assert decision.drafting and decision.cell == (g, full)
+        for _ in range(4):  # drafting steps take 3.6x the table: 8 plain steps for ~6.8 tokens
+            policy.record_step(decision, 8.0)
+            decision = policy.decide(ids)
+        assert decision.drafting is (realised is None)
+
+
+def test_engine_records_realised_costs(tiny_vocab_dir, drafter, tmp_path):  # noqa: F811
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    cells = {g: {g: 1e-3, g * 4: 1.2e-3} for g in (1, 2, 4)}
+    path = tmp_path / "t.json"
+    path.write_text(CostTable(probe.engine.cost_fingerprint(), cells).to_json())
+    spec = _spec(drafter, cost_table=str(path), realised_costs=True)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS, params, use_tqdm=False)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    ratios = llm.get_metrics()["realised_cost_ratios"]
+    assert ratios and all(0.25 <= r <= 4.0 for r in ratios.values()), ratios
+    with pytest.raises(ValueError, match='"realised_costs" must be true or false'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, realised_costs=1), **KW)

@@ -209,7 +209,7 @@ class Scheduler:
             num_tokens = len(tokens)
             if tokens[-1] == PENDING_TOKEN and num_tokens >= req.max_num_tokens:
                 continue  # its pending token is its last: it ends once the value arrives
-            num_draft = self._num_draft(req, budget) if self.draft_len else 0
+            num_draft = self._num_draft(req, budget) if drafting else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))
@@ -223,7 +223,7 @@ class Scheduler:
             start = req.num_computed_tokens
             if num_tokens - start == 1 and budget:
                 if start // page_size < len(req.page_ids) or self._reserve(req, num_tokens, True):
-                    empty = bool(self.draft_len) and self._empty_window(req)
+                    empty = drafting and self._empty_window(req)
                     rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False, empty)))
                     budget -= 1
                     if not drafting:  # a decode row: the head of a mixed decode step

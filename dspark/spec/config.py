@@ -2,7 +2,7 @@
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
-     "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": false}
+     "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -23,9 +23,11 @@ tokens in all, each row's share chosen on the device from its fresh survivals (s
 The cost table must have measured them (`dspark profile` does, for the engine it profiles), and
 the drafting policy then picks among plain decoding, these cells and the full block. Empty (the
 default) until a measurement shows they pay on the deployment GPU.
-"realised_costs": true prices each cell by the table scaled by the step times the engine
-realises in it (spec/realised_costs.py): a serving loop's drafting steps carry prefill and cost
-more than the profiler's steady ones.
+"realised_costs" (default true) prices each cell by the table scaled by the step times the
+engine realises in it (spec/realised_costs.py): a serving loop's drafting steps carry prefill
+and cost more than the profiler's steady ones. On the H200 it took the policy from 0.98x to
+1.09x plain decoding at 256 requests (docs/PERFORMANCE.md, twelfth look); false prices by the
+table alone, deterministically (tests).
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
@@ -56,7 +58,7 @@ class SpecConfig:
     unobserved: str = "population"  # how a request that never drafted counts (UNOBSERVED)
     mixed_prefill_tokens: int = 256  # prefill beside windows in a captured step (0: none)
     trimmed_widths: tuple[int, ...] = ()  # w of the trimmed cells (G, w G) the engine can run
-    realised_costs: bool = False  # scale the table by realised step times (realised_costs.py)
+    realised_costs: bool = True  # scale the table by realised step times (realised_costs.py)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -113,7 +115,7 @@ class SpecConfig:
                 f'speculative_config "trimmed_widths" must be a list of integers >= 2 (tokens '
                 f"per row of a trimmed cell, at most num_speculative_tokens), got {widths!r}"
             )
-        realised = d.get("realised_costs", False)
+        realised = d.get("realised_costs", True)
         if not isinstance(realised, bool):
             raise ValueError(
                 f'speculative_config "realised_costs" must be true or false, got {realised!r}'

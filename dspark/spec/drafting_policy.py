@@ -57,6 +57,11 @@ full 4.3 ms, survivals summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, fu
 4.3 = 34 tokens/ms, so drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request gives
 0.87 against 1.15 tokens/ms, and drafting comes back once the dwell has passed.
 
+Realised step costs (spec/realised_costs.py, on by default): the table prices steady steps,
+and a serving loop's drafting steps (prefill tails, eager fallbacks at high load) cost more; the
+engine reports each step's period with the cell it was decided as (record_step), and every cell
+is priced by its table time scaled by the recent realised / table ratio.
+
 A batch with any row that samples is priced by the table's sampled cells (measured at
 temperature 1: a sampled drafting step costs more than a greedy one), or by the greedy cells
 where the table has none (counted: sampled_priced_by_greedy_cells).

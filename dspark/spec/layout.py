@@ -33,6 +33,31 @@ class VerifyLayout:
     seq_lens: torch.Tensor  # [R] int32, KV length each row sees after the window is written
 
 
+@dataclass(frozen=True)
+class WindowTokens:
+    """Where each of V token slots falls in a ragged layout of windows 1 + verify_len wide."""
+
+    cu_num_tokens: torch.Tensor  # [R + 1] int64
+    owner: torch.Tensor  # [V] row of each token, R for tokens past the last window
+    row: torch.Tensor  # [V] owner clamped to R - 1 (a valid index for gathers)
+    offset: torch.Tensor  # [V] index inside the window (0 = anchor), clamped to the window
+    is_live: torch.Tensor  # [V] bool, owner < R
+
+
+def window_tokens(verify_len: torch.Tensor, num_tokens: int) -> WindowTokens:
+    """The token-to-window map of the module docstring's example, by tensor ops only."""
+    R = verify_len.shape[0]
+    windows = verify_len + 1  # [R]
+    cu = torch.zeros(R + 1, dtype=torch.int64, device=verify_len.device)
+    cu[1:] = windows.cumsum(0)
+    token = torch.arange(num_tokens, device=verify_len.device)  # [V]
+    # owner = number of windows that end at or before the token: searchsorted over cu[1:]
+    owner = torch.searchsorted(cu[1:], token, right=True)  # [V], R past the last window
+    row = owner.clamp(max=R - 1)
+    offset = torch.minimum(token - cu[row], verify_len[row])
+    return WindowTokens(cu, owner, row, offset, owner < R)
+
+
 def verify_layout(
     verify_len: torch.Tensor,  # [R] int64
     anchor_pos: torch.Tensor,  # [R] int64
@@ -40,25 +65,15 @@ def verify_layout(
     page_size: int,
     num_tokens: int,  # V, the captured token count (>= sum of windows)
 ) -> VerifyLayout:
-    R = verify_len.shape[0]
-    dev = verify_len.device
-    windows = verify_len + 1  # [R]
-    cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
-    cu[1:] = windows.cumsum(0)
-    token = torch.arange(num_tokens, device=dev)  # [V]
-    # owner = number of windows that end at or before the token: searchsorted over cu[1:]
-    owner = torch.searchsorted(cu[1:], token, right=True)  # [V], R past the last window
-    is_live = owner < R
-    row = owner.clamp(max=R - 1)
-    offset = token - cu[row]
-    positions = torch.where(is_live, anchor_pos[row] + offset, 0)
-    page = block_table[row, positions // page_size].long()
-    slots = torch.where(is_live, page * page_size + positions % page_size, SCRATCH_PAGE)
+    w = window_tokens(verify_len, num_tokens)
+    positions = torch.where(w.is_live, anchor_pos[w.row] + w.offset, 0)
+    page = block_table[w.row, positions // page_size].long()
+    slots = torch.where(w.is_live, page * page_size + positions % page_size, SCRATCH_PAGE)
     return VerifyLayout(
-        cu_num_tokens=cu.to(torch.int32),
-        owner=owner,
-        offset=torch.where(is_live, offset, 0),
+        cu_num_tokens=w.cu_num_tokens.to(torch.int32),
+        owner=w.owner,
+        offset=torch.where(w.is_live, w.offset, 0),
         positions=positions,
         slot_mapping=slots,
-        seq_lens=(anchor_pos + windows).to(torch.int32),
+        seq_lens=(anchor_pos + verify_len + 1).to(torch.int32),
     )

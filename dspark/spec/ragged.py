@@ -39,6 +39,7 @@ import torch
 
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
 from dspark.spec.lagged import select_verify_lengths, survival
+from dspark.spec.layout import window_tokens
 
 
 @dataclass(frozen=True)
@@ -81,23 +82,15 @@ def compact_windows(
     """Rewrite the full-width inputs as the ragged layout of 1 + verify_len tokens per row
     (module docstring's example). Every source token sits at or after its destination, and the
     gathers complete before the writes."""
-    w, G = windows.width, verify_len.shape[0]
-    dev = verify_len.device
-    lens = verify_len + 1  # [G]
-    cu = torch.zeros(G + 1, dtype=torch.int64, device=dev)
-    cu[1:] = lens.cumsum(0)
-    token = torch.arange(num_tokens, device=dev)  # [V]
-    owner = torch.searchsorted(cu[1:], token, right=True)  # [V], G past the last window
-    is_live = owner < G
-    row = owner.clamp(max=G - 1)
-    offset = (token - cu[row]).clamp(max=w - 1)
-    src = row * w + offset  # [V] index in the full-width layout
-    ids = torch.where(is_live, windows.input_ids[src], PAD_TOKEN_ID)
-    positions = torch.where(is_live, windows.positions[src], 0)
-    slots = torch.where(is_live, windows.slot_mapping[src], PAD_SLOT)
+    w = window_tokens(verify_len, num_tokens)
+    src = w.row * windows.width + w.offset  # [V] index in the full-width layout
+    ids = torch.where(w.is_live, windows.input_ids[src], PAD_TOKEN_ID)
+    positions = torch.where(w.is_live, windows.positions[src], 0)
+    slots = torch.where(w.is_live, windows.slot_mapping[src], PAD_SLOT)
     windows.input_ids[:num_tokens] = ids
     windows.positions[:num_tokens] = positions
     windows.slot_mapping[:num_tokens] = slots
-    windows.cu_num_tokens.copy_(cu.to(windows.cu_num_tokens.dtype))
-    windows.seq_lens.sub_((w - lens).to(windows.seq_lens.dtype))
-    return cu
+    windows.cu_num_tokens.copy_(w.cu_num_tokens.to(windows.cu_num_tokens.dtype))
+    shorter = windows.width - 1 - verify_len  # [G] tokens each window lost
+    windows.seq_lens.sub_(shorter.to(windows.seq_lens.dtype))
+    return w.cu_num_tokens

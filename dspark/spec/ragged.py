@@ -6,9 +6,10 @@ anchors, pad rows and short windows need nothing new), and picks only the cell: 
 D = V - G drafts, from survivals at least one step old. Inside the step, after the block is
 drafted and its drafts scattered into the full-width inputs:
 
-  1. trim_verify_lengths: the D candidates of highest fresh survival (lagged.select_verify_
-     lengths) under each row's cap (the host's verify_len: shortened windows, empty windows
-     and pad rows cap lower, pad rows at 0), giving each row its verify length;
+  1. the D candidates of highest fresh survival (lagged.select_verify_lengths, over
+     SpecDecoder.calibrated_survival) under each row's cap (the host's verify_len: shortened
+     windows, empty windows and pad rows cap lower, pad rows at 0), giving each row its verify
+     length;
   2. compact_windows: the full-width inputs are rewritten in place as the ragged layout of
      those windows, V tokens in all, with their cu_num_tokens and seq_lens.
 
@@ -38,7 +39,6 @@ from dataclasses import dataclass
 import torch
 
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
-from dspark.spec.lagged import select_verify_lengths, survival
 from dspark.spec.layout import window_tokens
 
 
@@ -62,16 +62,6 @@ class TrimmedCell:
 
     num_tokens: int  # V
     windows: FullWidthWindows
-
-
-def trim_verify_lengths(
-    confidence_logits: torch.Tensor,  # [G, K] raw, fresh from this step's block
-    temperatures: torch.Tensor,  # [G, K] STS temperatures per row (greedy rows: the greedy fit)
-    verify_cap: torch.Tensor,  # [G] the host's verify lengths (pad rows 0)
-    num_drafts: int,  # D = V - G
-) -> torch.Tensor:  # [G] int64
-    a = survival(confidence_logits.float(), temperatures)  # [G, K]
-    return select_verify_lengths(a, num_drafts, verify_cap)
 
 
 def compact_windows(

@@ -34,7 +34,8 @@ import torch
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.spec.drafting import DraftBlock, draft_block
-from dspark.spec.ragged import TrimmedCell, compact_windows, trim_verify_lengths
+from dspark.spec.lagged import select_verify_lengths, survival
+from dspark.spec.ragged import TrimmedCell, compact_windows
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.verifier import VerifyInput, VerifyOutput, verify, verify_greedy
 
@@ -136,6 +137,19 @@ class SpecDecoder:
         verify_len = cu = None
         if trimmed is not None:
             verify_len, cu = self.trim(num_rows, st, block, trimmed)
+        return self.finish(num_rows, st, block, target, window_index, verify_len, cu)
+
+    def finish(
+        self,
+        num_rows: int,
+        st: SamplingTensors,
+        block: DraftBlock,
+        target: TargetStep,
+        window_index: torch.Tensor | slice | None,
+        verify_len: torch.Tensor | None = None,  # [R] chosen after drafting (None: staged)
+        cu: torch.Tensor | None = None,  # [R + 1] their windows' starts, with verify_len
+    ) -> SpecStepOutput:
+        """Steps 2-4 after drafting (and after any choice of verify lengths)."""
         out = target.run()
         self.append_context(out.hidden_states, target.positions, target.slot_mapping)
         window_logits = out.logits if window_index is None else out.logits[window_index]
@@ -145,20 +159,25 @@ class SpecDecoder:
             block.confidence_logits, verify_len,
         )  # fmt: skip
 
-    def trim(
-        self, num_rows: int, st: SamplingTensors, block: DraftBlock, trimmed: TrimmedCell
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [R] verify lengths, [R + 1] their cu
-        """The trimmed cell's stage (spec/ragged.py): fresh survivals fill the budget, and the
-        full-width inputs become the ragged layout of trimmed.num_tokens tokens."""
-        assert block.confidence_logits is not None, "a trimmed cell needs the confidence head"
+    def calibrated_survival(
+        self, st: SamplingTensors, block: DraftBlock
+    ) -> torch.Tensor:  # [R, K] this block's survivals (greedy rows by the greedy fit)
+        assert block.confidence_logits is not None, "choosing lengths needs the confidence head"
         k = self.num_verify
         temps = torch.where(
             (st.temperature == 0)[:, None], self.greedy_confidence_temperatures[None, :k],
             self.confidence_temperatures[None, :k],
         )  # [R, K]  # fmt: skip
-        verify_len = trim_verify_lengths(
-            block.confidence_logits[:, :k], temps, self.buffers.verify_cap[:num_rows],
-            trimmed.num_tokens - num_rows,
+        return survival(block.confidence_logits[:, :k].float(), temps)
+
+    def trim(
+        self, num_rows: int, st: SamplingTensors, block: DraftBlock, trimmed: TrimmedCell
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [R] verify lengths, [R + 1] their cu
+        """The trimmed cell's stage (spec/ragged.py): fresh survivals fill the budget, and the
+        full-width inputs become the ragged layout of trimmed.num_tokens tokens."""
+        verify_len = select_verify_lengths(
+            self.calibrated_survival(st, block), trimmed.num_tokens - num_rows,
+            self.buffers.verify_cap[:num_rows],
         )  # fmt: skip
         return verify_len, compact_windows(trimmed.windows, verify_len, trimmed.num_tokens)
 

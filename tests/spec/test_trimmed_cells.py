@@ -15,8 +15,9 @@ from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
 from dspark.spec.cost_table import CostTable, check_table, full_block_tokens
 from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.spec.lagged import select_verify_lengths, survival
 from dspark.spec.profile import format_table, profile_cost_table
-from dspark.spec.ragged import FullWidthWindows, compact_windows, trim_verify_lengths
+from dspark.spec.ragged import FullWidthWindows, compact_windows
 from tests.helpers import assert_matches_distribution
 from tests.spec.eager_replay import EagerReplay
 from tests.spec.test_spec_engine import PROMPTS12, _exact_pair_distribution
@@ -38,7 +39,8 @@ def test_compact_windows_worked_example():
     confidence = torch.stack([logits[:, 0], *(
         (logits[:, j].sigmoid() / logits[:, j - 1].sigmoid()).logit() for j in (1, 2)
     )], dim=1)  # fmt: skip
-    verify_len = trim_verify_lengths(confidence, torch.ones(3, 3), torch.tensor([3, 3, 0]), 4)
+    a = survival(confidence, torch.ones(3))
+    verify_len = select_verify_lengths(a, 4, torch.tensor([3, 3, 0]))
     assert verify_len.tolist() == [2, 2, 0]
     windows = FullWidthWindows(ids, positions, slots, cu, seq_lens, w)
     new_cu = compact_windows(windows, verify_len, 7)

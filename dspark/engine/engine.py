@@ -137,6 +137,10 @@ class LLMEngine:
             max_verify=self.spec.num_verify if self.spec else 0,
         )
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and backend == "triton"
+        if use_graphs and self.spec is not None and config.spec().scheduler == "sync":
+            raise ValueError('speculative_config "scheduler": "sync" plans on the host between '
+                             "drafting and verifying, so it runs eagerly: set use_cuda_graphs="
+                             'False, or use "lagged" (the scheduler for CUDA graphs)')  # fmt: skip
         if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
             logger.warning("CUDA graphs need the triton attention backend: running eagerly")
         self.runner = ModelRunner(
@@ -152,6 +156,7 @@ class LLMEngine:
             mixed_tail_tokens=config.spec().mixed_prefill_tokens if self.spec else 0,
             decode_tail_tokens=config.mixed_prefill_tokens,
             trimmed_widths=config.spec().trimmed_widths if self.spec else (),
+            sync_planning=bool(self.spec) and config.spec().scheduler == "sync",
         )
         if self.runner.spec_runner is not None:  # prefill beside windows keeps their graph
             self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
@@ -268,6 +273,7 @@ class LLMEngine:
         logger.info("speculation: drafting decided per step from cost table %s (G %s)",
                     path, policy.sizes)  # fmt: skip
         self.runner.spec_runner.confidence_sinks.append(policy.observe)
+        self.runner.spec_runner.step_prices = policy.priced_cells  # (the sync planner's)
         return policy, f"drafting policy, cost table {path}"
 
     def _shipped_cost_table(self) -> Path | None:

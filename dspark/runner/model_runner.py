@@ -102,6 +102,7 @@ class ModelRunner:
         spec: SpecDecoder | None = None,  # speculation: drafting, context, verification
         mixed_tail_tokens: int = 0,  # P of the captured mixed steps (runner/mixed_layout.py)
         trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) (spec/ragged.py)
+        sync_planning: bool = False,  # verify lengths by Algorithm 1 on the host (eager)
         decode_tail_tokens: int = 0,  # P of the captured mixed decode steps (cuda_graph.py)
     ) -> None:
         self.model = model
@@ -145,7 +146,7 @@ class ModelRunner:
             tails = (mixed_tail_tokens,) if mixed_tail_tokens else ()
             self.spec_runner = SpecRunner(
                 spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder, tails,
-                trimmed_widths,
+                trimmed_widths, sync_planning,
             )  # fmt: skip
         if self.graph_sizes and capture_graphs:
             tail = decode_tail_tokens

@@ -24,6 +24,12 @@ D = V - G and runs the target over the compacted windows. A step that cannot run
 is not a window or wants logprobs, its G is not the cell's, fewer drafts than D) verifies the
 full block instead, the reason counted (`trimmed_fallback_*`).
 
+With the synchronous scheduler (speculative_config "scheduler": "sync", no graphs), a step of
+such windows drafts, reads its survivals on the host, and Algorithm 1 (spec/planner.py) picks
+each row's verify length from them, pricing a step of B tokens by the cheapest cell of the
+cost table that holds it; the windows are compacted to those lengths (spec/ragged.py) and the
+target runs over exactly their tokens.
+
 A step of such windows can have a step launched behind it before its results reach the host
 (async scheduling of drafting steps): a continuation row's anchor is the last token its
 request's window emitted, so after each such step the runner keeps every window's next anchor
@@ -58,7 +64,8 @@ from dspark.runner.mixed_layout import (
 )
 from dspark.runner.spec_graphs import SpecGraphs, trimmed_layout, window_layout
 from dspark.sample.sampler import top_logprobs
-from dspark.spec.ragged import FullWidthWindows, TrimmedCell
+from dspark.spec.planner import plan_sync
+from dspark.spec.ragged import FullWidthWindows, TrimmedCell, compact_windows
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
 
@@ -138,6 +145,7 @@ class SpecRunner:
         graph_sizes: list[int],  # the ladder to capture ([]: none, every step eager)
         tail_sizes: tuple[int, ...] = (),  # P of the mixed steps to capture beside each G
         trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) per G
+        sync_planning: bool = False,  # Algorithm 1 on the host chooses verify lengths (eager)
     ) -> None:
         self.spec, self.buffers, self.run_model = spec, buffers, run_model
         self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
@@ -158,8 +166,13 @@ class SpecRunner:
         if sizes:
             self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes, tails,
                                      trimmed=trimmed)  # fmt: skip
-        # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
-        self.uniform_windows = self.graphs is not None
+        # lay steps of windows out K + 1 wide (on with graphs, and for the synchronous planner,
+        # which compacts them; a test turns it on eagerly)
+        self.sync_planning = sync_planning
+        self.uniform_windows = self.graphs is not None or sync_planning
+        # (num_rows, sampled) -> (G, V -> seconds, sampled) the policy prices a step by, or
+        # None (the engine sets it with its drafting policy): the synchronous planner's prices
+        self.step_prices: Callable[[int, bool], tuple[int, dict, bool] | None] | None = None
         # the next anchors (positions, tokens; [R] on the device) of the last uniform step's
         # windows, and each window's row there by request serial: continuations read them
         self._next_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -303,6 +316,8 @@ class SpecRunner:
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width)
         self.stats["eager_spec_steps"] += 1
+        if self.sync_planning and width is not None and not layout.tail_rows:
+            return self._planned_step(rows, mode)
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
             target, cell = self._trimmed_step(len(rows), trimmed)
@@ -323,6 +338,32 @@ class SpecRunner:
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
         return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
+
+    def _planned_step(self, rows: list[WindowRow], mode: SamplingMode) -> SpecStepOutput:
+        """The synchronous scheduler's step of full-width windows: draft, plan the verify
+        lengths on the host from this block's survivals (Algorithm 1), compact, verify."""
+        n, spec, b = len(rows), self.spec, self.buffers
+        st = spec.buffers.sampling(n, mode)
+        block = spec.draft(n, st, b.input_ids, b.block_table[:n])
+        caps = [r.verify_len for r in rows]
+        prices = self.step_prices(n, not mode.all_greedy) if self.step_prices else None
+        if prices is None:  # no cost table for this batch: the full windows, counted
+            self.stats["sync_plans_unpriced"] += 1
+            lengths = caps
+        else:
+            g, cells, _ = prices
+            # sync: the plan reads this step's survivals (the synchronous scheduler's second
+            # host synchronisation of a drafting step; the lagged one has none)
+            a = spec.calibrated_survival(st, block).tolist()
+            lengths = plan_sync([s[:cap] for s, cap in zip(a, caps, strict=True)],
+                                _staircase(cells, g - n))  # fmt: skip
+            self.stats["sync_plans"] += 1
+            self.stats["sync_drafts_trimmed"] += sum(caps) - sum(lengths)  # (of those allowed)
+        verify_len = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+        num_tokens = n + sum(lengths)
+        target, cell = self._trimmed_step(n, num_tokens)
+        cu = compact_windows(cell.windows, verify_len, num_tokens)
+        return spec.finish(n, st, block, target, None, verify_len, cu)
 
     def _trimmed_tokens(
         self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None
@@ -526,3 +567,19 @@ class SpecRunner:
             layout, index = window_layout(size, width), None
         return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table),
                               index)  # fmt: skip
+
+
+def _staircase(cells: dict[int, float], num_pad_rows: int) -> Callable[[int], float | None]:
+    """Step time of B live tokens: the smallest measured cell that holds them with the G - R
+    pad rows (one token each), never interpolated; None past the full block.
+
+      cells {4: 1.0, 8: 1.2, 16: 2.0} (G 4), R 3: B 3 -> V 4: 1.0, B 5 -> V 8: 1.2,
+      B 14 -> V 16: 2.0, B 16 -> None
+    """
+    sizes = sorted(cells)
+
+    def step_time(num_tokens: int) -> float | None:
+        i = bisect.bisect_left(sizes, num_tokens + num_pad_rows)
+        return cells[sizes[i]] if i < len(sizes) else None
+
+    return step_time

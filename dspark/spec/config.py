@@ -2,7 +2,8 @@
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
-     "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true}
+     "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
+     "scheduler": "lagged"}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -28,6 +29,11 @@ engine realises in it (spec/realised_costs.py): a serving loop's drafting steps 
 and cost more than the profiler's steady ones. On the H200 it took the policy from 0.98x to
 1.09x plain decoding at 256 requests (docs/PERFORMANCE.md, twelfth look); false prices by the
 table alone, deterministically (tests).
+"scheduler" says who chooses each row's verify length when a step drafts: "lagged" (default:
+the full block, or the policy's trimmed cell filled on the device, DSPARK.md 6.3 item 2) or
+"sync" (Algorithm 1 with early stop on the host, from the step's own survivals, each length
+priced by the cost table's cells: spec/planner.py; a second host sync per drafting step, so it
+runs eagerly, without CUDA graphs: a reference and a fallback).
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
@@ -41,7 +47,9 @@ from typing import Any
 
 METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
-        "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs")  # fmt: skip
+        "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
+        "scheduler")  # fmt: skip
+SCHEDULERS = ("lagged", "sync")
 UNOBSERVED = ("confident", "population")
 
 
@@ -59,6 +67,7 @@ class SpecConfig:
     mixed_prefill_tokens: int = 256  # prefill beside windows in a captured step (0: none)
     trimmed_widths: tuple[int, ...] = ()  # w of the trimmed cells (G, w G) the engine can run
     realised_costs: bool = True  # scale the table by realised step times (realised_costs.py)
+    scheduler: str = "lagged"  # who chooses verify lengths (SCHEDULERS; module docstring)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -120,9 +129,13 @@ class SpecConfig:
             raise ValueError(
                 f'speculative_config "realised_costs" must be true or false, got {realised!r}'
             )
+        scheduler = d.get("scheduler", "lagged")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f'speculative_config "scheduler" must be one of {list(SCHEDULERS)}, '
+                             f"got {scheduler!r}")  # fmt: skip
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
                    min_gain=float(gain), scheduling=scheduling, unobserved=unobserved,
                    mixed_prefill_tokens=mixed,
                    trimmed_widths=tuple(sorted(set(widths))),
-                   realised_costs=realised)  # fmt: skip
+                   realised_costs=realised, scheduler=scheduler)  # fmt: skip

@@ -239,22 +239,15 @@ class DraftingPolicy:
             return Decision(True, "no table")
         if not request_ids:
             return Decision(self.drafting, "idle")
-        i = bisect.bisect_left(self.sizes, len(request_ids))
-        if i == len(self.sizes):
+        priced = self.priced_cells(len(request_ids), sampled)
+        if priced is None:
             return Decision(True, "batch beyond the table")
-        g = self.sizes[i]
-        table = self.table
-        if sampled:
-            if self.sampled_table is not None:
-                table = self.sampled_table
-            else:
-                self.counters["sampled_priced_by_greedy_cells"] += 1
-        sampled = table is self.sampled_table
+        if sampled and self.sampled_table is None:
+            self.counters["sampled_priced_by_greedy_cells"] += 1
+        g, row, sampled = priced
         if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
             return Decision(False, "dwell", None, (g, g), sampled)
-        if self.realised_costs is not None:  # (realised_costs.py)
-            priced = self.realised_costs.priced(g, table.cells[g], sampled)
-            table = CostTable(table.fingerprint, {g: priced})
+        table = CostTable({}, {g: row})
         if len(table.cells[g]) > 2:  # trimmed cells: per-position survivals price them
             a = self.lagged_survival(request_ids, g)
             choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting)
@@ -266,6 +259,22 @@ class DraftingPolicy:
         cell = (g, geometry.num_tokens)
         trimmed = cell if choice.reason == "trimmed" else None
         return Decision(geometry.drafts, choice.reason, trimmed, cell, sampled)
+
+    def priced_cells(
+        self, num_rows: int, sampled: bool
+    ) -> tuple[int, dict[int, float], bool] | None:
+        """The graph size G a step of num_rows rows runs at, its runnable cells' prices (V ->
+        seconds: the table's, scaled by realised step costs), and whether they are the sampled
+        cells; None when no G of the table holds num_rows."""
+        i = bisect.bisect_left(self.sizes, num_rows)
+        if self.table is None or i == len(self.sizes):
+            return None
+        g = self.sizes[i]
+        table = self.sampled_table if sampled and self.sampled_table is not None else self.table
+        row = table.cells[g]
+        if self.realised_costs is not None:  # (realised_costs.py)
+            row = self.realised_costs.priced(g, row, table is self.sampled_table)
+        return g, row, table is self.sampled_table
 
     def record_step(self, decision: Decision, seconds: float) -> None:
         """The engine's period of a step the policy decided (realised_costs.py); a decision

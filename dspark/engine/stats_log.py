@@ -3,6 +3,9 @@
   dspark stats: running 64, waiting 12, KV 41.3% used, prompt 1,820 tok/s, generation
   35,114 tok/s, 3,301 steps (12% eager), acceptance length 2.07, drafting off
 
+The drafting mode is the budget of the step about to run: "drafting off", "drafting on, full
+block" or "drafting on, trimmed cell G=64 V=128".
+
 Rates are over the interval since the previous line, from the scheduler's token totals; the
 acceptance length is over that interval's verified windows. Steps are the runner's, captured
 and eager (prefill chunks, and what no graph covers, run eagerly; on the GPU an eager step
@@ -53,7 +56,13 @@ class StatsLogger:
             if windows > self._windows:
                 rate = (emitted - self._emitted) / (windows - self._windows)
                 parts.append(f"acceptance length {rate:.2f}")
-            parts.append(f"drafting {'on' if sched.drafting else 'off'}")
+            if not sched.drafting:
+                parts.append("drafting off")
+            elif sched.trimmed_cell is not None:  # the budget: tokens per row of the cell
+                g, v = sched.trimmed_cell
+                parts.append(f"drafting on, trimmed cell G={g} V={v}")
+            else:
+                parts.append("drafting on, full block")
             self._windows, self._emitted = windows, emitted
         logger.info("dspark stats: %s", ", ".join(parts))
         self._last = now

@@ -6,6 +6,8 @@ distribution, and the cost table, the policy and the profiler know the cells."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -131,6 +133,14 @@ def test_trimmed_cells_greedy_equal_plain(tiny_vocab_dir, drafter, tmp_path, pad
         assert {(g, v) for g, _, v in replayed if v} >= {(4, 8)}
     e = llm.engine
     assert e.allocator.num_free == e.allocator.num_usable
+
+
+def test_stats_line_names_the_trimmed_cell(tiny_vocab_dir, drafter, tmp_path, caplog):
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded=False, log_stats_interval_s=1e-9)
+    with caplog.at_level(logging.INFO, logger="dspark.engine.stats"):
+        llm.generate(PROMPTS12[:4], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "dspark.engine.stats"]
+    assert any(re.search(r"drafting on, trimmed cell G=4 V=8$", line) for line in lines), lines
 
 
 def test_trimmed_cells_fall_back_to_the_full_block_with_reasons(tiny_vocab_dir, drafter, tmp_path):

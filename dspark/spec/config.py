@@ -99,17 +99,8 @@ class SpecConfig:
             raise ValueError(
                 f'speculative_config "min_gain" must be a number in [0, 1), got {gain!r}'
             )
-        scheduling = d.get("scheduling", True)
-        if not isinstance(scheduling, bool):
-            raise ValueError(
-                f'speculative_config "scheduling" must be true or false, got {scheduling!r}'
-            )
-        unobserved = d.get("unobserved", "population")
-        if unobserved not in UNOBSERVED:
-            raise ValueError(
-                f'speculative_config "unobserved" must be one of {list(UNOBSERVED)}, '
-                f"got {unobserved!r}"
-            )
+        scheduling = _flag(d, "scheduling", True)
+        unobserved = _choice(d, "unobserved", UNOBSERVED, "population")
         mixed = d.get("mixed_prefill_tokens", 256)
         if isinstance(mixed, bool) or not isinstance(mixed, int) or not 0 <= mixed <= 8192:
             raise ValueError(
@@ -124,18 +115,27 @@ class SpecConfig:
                 f'speculative_config "trimmed_widths" must be a list of integers >= 2 (tokens '
                 f"per row of a trimmed cell, at most num_speculative_tokens), got {widths!r}"
             )
-        realised = d.get("realised_costs", True)
-        if not isinstance(realised, bool):
-            raise ValueError(
-                f'speculative_config "realised_costs" must be true or false, got {realised!r}'
-            )
-        scheduler = d.get("scheduler", "lagged")
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f'speculative_config "scheduler" must be one of {list(SCHEDULERS)}, '
-                             f"got {scheduler!r}")  # fmt: skip
+        realised = _flag(d, "realised_costs", True)
+        scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
                    min_gain=float(gain), scheduling=scheduling, unobserved=unobserved,
                    mixed_prefill_tokens=mixed,
                    trimmed_widths=tuple(sorted(set(widths))),
                    realised_costs=realised, scheduler=scheduler)  # fmt: skip
+
+
+def _flag(d: dict[str, Any], key: str, default: bool) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f'speculative_config "{key}" must be true or false, got {value!r}')
+    return value
+
+
+def _choice(d: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = d.get(key, default)
+    if value not in allowed:
+        raise ValueError(
+            f'speculative_config "{key}" must be one of {list(allowed)}, got {value!r}'
+        )
+    return value

@@ -89,3 +89,13 @@ def test_sync_scheduler_keeps_the_target_distribution(
 def test_scheduler_configuration_errors(tiny_vocab_dir, drafter):
     with pytest.raises(ValueError, match="\"scheduler\" must be one of \\['lagged', 'sync'\\]"):
         LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, scheduler="greedy"), **KW)
+
+
+def test_sync_scheduler_without_a_table_verifies_the_full_windows(tiny_vocab_dir, drafter):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS12, params, use_tqdm=False)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    got = llm.generate(PROMPTS12, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.runner.stats
+    assert stats["sync_plans_unpriced"] > 0 and not stats["sync_plans"], dict(stats)

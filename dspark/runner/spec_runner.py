@@ -17,18 +17,9 @@ same SpecDecoder.step eagerly, and the reason is counted.
   cu [0, 4, 8, 12]; the second window's last two tokens and the third's last three are scored
   but never accepted (the third's KV slots [s, 0, 0, 0]: scratch after the anchor's).
 
-The drafting policy may give a step of such windows a trimmed cell (G, V) (StepPlan.trimmed_cell,
-spec/ragged.py): it is staged exactly like the full block, and the captured trimmed cell (or,
-without graphs, the eager step) chooses each row's verify length on the device under the budget
-D = V - G and runs the target over the compacted windows. A step that cannot run it (some row
-is not a window or wants logprobs, its G is not the cell's, fewer drafts than D) verifies the
-full block instead, the reason counted (`trimmed_fallback_*`).
-
-With the synchronous scheduler (speculative_config "scheduler": "sync", no graphs), a step of
-such windows drafts, reads its survivals on the host, and Algorithm 1 (spec/planner.py) picks
-each row's verify length from them, pricing a step of B tokens by the cheapest cell of the
-cost table that holds it; the windows are compacted to those lengths (spec/ragged.py) and the
-target runs over exactly their tokens.
+A step of such windows may instead have its verify lengths chosen after drafting: a trimmed
+cell (G, V) the drafting policy chose, or the synchronous scheduler's plan
+(runner/chosen_lengths.py).
 
 A step of such windows can have a step launched behind it before its results reach the host
 (async scheduling of drafting steps): a continuation row's anchor is the last token its
@@ -49,6 +40,7 @@ import torch
 
 from dspark.engine.scheduler import SampledTokens, StepPlan
 from dspark.request import TokenLogprobs
+from dspark.runner.chosen_lengths import planned_step, trimmed_target, trimmed_tokens
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
     InputBuffers,
@@ -62,10 +54,9 @@ from dspark.runner.mixed_layout import (
     capture_layout,
     prepare_capture,
 )
-from dspark.runner.spec_graphs import SpecGraphs, trimmed_layout, window_layout
+from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import top_logprobs
-from dspark.spec.planner import plan_sync
-from dspark.spec.ragged import FullWidthWindows, TrimmedCell, compact_windows
+from dspark.spec.ragged import TrimmedCell
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
 
@@ -340,76 +331,24 @@ class SpecRunner:
         return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
 
     def _planned_step(self, rows: list[WindowRow], mode: SamplingMode) -> SpecStepOutput:
-        """The synchronous scheduler's step of full-width windows: draft, plan the verify
-        lengths on the host from this block's survivals (Algorithm 1), compact, verify."""
-        n, spec, b = len(rows), self.spec, self.buffers
-        st = spec.buffers.sampling(n, mode)
-        block = spec.draft(n, st, b.input_ids, b.block_table[:n])
-        caps = [r.verify_len for r in rows]
-        prices = self.step_prices(n, not mode.all_greedy) if self.step_prices else None
-        if prices is None:  # no cost table for this batch: the full windows, counted
-            self.stats["sync_plans_unpriced"] += 1
-            lengths = caps
-        else:
-            g, cells, _ = prices
-            # sync: the plan reads this step's survivals (the synchronous scheduler's second
-            # host synchronisation of a drafting step; the lagged one has none)
-            a = spec.calibrated_survival(st, block).tolist()
-            lengths = plan_sync([s[:cap] for s, cap in zip(a, caps, strict=True)],
-                                _staircase(cells, g - n))  # fmt: skip
-            self.stats["sync_plans"] += 1
-            self.stats["sync_drafts_trimmed"] += sum(caps) - sum(lengths)  # (of those allowed)
-        verify_len = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        num_tokens = n + sum(lengths)
-        target, cell = self._trimmed_step(n, num_tokens)
-        cu = compact_windows(cell.windows, verify_len, num_tokens)
-        return spec.finish(n, st, block, target, None, verify_len, cu)
+        """The synchronous scheduler's step (runner/chosen_lengths.py)."""
+        prices = self.step_prices(len(rows), not mode.all_greedy) if self.step_prices else None
+        return planned_step(self.spec, self.buffers, self.run_model, rows, mode, prices,
+                            self.stats)  # fmt: skip
 
     def _trimmed_tokens(
         self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None
     ) -> int | None:
-        """V this step runs its trimmed cell with, or None: the full block (a step the policy
-        gave no trimmed cell, or one that cannot run it, the reason counted)."""
-        if plan.trimmed_cell is None:
-            return None
-        g, v = plan.trimmed_cell
-        num_drafts = v - g  # D, the cell's budget of drafts (lagged.cell_geometry)
-        reason = None
-        if not self.trimmed_widths:
-            reason = "not_enabled"
-        elif layout.window_width is None or layout.tail_rows:
-            reason = "not_all_windows"
-        elif any(plan.rows[r.table_row].request.sampling_params.logprobs is not None
-                 for r in rows):  # fmt: skip
-            reason = "logprobs"  # (the host packs logprobs by window lengths it knows)
-        elif sum(r.verify_len for r in rows) < num_drafts:
-            reason = "fewer_drafts_than_budget"
-        elif graph_size is not None and (graph_size != g or v not in self.graphs.trimmed[g]):
-            reason = "cell_not_captured"
+        """V this step runs its trimmed cell with, or None (runner/chosen_lengths.py)."""
+        captured = self.graphs.trimmed if self.graphs is not None else {}
+        reason, tokens = trimmed_tokens(plan, layout, rows, graph_size, self.trimmed_widths,
+                                        captured)  # fmt: skip
         if reason is not None:
             self.stats[f"trimmed_fallback_{reason}"] += 1
-            return None
-        # a captured cell runs V tokens; an eager step, its R live rows and the same D
-        return v if graph_size is not None else len(rows) + num_drafts
+        return tokens
 
     def _trimmed_step(self, num_rows: int, num_tokens: int) -> tuple[TargetStep, TrimmedCell]:
-        """The target of a trimmed cell of num_rows full-width windows and num_tokens tokens:
-        drafts go into the full-width ids, the target reads the compacted ones."""
-        b, width = self.buffers, 1 + self.spec.num_verify
-        t = num_rows * width
-        windows = FullWidthWindows(
-            b.input_ids[:t], b.positions[:t], b.slot_mapping[:t],
-            b.cu_num_tokens[: num_rows + 1], b.seq_lens[:num_rows], width,
-        )  # fmt: skip
-        layout = trimmed_layout(num_rows, num_tokens, width)
-        target = TargetStep(
-            run=lambda: self.run_model(layout, self.spec.taps),
-            input_ids=b.input_ids[:t],
-            positions=b.positions[:num_tokens],
-            slot_mapping=b.slot_mapping[:num_tokens],
-            block_table=b.block_table,
-        )
-        return target, TrimmedCell(num_tokens, windows)
+        return trimmed_target(self.buffers, self.spec, self.run_model, num_rows, num_tokens)
 
     def _feed_continuations(self, plan: StepPlan, width: int | None) -> None:
         """The continuation rows' anchors, from the previous step's verification on the device,
@@ -567,19 +506,3 @@ class SpecRunner:
             layout, index = window_layout(size, width), None
         return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table),
                               index)  # fmt: skip
-
-
-def _staircase(cells: dict[int, float], num_pad_rows: int) -> Callable[[int], float | None]:
-    """Step time of B live tokens: the smallest measured cell that holds them with the G - R
-    pad rows (one token each), never interpolated; None past the full block.
-
-      cells {4: 1.0, 8: 1.2, 16: 2.0} (G 4), R 3: B 3 -> V 4: 1.0, B 5 -> V 8: 1.2,
-      B 14 -> V 16: 2.0, B 16 -> None
-    """
-    sizes = sorted(cells)
-
-    def step_time(num_tokens: int) -> float | None:
-        i = bisect.bisect_left(sizes, num_tokens + num_pad_rows)
-        return cells[sizes[i]] if i < len(sizes) else None
-
-    return step_time

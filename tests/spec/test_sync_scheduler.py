@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.runner.spec_runner import _staircase
+from dspark.runner.chosen_lengths import staircase
 from dspark.spec.cost_table import CostTable
 from tests.helpers import assert_matches_distribution
 from tests.spec.test_spec_engine import PROMPTS12, _exact_pair_distribution
@@ -45,7 +45,7 @@ def _llm(tiny_vocab_dir, drafter, tmp_path, **kw):
 
 
 def test_staircase_worked_example():
-    step_time = _staircase({4: 1.0, 8: 1.2, 16: 2.0}, 4 - 3)
+    step_time = staircase({4: 1.0, 8: 1.2, 16: 2.0}, 4 - 3)
     assert [step_time(b) for b in (3, 5, 14, 16)] == [1.0, 1.2, 2.0, None]
 
 

@@ -108,19 +108,23 @@ def _llm(tiny_vocab_dir, drafter, tmp_path, padded: bool, **kw):
     return llm
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_trimmed_cells_greedy_equal_plain(tiny_vocab_dir, drafter, tmp_path, padded):
+@pytest.mark.parametrize("padded,ahead", [(False, False), (True, False), (True, True)])
+def test_trimmed_cells_greedy_equal_plain(tiny_vocab_dir, drafter, tmp_path, padded, ahead):
     """Rows verifying 0..K drafts side by side, windows shortened near max_tokens, an opted-out
-    request, a batch that shrinks as requests end and sizes between the ladder's."""
+    request, a batch that shrinks as requests end and sizes between the ladder's; `ahead`:
+    drafting steps launched behind the previous one, their anchors written on the device into
+    the full-width inputs the trimmed cell then compacts."""
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, use_speculation=(i != 3))
         for i, n in enumerate([20, 13, 31, 17, 9])
     ]
     plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS12, params, use_tqdm=False)
-    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded)
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded, async_spec_steps=ahead)
     got = llm.generate(PROMPTS12, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     m = llm.get_metrics()
+    if ahead:
+        assert m["async_spec_steps"]["continuation_windows"] > 0, m["async_spec_steps"]
     stats = llm.engine.runner.stats
     trimmed = stats["spec_graph_steps_trimmed" if padded else "spec_steps_trimmed_eager"]
     assert trimmed > 0, dict(stats)
@@ -152,16 +156,17 @@ def test_trimmed_cells_fall_back_to_the_full_block_with_reasons(tiny_vocab_dir, 
     assert stats["trimmed_fallback_logprobs"] > 0 and not stats["spec_steps_trimmed_eager"]
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+@pytest.mark.parametrize("temperature,top_p,ahead", [(1.0, 1.0, False), (0.8, 0.9, False),
+                                                     (1.0, 1.0, True)])  # fmt: skip
 def test_trimmed_sampled_speculation_keeps_the_target_distribution(
-    tiny_vocab_dir, drafter, tmp_path, temperature, top_p
+    tiny_vocab_dir, drafter, tmp_path, temperature, top_p, ahead
 ):
     """Tokens 2 and 3 of 3,000 seeded requests (token 1 from the prefill; then windows of up to
     2 drafts, of which the trimmed cell verifies half: D = G = R drafts for 2 R candidates):
     their joint is the target's."""
     n, prompt = 3000, [2, 3, 4]
     llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded=True, max_num_seqs=64,
-               num_kv_pages=1024)  # fmt: skip
+               num_kv_pages=1024, async_spec_steps=ahead)  # fmt: skip
     params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_tokens=4,
                              ignore_eos=True) for s in range(n)]  # fmt: skip
     outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]

@@ -99,10 +99,15 @@ FRESH, STALE, UNSEEN = 0, 1, 2
 class Decision:
     drafting: bool
     reason: str  # for the counters: "full block", "no drafting", "trimmed", "dwell", ...
-    trimmed_cell: tuple[int, int] | None = None  # (G, V) when the choice is a trimmed cell
-    # bookkeeping for realised step costs, not part of the choice (not compared)
-    cell: tuple[int, int] | None = field(default=None, compare=False)  # (G, V) priced
+    # the cell the step is priced as, and by which cells (realised step costs' bookkeeping,
+    # not part of the choice: not compared)
+    cell: tuple[int, int] | None = field(default=None, compare=False)  # (G, V)
     sampled: bool = field(default=False, compare=False)  # priced by the sampled cells
+
+    @property
+    def trimmed_cell(self) -> tuple[int, int] | None:
+        """(G, V) when the choice is a trimmed cell (StepPlan.trimmed_cell), else None."""
+        return self.cell if self.reason == "trimmed" else None
 
 
 class DraftingPolicy:
@@ -246,9 +251,9 @@ class DraftingPolicy:
             self.counters["sampled_priced_by_greedy_cells"] += 1
         g, row, sampled = priced
         if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
-            return Decision(False, "dwell", None, (g, g), sampled)
+            return Decision(False, "dwell", (g, g), sampled)
         table = CostTable({}, {g: row})
-        if len(table.cells[g]) > 2:  # trimmed cells: per-position survivals price them
+        if len(row) > 2:  # trimmed cells: per-position survivals price them
             a = self.lagged_survival(request_ids, g)
             choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting)
         else:
@@ -256,9 +261,7 @@ class DraftingPolicy:
                                      table, self.draft_len, self.min_gain,
                                      drafting_now=self.drafting)  # fmt: skip
         geometry = choice.geometry
-        cell = (g, geometry.num_tokens)
-        trimmed = cell if choice.reason == "trimmed" else None
-        return Decision(geometry.drafts, choice.reason, trimmed, cell, sampled)
+        return Decision(geometry.drafts, choice.reason, (g, geometry.num_tokens), sampled)
 
     def priced_cells(
         self, num_rows: int, sampled: bool
@@ -344,7 +347,7 @@ class DraftingPolicy:
         mass = vectors.sum(axis=1, keepdims=True)
         scale = np.asarray(totals)[:, None] / np.where(mass > 0, mass, 1.0)
         rows = np.where(mass > 0, vectors * scale, np.asarray(totals)[:, None] / k)
-        return np.minimum(1.0, rows).astype(np.float32)
+        return np.minimum(1.0, rows)
 
     def population_mean(self) -> float | None:
         """The recent requests' recalibrated mean survival sum per block (exponentially

@@ -50,11 +50,22 @@ def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> tor
     return torch.sigmoid(confidence_logits / temperatures).cumprod(dim=-1)
 
 
-def expected_tokens(a: torch.Tensor, num_drafts: int) -> float:
+def expected_tokens(a: torch.Tensor | np.ndarray, num_drafts: int) -> float:
     """Live rows' anchors plus the D highest survivals (always a prefix of each row)."""
-    if num_drafts <= 0:
-        return float(a.shape[0])
-    return a.shape[0] + float(a.flatten().topk(min(num_drafts, a.numel())).values.sum())
+    return _expected_by_budget(a)(num_drafts)
+
+
+def _expected_by_budget(a: torch.Tensor | np.ndarray):
+    """num_drafts -> expected tokens for the rows' survivals [R, K]: sorted once on the host,
+    so pricing every cell of a G costs one sort."""
+    a = np.asarray(a, dtype=np.float64)
+    num_live = a.shape[0]
+    best_first = np.concatenate([[0.0], np.cumsum(np.sort(a, axis=None)[::-1])])
+
+    def expected(num_drafts: int) -> float:
+        return num_live + float(best_first[min(max(num_drafts, 0), best_first.size - 1)])
+
+    return expected
 
 
 @dataclass(frozen=True)
@@ -77,16 +88,11 @@ def choose_cell(
     The incumbent is the full block while drafting (fixed K, the safe default) and plain
     decoding while not. Another cell must beat the incumbent by min_gain, and by that margin
     twice over when it switches drafting off or back on (hysteresis: noise in the lagged
-    estimates cannot flip the mode every step). The survivals are sorted once on the host
-    (numpy): a budget of D drafts expects R plus the sum of the D largest.
+    estimates cannot flip the mode every step). A budget of D drafts expects R plus the sum of
+    the D largest survivals.
     """
-    a = np.asarray(lagged_survival, dtype=np.float64)
-    num_live = a.shape[0]
-    best_first = np.concatenate([[0.0], np.cumsum(np.sort(a, axis=None)[::-1])])
-
-    def expected(num_drafts: int) -> float:
-        return num_live + float(best_first[min(max(num_drafts, 0), best_first.size - 1)])
-
+    expected = _expected_by_budget(lagged_survival)
+    num_live = lagged_survival.shape[0]
     return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now)
 
 

@@ -101,6 +101,7 @@ def _measure_cells(
     engine = llm.engine
     K = engine.spec.num_verify
     widths = engine.runner.spec_runner.trimmed_widths
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     cells: dict[int, dict[int, float]] = {}
     for g in batches:
         # the cells in the order measured each round: plain, the trimmed ones, the full block
@@ -108,8 +109,6 @@ def _measure_cells(
         best = dict.fromkeys(order, math.inf)
         for _ in range(rounds):
             for v in order:
-                params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                        ignore_eos=True)  # fmt: skip
                 trimmed = (g, v) if g < v < order[-1] else None
                 best[v] = min(best[v], _measure_cell(llm, g, v > g, trimmed, prompt, params,
                                                      steps, warmup))  # fmt: skip

@@ -75,15 +75,19 @@ def _tiny_model(directory: Path, vocab_size: int, num_layers: int) -> Path:
     return directory
 
 
-def _build(model_dir: Path, batch: int) -> LLM:
+def _build(model_dir: Path, batch: int, drafter: Path | None = None) -> LLM:
+    spec = None if drafter is None else {"model": str(drafter), "scheduling": False}
     llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_pages=64 * batch,
-              max_num_seqs=batch, max_num_batched_tokens=max(2048, batch))  # fmt: skip
+              max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+              speculative_config=spec)  # fmt: skip
     e = llm.engine
     e.runner = ModelRunner(  # the GPU's layout: batches padded to the graph ladder, run eagerly
         e.model, e.runner.kv_caches, e.config.page_size, e.config.max_num_batched_tokens,
         e.config.max_num_seqs, e.max_model_len, e.device, graph_sizes=graph_ladder(batch),
-        capture_graphs=False,
+        capture_graphs=False, spec=e.runner.spec,
     )  # fmt: skip
+    if drafter is not None:
+        e.scheduler.drafting = False  # the speculative engine's plain steps (drafting off)
     return llm
 
 
@@ -149,10 +153,18 @@ def main() -> None:
     parser.add_argument("--output-kind", default="final_only", choices=["final_only", "cumulative"])
     parser.add_argument("--no-forward", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--spec", action="store_true",
+                        help="the speculative engine (a random drafter) with drafting off")
     args = parser.parse_args()
     torch.set_num_threads(1)  # (the host of a GPU step does no tensor math on the CPU)
     with tempfile.TemporaryDirectory() as tmp:
-        llm = _build(_tiny_model(Path(tmp) / "model", args.vocab, args.layers), args.batch)
+        model = _tiny_model(Path(tmp) / "model", args.vocab, args.layers)
+        drafter = None
+        if args.spec:
+            from tests.tiny_models import make_tiny_drafter
+
+            drafter = make_tiny_drafter(model, Path(tmp) / "drafter", (0,))
+        llm = _build(model, args.batch, drafter)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 200,
                             ignore_eos=True, seed=1, output_kind=args.output_kind)  # fmt: skip
     _start(llm, args.batch, args.prompt_len, params)

@@ -1,0 +1,109 @@
+"""Where the host time of a steady plain decode step goes, with and without a drafter (GPU).
+
+    python bench/plain_step_host_profile.py --model M --drafter D --batch 256 --out prof.txt
+
+For the plain engine, then the speculative engine with drafting off (what the drafting policy
+runs at high load): `batch` greedy requests decode to a steady state, then `--steps` steps run
+once untimed by the profiler (the median period printed) and once under cProfile (the top
+functions by own time written to --out). The two periods differ by host work alone when their
+graphs cost the same (bench/spec_step_profile.py measures the graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+from dspark import LLM, SamplingParams
+
+
+def _steady_requests(llm: LLM, batch: int, prompt_len: int) -> None:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [100 + (i + j) % 1000 for j in range(prompt_len)], params)
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+
+
+def _period_us(llm: LLM, steps: int) -> float:
+    stamps = [time.perf_counter()]
+    for _ in range(steps):
+        llm.engine.step()
+        stamps.append(time.perf_counter())
+    return statistics.median((b - a) * 1e6 for a, b in zip(stamps, stamps[1:], strict=False))
+
+
+def _profiled(llm: LLM, steps: int, top: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--out", default="plain_step_host_profile.txt")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: keep)")
+    parser.add_argument("--gc", default="on", choices=("on", "freeze", "off"),
+                        help="the collector while stepping: as is, the start-up heap frozen, "
+                        "or disabled")  # fmt: skip
+    parser.add_argument("--no-profile", action="store_true", help="the step periods alone")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    common = dict(dtype="bfloat16", device="cuda", max_num_seqs=args.batch, max_model_len=4096,
+                  kv_cache_memory_gb=8.0, max_num_batched_tokens=max(2048, 8 * args.batch))  # fmt: skip
+    report, periods = [], {}
+    for name, spec in (("plain", None), ("drafting off", {"method": "dspark",
+                                                          "model": args.drafter})):  # fmt: skip
+        llm = LLM(args.model, speculative_config=spec, **common)
+        if spec is not None:
+            llm.engine.scheduler.drafting = False  # (no cost table: nothing turns it back on)
+        if args.gc != "on":
+            gc.collect()
+            gc.freeze()
+        if args.gc == "off":
+            gc.disable()
+        _steady_requests(llm, args.batch, args.prompt_len)
+        periods[name] = _period_us(llm, args.steps)
+        report.append(f"==== {name}: step period {periods[name]:.0f} us (median of {args.steps})")
+        if not args.no_profile:
+            report.append(_profiled(llm, args.steps, args.top))
+        gc.enable()
+        gc.unfreeze()
+        report.append(f"runner stats: {dict(llm.engine.runner.stats)}")
+        del llm
+        torch.cuda.empty_cache()
+    summary = "  ".join(f"{k} {v:.0f} us" for k, v in periods.items())
+    settings = f"threads {torch.get_num_threads()}, gc {args.gc}"
+    report.insert(0, f"batch {args.batch} ({settings}): {summary}")
+    with open(args.out, "w") as f:
+        f.write("\n".join(report))
+    print(report[0])
+
+
+if __name__ == "__main__":
+    main()

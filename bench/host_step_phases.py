@@ -153,8 +153,11 @@ def main() -> None:
     parser.add_argument("--output-kind", default="final_only", choices=["final_only", "cumulative"])
     parser.add_argument("--no-forward", action="store_true")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--spec", action="store_true",
-                        help="the speculative engine (a random drafter) with drafting off")
+    parser.add_argument(
+        "--spec",
+        action="store_true",
+        help="the speculative engine (a random drafter) with drafting off",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # (the host of a GPU step does no tensor math on the CPU)
     with tempfile.TemporaryDirectory() as tmp:

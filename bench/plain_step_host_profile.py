@@ -74,8 +74,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    tokens = max(2048, 8 * args.batch)
     common = dict(dtype="bfloat16", device="cuda", max_num_seqs=args.batch, max_model_len=4096,
-                  kv_cache_memory_gb=8.0, max_num_batched_tokens=max(2048, 8 * args.batch))  # fmt: skip
+                  kv_cache_memory_gb=8.0, max_num_batched_tokens=tokens)  # fmt: skip
     report, periods = [], {}
     for name, spec in (("plain", None), ("drafting off", {"method": "dspark",
                                                           "model": args.drafter})):  # fmt: skip

@@ -461,6 +461,9 @@ def _spec_delta(before: dict, after: dict) -> dict:
             ]
         d["num_survival_windows"] = windows
     d["scheduling"] = after.get("scheduling")  # policy or fixed K, and why
+    for key in ("survival_correction", "survival_persistence"):  # the policy's, at the end
+        if key in after:
+            d[key] = after[key]
     for key in ("steps", "fallbacks"):  # this level's steps by path, eager ones by reason
         b, a = before.get(key, {}), after.get(key, {})
         d[key] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}

@@ -261,6 +261,7 @@ class LLMEngine:
         policy = DraftingPolicy(
             table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
             unobserved=spec_config.unobserved,
+            fit_persistence=spec_config.persistence,
             trimmed_widths=self.runner.spec_runner.trimmed_widths,
             realised_costs=RealisedCosts() if spec_config.realised_costs else None,
         )  # fmt: skip
@@ -311,6 +312,7 @@ class LLMEngine:
         if self.policy is not None:
             m["drafting_policy"] = dict(self.policy.counters)
             m["survival_correction"] = self.policy.correction  # realised / predicted drafts
+            m["survival_persistence"] = self.policy.persistence  # how far a row's own counts
             if self.policy.realised_costs is not None:  # realised / table step time per cell
                 m["realised_cost_ratios"] = self.policy.realised_costs.as_dict()
             if self.policy.counters["decision_no_table"]:

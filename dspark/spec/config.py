@@ -3,7 +3,7 @@
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
-     "scheduler": "lagged"}
+     "persistence": true, "scheduler": "lagged"}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -29,6 +29,9 @@ engine realises in it (spec/realised_costs.py): a serving loop's drafting steps 
 and cost more than the profiler's steady ones. On the H200 it took the policy from 0.98x to
 1.09x plain decoding at 256 requests (docs/PERFORMANCE.md, twelfth look); false prices by the
 table alone, deterministically (tests).
+"persistence" (default true) lets a request's own lagged survivals count only as far as they
+have been seen to predict its next block (a slope fitted online, drafting_policy.py); false
+trusts them in full, as before 2026-12-04.
 "scheduler" says who chooses each row's verify length when a step drafts: "lagged" (default:
 the full block, or the policy's trimmed cell filled on the device, DSPARK.md 6.3 item 2) or
 "sync" (Algorithm 1 with early stop on the host, from the step's own survivals, each length
@@ -48,7 +51,7 @@ from typing import Any
 METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
         "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
-        "scheduler")  # fmt: skip
+        "persistence", "scheduler")  # fmt: skip
 SCHEDULERS = ("lagged", "sync")
 UNOBSERVED = ("confident", "population")
 
@@ -67,6 +70,7 @@ class SpecConfig:
     mixed_prefill_tokens: int = 256  # prefill beside windows in a captured step (0: none)
     trimmed_widths: tuple[int, ...] = ()  # w of the trimmed cells (G, w G) the engine can run
     realised_costs: bool = True  # scale the table by realised step times (realised_costs.py)
+    persistence: bool = True  # fit how far a row's own survivals predict its next block
     scheduler: str = "lagged"  # who chooses verify lengths (SCHEDULERS; module docstring)
 
     @classmethod
@@ -116,13 +120,15 @@ class SpecConfig:
                 f"per row of a trimmed cell, at most num_speculative_tokens), got {widths!r}"
             )
         realised = _flag(d, "realised_costs", True)
+        persistence = _flag(d, "persistence", True)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
                    min_gain=float(gain), scheduling=scheduling, unobserved=unobserved,
                    mixed_prefill_tokens=mixed,
                    trimmed_widths=tuple(sorted(set(widths))),
-                   realised_costs=realised, scheduler=scheduler)  # fmt: skip
+                   realised_costs=realised, persistence=persistence,
+                   scheduler=scheduler)  # fmt: skip
 
 
 def _flag(d: dict[str, Any], key: str, default: bool) -> bool:

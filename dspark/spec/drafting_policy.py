@@ -36,7 +36,17 @@ the H200 (2026-12-03) the policy drafted 33 of 166 steps at concurrency 1 for 1.
 decoding where fixed K gave 1.65x. Where plain decoding wins on the population's own mean
 (under load), the pull changes nothing.
 
-Two corrections keep lagged estimates honest:
+Three corrections keep lagged estimates honest:
+- Persistence, measured. How much a request's past blocks say about its next one is measured,
+  not assumed: for every full block verified from a row that had an estimate, the pair (the
+  row's estimate before the block, the drafts the block kept) enters an exponentially weighted
+  least-squares fit (half-life calibration_half_life blocks), and its slope rho, clipped to
+  [0, 1], is how far an estimate may stand from the population mean: own = mean + rho (own -
+  mean), before the pull with age. The fit is used once min_persistence_blocks pairs (weighted)
+  are in and their estimates spread (until then rho = 1). On the H200 (2026-12-04) the
+  unfitted policy turned drafting off at concurrency 1 on 28 weak estimates and dwelt 196 steps,
+  at 0.93x fixed K, where the blocks that followed weak ones still kept enough drafts to pay.
+  Everything the fit uses was verified before the current drafts exist (6.3).
 - Online recalibration. STS is fitted offline on other prompts; the engine knows, for every full
   block it verified, how many drafts the calibrated survivals predicted and how many were
   accepted. The sums are scaled by realised / predicted over recent full blocks (exponentially
@@ -125,6 +135,8 @@ class DraftingPolicy:
         min_population_blocks: float = 16.0,
         block_half_life: float = 1.0,  # blocks, of a request's smoothed survival sum
         regression_half_life: float = 8.0,  # steps, of a request's pull to the population mean
+        fit_persistence: bool = True,  # False: rho = 1 (a row's own survivals count in full)
+        min_persistence_blocks: float = 32.0,  # fitted pairs before rho is used (module doc)
         trimmed_widths: tuple[int, ...] = (),  # the runner's trimmed cells (G, w G)
         realised_costs: RealisedCosts | None = None,  # price cells by realised step times too
     ) -> None:
@@ -148,6 +160,10 @@ class DraftingPolicy:
         # weight of a request's newest block in its smoothed sum (1: the last block alone)
         self._block_weight = 1.0 - 0.5 ** (1.0 / block_half_life) if block_half_life else 1.0
         self._regression_half_life = regression_half_life
+        # the persistence fit (module docstring): weighted pairs and their sums x, y, xx, xy
+        self.fit_persistence = fit_persistence
+        self.min_persistence_blocks = min_persistence_blocks
+        self._pairs = np.zeros(5)
         # exponentially weighted predicted and realised accepted drafts over full blocks, each
         # starting from prior_blocks blocks of one accepted draft predicted and realised
         self._predicted = self._realised = prior_blocks
@@ -187,9 +203,11 @@ class DraftingPolicy:
         temps = torch.stack([self.temperatures[g] for g in greedy])
         a = survival(confidence_logits[:, : self.draft_len].float(), temps)  # [R, K]
         sums = a.sum(-1).tolist()
-        w = self._block_weight
+        w, scale, k = self._block_weight, self.correction, self.draft_len
+        estimates: list[float | None] = []  # each row's recalibrated estimate before this block
         for rid, total in zip(request_ids, sums, strict=True):
             seen = self._survival_sums.get(rid)
+            estimates.append(None if seen is None else min(k, scale * seen[0]))
             smoothed = total if seen is None else seen[0] + w * (total - seen[0])
             self._survival_sums[rid] = (smoothed, self._step)
         decay = self._decay ** len(sums)
@@ -203,6 +221,31 @@ class DraftingPolicy:
         decay = self._decay ** len(full)
         self._predicted = self._predicted * decay + sum(sums[j] for j in full)
         self._realised = self._realised * decay + sum(num_accepted[j] for j in full)
+        self._fit_persistence(estimates, full, num_accepted)
+
+    def _fit_persistence(
+        self, estimates: list[float | None], full: list[int], num_accepted: list[int]
+    ) -> None:
+        """observe()'s pairs (the row's estimate before its block, the drafts the block kept)
+        into the persistence fit: uncensored blocks of rows that had an estimate."""
+        pairs = [(estimates[j], num_accepted[j]) for j in full if estimates[j] is not None]
+        if not pairs:
+            return
+        x, y = np.array(pairs, dtype=np.float64).T
+        self._pairs *= self._decay ** len(pairs)
+        self._pairs += (len(pairs), x.sum(), y.sum(), (x * x).sum(), (x * y).sum())
+
+    @property
+    def persistence(self) -> float:
+        """rho: the slope of a block's kept drafts on its row's estimate before it, clipped to
+        [0, 1]; 1 until the fit has min_persistence_blocks pairs whose estimates spread."""
+        n, sx, sy, sxx, sxy = self._pairs
+        if not self.fit_persistence or n < self.min_persistence_blocks:
+            return 1.0
+        var = sxx / n - (sx / n) ** 2
+        if var < 1e-3:  # (every estimate alike: no slope to read)
+            return 1.0
+        return min(1.0, max(0.0, (sxy / n - sx * sy / n**2) / var))
 
     def _observe_vectors(self, request_ids: list[str], a: np.ndarray, decay: float) -> None:
         """observe()'s per-position twin of the smoothed sums (trimmed cells only)."""
@@ -298,9 +341,10 @@ class DraftingPolicy:
         """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale
         rows count K (a = 1).
 
-        A fresh row's estimate is its smoothed sum pulled toward the population mean as it
-        ages (half-life regression_half_life steps; module docstring), once the population
-        has min_population_blocks blocks of evidence. (Called before every step: plain
+        A fresh row's estimate is its smoothed sum, its distance from the population mean
+        scaled by the measured persistence rho and halved every regression_half_life steps
+        of age (module docstring), once the population has min_population_blocks blocks of
+        evidence. (Called before every step: plain
         floats, no numpy.)
         """
         return sum(self._row_totals(request_ids, g)[0])
@@ -312,6 +356,7 @@ class DraftingPolicy:
         unseen = self.unobserved_sum()
         mean = self.population_mean()
         decay = 0.5 ** (1.0 / self._regression_half_life)
+        rho = self.persistence
         totals, kinds = [], []
         for rid in request_ids:
             seen = self._survival_sums.get(rid)
@@ -324,7 +369,7 @@ class DraftingPolicy:
             else:
                 own = min(k, scale * seen[0])
                 if mean is not None:
-                    own = mean + (own - mean) * decay ** (self._step - seen[1])
+                    own = mean + (own - mean) * rho * decay ** (self._step - seen[1])
                 totals.append(own)
                 kinds.append(FRESH)
         return totals, kinds

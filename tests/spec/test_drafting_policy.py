@@ -167,6 +167,42 @@ def test_one_weak_block_neither_stops_drafting_nor_keeps_it_off():
         _policy(regression_half_life=0)
 
 
+def _blocks(policy, qualities, rounds):
+    """Full blocks from rows r0.. of the given qualities (a callable: row, round -> strong?),
+    each keeping the drafts its confidences predict (6 of a strong block, 0 of a weak one)."""
+    strong, weak = torch.full((K,), 3.0), torch.full((K,), -10.0)
+    rows = _ids(len(qualities(None, None)))
+    for t in range(rounds):
+        picks = [qualities(i, t) for i in range(len(rows))]
+        logits = torch.stack([strong if pick else weak for pick in picks])
+        policy.observe(rows, logits, [False] * len(rows), [6 if pick else 0 for pick in picks],
+                       [K] * len(rows))  # fmt: skip
+
+
+def test_persistence_is_measured_before_a_weak_estimate_stops_drafting():
+    """G = 1 (plain 1.0, full 1.5: drafting pays above 0.56 kept drafts a block). Rows whose
+    blocks are strong or weak at random say nothing about their next block (rho ~ 0): after a
+    run of weak blocks the row is priced by the population mean and keeps drafting, where the
+    unfitted policy stops. Rows that keep their quality (rho ~ 1) stop as before."""
+    rng = torch.Generator().manual_seed(0)
+    coin = torch.rand(64, 40, generator=rng) < 0.5
+    independent = lambda i, t: [None] * 64 if i is None else bool(coin[i, t])  # noqa: E731
+    persistent = lambda i, t: [None] * 64 if i is None else i % 2 == 0  # noqa: E731
+    fitted, unfitted = _policy(dwell=0), _policy(dwell=0, fit_persistence=False)
+    for p in (fitted, unfitted):
+        _blocks(p, independent, 40)
+        weak_run = torch.full((4, 1, K), -10.0)
+        for logits in weak_run:  # r0's last four blocks kept nothing
+            p.observe(["r0"], logits, [False], [0], [K])
+    assert fitted.persistence < 0.2 and unfitted.persistence == 1.0
+    assert fitted.decide(["r0"]).drafting
+    assert not unfitted.decide(["r0"]).drafting
+    kept = _policy(dwell=0)
+    _blocks(kept, persistent, 40)
+    assert kept.persistence > 0.9
+    assert kept.decide(["r0"]).drafting and not kept.decide(["r1"]).drafting
+
+
 # ---- the engine -----------------------------------------------------------------------------
 
 
@@ -263,6 +299,24 @@ def test_profile_cli_writes_a_table_the_engine_accepts(tiny_vocab_dir, drafter, 
     table = parse_table(out.read_text())
     llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(out)), **KW)
     assert llm.engine.policy.table is not None and sorted(table.cells) == [1, 2]
+
+
+def test_engine_fits_persistence_unless_told_not_to(tiny_vocab_dir, drafter, tmp_path):
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    cheap = _write_table(tmp_path / "cheap.json", probe, 1e-3, 1e-3)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    fitted, unfitted = (
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(cheap),
+                                                          persistence=flag), **KW)
+        for flag in (True, False)
+    )  # fmt: skip
+    for llm in (fitted, unfitted):
+        llm.generate(PROMPTS * 4, params, use_tqdm=False)
+    assert fitted.engine.policy._pairs[0] > 32  # every drafting step after a row's first
+    assert 0.0 <= fitted.get_metrics()["survival_persistence"] <= 1.0
+    assert unfitted.get_metrics()["survival_persistence"] == 1.0
+    with pytest.raises(ValueError, match='"persistence" must be true or false'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, persistence="no"), **KW)
 
 
 def test_speculation_metrics_add_up(tiny_vocab_dir, drafter):

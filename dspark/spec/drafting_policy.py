@@ -38,9 +38,10 @@ decoding where fixed K gave 1.65x. Where plain decoding wins on the population's
 
 Three corrections keep lagged estimates honest:
 - Persistence, measured. How much a request's past blocks say about its next one is measured,
-  not assumed: for every full block verified from a row that had an estimate, the pair (the
-  row's estimate before the block, the drafts the block kept) enters an exponentially weighted
-  least-squares fit (half-life calibration_half_life blocks), and its slope rho, clipped to
+  not assumed: for full blocks verified from rows that had an estimate (at most 16 rows a
+  step, in rotation), the pair (the row's estimate before the block, the drafts the block
+  kept) enters an exponentially weighted least-squares fit (half-life calibration_half_life
+  blocks), and its slope rho, clipped to
   [0, 1], is how far an estimate may stand from the population mean: own = mean + rho (own -
   mean), before the pull with age. The fit is used once min_persistence_blocks pairs (weighted)
   are in and their estimates spread (until then rho = 1). On the H200 (2026-12-04) the
@@ -103,6 +104,7 @@ from dspark.spec.realised_costs import RealisedCosts
 
 # what a request's lagged survivals rest on (DraftingPolicy._row_totals)
 FRESH, STALE, UNSEEN = 0, 1, 2
+PERSISTENCE_PAIRS_PER_STEP = 16  # rows a drafting step adds to the persistence fit
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class DraftingPolicy:
         # the persistence fit (module docstring): weighted pairs and their sums x, y, xx, xy
         self.fit_persistence = fit_persistence
         self.min_persistence_blocks = min_persistence_blocks
-        self._pairs = np.zeros(5)
+        self._pairs = [0.0] * 5
+        self._fit_start = 0  # the row the next step's pairs start from (modulo the batch)
         # exponentially weighted predicted and realised accepted drafts over full blocks, each
         # starting from prior_blocks blocks of one accepted draft predicted and realised
         self._predicted = self._realised = prior_blocks
@@ -203,11 +206,11 @@ class DraftingPolicy:
         temps = torch.stack([self.temperatures[g] for g in greedy])
         a = survival(confidence_logits[:, : self.draft_len].float(), temps)  # [R, K]
         sums = a.sum(-1).tolist()
-        w, scale, k = self._block_weight, self.correction, self.draft_len
-        estimates: list[float | None] = []  # each row's recalibrated estimate before this block
+        if num_accepted is not None and verify_len is not None:
+            self._fit_persistence(request_ids, num_accepted, verify_len)  # (estimates before)
+        w = self._block_weight
         for rid, total in zip(request_ids, sums, strict=True):
             seen = self._survival_sums.get(rid)
-            estimates.append(None if seen is None else min(k, scale * seen[0]))
             smoothed = total if seen is None else seen[0] + w * (total - seen[0])
             self._survival_sums[rid] = (smoothed, self._step)
         decay = self._decay ** len(sums)
@@ -221,19 +224,35 @@ class DraftingPolicy:
         decay = self._decay ** len(full)
         self._predicted = self._predicted * decay + sum(sums[j] for j in full)
         self._realised = self._realised * decay + sum(num_accepted[j] for j in full)
-        self._fit_persistence(estimates, full, num_accepted)
 
     def _fit_persistence(
-        self, estimates: list[float | None], full: list[int], num_accepted: list[int]
+        self, request_ids: list[str], num_accepted: list[int], verify_len: list[int]
     ) -> None:
-        """observe()'s pairs (the row's estimate before its block, the drafts the block kept)
-        into the persistence fit: uncensored blocks of rows that had an estimate."""
-        pairs = [(estimates[j], num_accepted[j]) for j in full if estimates[j] is not None]
-        if not pairs:
+        """observe()'s pairs into the persistence fit: (the row's recalibrated estimate before
+        its block, the drafts the block kept), for uncensored blocks of rows that had an
+        estimate. At most PERSISTENCE_PAIRS_PER_STEP rows a step, from a start that rotates
+        with each call: a large batch gives far more pairs than the fit needs, and observe()
+        runs after every drafting step (at 256 rows, pairs from every row doubled its cost)."""
+        r = len(request_ids)
+        if not self.fit_persistence or not r:
             return
-        x, y = np.array(pairs, dtype=np.float64).T
-        self._pairs *= self._decay ** len(pairs)
-        self._pairs += (len(pairs), x.sum(), y.sum(), (x * x).sum(), (x * y).sum())
+        scale, k, sums = self.correction, self.draft_len, self._survival_sums
+        start = self._fit_start
+        self._fit_start += PERSISTENCE_PAIRS_PER_STEP
+        n = sx = sy = sxx = sxy = 0.0
+        for i in range(r):
+            j = (start + i) % r
+            seen = sums.get(request_ids[j]) if verify_len[j] == k else None
+            if seen is None:
+                continue
+            x, y = min(k, scale * seen[0]), num_accepted[j]
+            n, sx, sy, sxx, sxy = n + 1, sx + x, sy + y, sxx + x * x, sxy + x * y
+            if n == PERSISTENCE_PAIRS_PER_STEP:
+                break
+        if n:
+            decay = self._decay**n
+            sums = (n, sx, sy, sxx, sxy)
+            self._pairs = [a * decay + b for a, b in zip(self._pairs, sums, strict=True)]
 
     @property
     def persistence(self) -> float:

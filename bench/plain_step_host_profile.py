@@ -1,6 +1,6 @@
 """Where the host time of a steady plain decode step goes, with and without a drafter (GPU).
 
-    python bench/plain_step_host_profile.py --model M --drafter D --batch 256 --out prof.txt
+    PYTHONPATH=. python bench/plain_step_host_profile.py --model M --drafter D --batch 256
 
 For the plain engine, then the speculative engine with drafting off (what the drafting policy
 runs at high load): `batch` greedy requests decode to a steady state, then `--steps` steps run
@@ -16,33 +16,11 @@ import cProfile
 import gc
 import io
 import pstats
-import statistics
-import time
 
 import torch
 
-from dspark import LLM, SamplingParams
-
-
-def _steady_requests(llm: LLM, batch: int, prompt_len: int) -> None:
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=2048, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{i}", [100 + (i + j) % 1000 for j in range(prompt_len)], params)
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
-    for _ in range(5):
-        engine.step()
-
-
-def _period_us(llm: LLM, steps: int) -> float:
-    stamps = [time.perf_counter()]
-    for _ in range(steps):
-        llm.engine.step()
-        stamps.append(time.perf_counter())
-    return statistics.median((b - a) * 1e6 for a, b in zip(stamps, stamps[1:], strict=False))
+from bench.spec_step_trace import _period_us, _steady
+from dspark import LLM
 
 
 def _profiled(llm: LLM, steps: int, top: int) -> str:
@@ -88,7 +66,7 @@ def main() -> None:
             gc.freeze()
         if args.gc == "off":
             gc.disable()
-        _steady_requests(llm, args.batch, args.prompt_len)
+        _steady(llm, args.batch, args.prompt_len)
         periods[name] = _period_us(llm, args.steps)
         report.append(f"==== {name}: step period {periods[name]:.0f} us (median of {args.steps})")
         if not args.no_profile:

@@ -312,7 +312,7 @@ class LLMEngine:
         if self.policy is not None:
             m["drafting_policy"] = dict(self.policy.counters)
             m["survival_correction"] = self.policy.correction  # realised / predicted drafts
-            m["survival_persistence"] = self.policy.persistence  # how far a row's own counts
+            m["survival_persistence"] = self.policy.persistence  # 1: own estimates in full
             if self.policy.realised_costs is not None:  # realised / table step time per cell
                 m["realised_cost_ratios"] = self.policy.realised_costs.as_dict()
             if self.policy.counters["decision_no_table"]:

@@ -41,12 +41,12 @@ Three corrections keep lagged estimates honest:
   not assumed: for full blocks verified from rows that had an estimate (at most 16 rows a
   step, in rotation), the pair (the row's estimate before the block, the drafts the block
   kept) enters an exponentially weighted least-squares fit (half-life calibration_half_life
-  blocks), and its slope rho, clipped to
-  [0, 1], is how far an estimate may stand from the population mean: own = mean + rho (own -
-  mean), before the pull with age. The fit is used once min_persistence_blocks pairs (weighted)
-  are in and their estimates spread (until then rho = 1). On the H200 (2026-12-04) the
-  unfitted policy turned drafting off at concurrency 1 on 28 weak estimates and dwelt 196 steps,
-  at 0.93x fixed K, where the blocks that followed weak ones still kept enough drafts to pay.
+  blocks). Its slope rho, clipped to [0, 1], is how far an estimate may stand from the
+  population mean: own = mean + rho (own - mean), before the pull with age. The fit is used
+  once min_persistence_blocks pairs (weighted) are in and their estimates spread (until then
+  rho = 1). On the H200 (2026-12-04) the unfitted policy turned drafting off at concurrency 1
+  on 28 weak estimates and dwelt 196 steps, at 0.93x fixed K, where the blocks that followed
+  weak ones still kept enough drafts to pay.
   Everything the fit uses was verified before the current drafts exist (6.3).
 - Online recalibration. STS is fitted offline on other prompts; the engine knows, for every full
   block it verified, how many drafts the calibrated survivals predicted and how many were
@@ -236,13 +236,13 @@ class DraftingPolicy:
         r = len(request_ids)
         if not self.fit_persistence or not r:
             return
-        scale, k, sums = self.correction, self.draft_len, self._survival_sums
+        scale, k, smoothed = self.correction, self.draft_len, self._survival_sums
         start = self._fit_start
         self._fit_start += PERSISTENCE_PAIRS_PER_STEP
         n = sx = sy = sxx = sxy = 0.0
         for i in range(r):
             j = (start + i) % r
-            seen = sums.get(request_ids[j]) if verify_len[j] == k else None
+            seen = smoothed.get(request_ids[j]) if verify_len[j] == k else None
             if seen is None:
                 continue
             x, y = min(k, scale * seen[0]), num_accepted[j]
@@ -251,8 +251,8 @@ class DraftingPolicy:
                 break
         if n:
             decay = self._decay**n
-            sums = (n, sx, sy, sxx, sxy)
-            self._pairs = [a * decay + b for a, b in zip(self._pairs, sums, strict=True)]
+            step = (n, sx, sy, sxx, sxy)
+            self._pairs = [a * decay + b for a, b in zip(self._pairs, step, strict=True)]
 
     @property
     def persistence(self) -> float:
@@ -363,8 +363,7 @@ class DraftingPolicy:
         A fresh row's estimate is its smoothed sum, its distance from the population mean
         scaled by the measured persistence rho and halved every regression_half_life steps
         of age (module docstring), once the population has min_population_blocks blocks of
-        evidence. (Called before every step: plain
-        floats, no numpy.)
+        evidence. (Called before every step: plain floats, no numpy.)
         """
         return sum(self._row_totals(request_ids, g)[0])
 

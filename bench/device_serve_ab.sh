@@ -26,6 +26,16 @@ python3 -m dspark.cli bench --model "$MODEL" "${COMMON[@]}" --concurrency "$LEVE
   ${OFFLINE_ARMS:+--arms "$OFFLINE_ARMS"} --no-plot --out "$OUT/offline.json" > /dev/null 2>&1 \
   || echo "offline bench failed"
 
+# cpu_s PID...: the CPU seconds (user + system) these processes have used so far
+cpu_s() {
+  local ticks=0 pid
+  for pid in "$@"; do
+    ticks=$((ticks + $(awk '{print $14 + $15}' "/proc/$pid/stat" 2> /dev/null || echo 0)))
+  done
+  awk "BEGIN {print $ticks / $(getconf CLK_TCK)}"
+}
+minus() { awk "BEGIN {print $1 - $2}"; }
+
 port=8200
 for arm in "$@"; do
   name=${arm%%|*}
@@ -36,11 +46,18 @@ for arm in "$@"; do
     "${extra[@]}" > "$log" 2>&1 &
   pid=$!
   wait_healthy "$port" "$pid" || echo "server $name did not come up"
+  engine_pids=$(pgrep -P "$pid" | tr '\n' ' ')
   for c in ${LEVELS//,/ }; do
     n=$((4 * c))
-    timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
+    server0=$(cpu_s "$pid") engine0=$(cpu_s $engine_pids) start=$(date +%s.%N)
+    TIMEFORMAT="%U %S"  # bash's `time`: the client's user and system CPU seconds
+    { time timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
       "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
-      --out "/tmp/serve_${name}_c$c.json" > /dev/null 2>&1
+      --out "/tmp/serve_${name}_c$c.json" > /dev/null 2>&1 ; } 2> "/tmp/client_cpu.txt"
+    # the level's wall, and the CPU seconds of the server, the engine process and the client
+    echo "$(minus "$(date +%s.%N)" "$start") $(minus "$(cpu_s "$pid")" "$server0")" \
+      "$(minus "$(cpu_s $engine_pids)" "$engine0")" \
+      "$(awk '{print $1 + $2}' /tmp/client_cpu.txt)" > "/tmp/cpu_${name}_c$c.txt"
   done
   kill -TERM "$pid" 2> /dev/null
   wait "$pid"
@@ -62,7 +79,8 @@ except (OSError, KeyError):
 offline_arms = {arm: {lv["concurrency"]: lv for lv in sweep["levels"]} for arm, sweep in sweeps.items()}
 first = next(iter(offline_arms.values()), {})
 table = {"levels": levels, "offline": offline_arms, "served": {}}
-rows = [f"{'C':>5} {'arm':>12} {'offline':>9} {'served':>9} {'ratio':>6} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ok':>9}"]
+rows = [f"{'C':>5} {'arm':>12} {'offline':>9} {'served':>9} {'ratio':>6} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ok':>9}"
+        f" {'wall s':>6} {'CPU s: server':>13} {'engine':>6} {'client':>6}"]
 for name in names:
     for c in levels:
         path = f"/tmp/serve_{name}_c{c}.json"
@@ -73,9 +91,15 @@ for name in names:
             rows.append(f"{c:>5} {name:>12} {off:>9.0f} {'-':>9}")
             continue
         tps = s["output_tokens_per_s"]
+        try:  # the level's wall and the CPU seconds each process used in it
+            wall, *cpu = open(f"/tmp/cpu_{name}_c{c}.txt").read().split()
+            s["cpu_s"] = dict(zip(("server", "engine", "client"), map(float, cpu)))
+            cpu_cols = f" {float(wall):>6.2f} {float(cpu[0]):>13.2f} {float(cpu[1]):>6.2f} {float(cpu[2]):>6.2f}"
+        except (OSError, ValueError, IndexError):
+            cpu_cols = ""
         rows.append(f"{c:>5} {name:>12} {off:>9.0f} {tps:>9.0f} {tps / off:>6.2f} "
                     f"{s['ttft_ms']['median'] or 0:>9.1f} {s['tpot_ms']['median'] or 0:>9.2f} "
-                    f"{s['itl_ms']['median'] or 0:>8.1f} {s['num_completed']:>4}/{s['num_requests']:<4}")
+                    f"{s['itl_ms']['median'] or 0:>8.1f} {s['num_completed']:>4}/{s['num_requests']:<4}{cpu_cols}")
 json.dump(table, open(f"{out}/serve_ab.json", "w"), indent=1)
 open(f"{out}/serve_ab.txt", "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))

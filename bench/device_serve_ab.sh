@@ -13,6 +13,10 @@
 # offline arm of the default engine. Of each server's log only its last stats lines (steps
 # and the share that ran eagerly among them), warnings and errors are kept
 # (serve_NAME_log.txt): the files that come back are few.
+#
+# ENGINE_CPUS, SERVER_CPUS, CLIENT_CPUS (taskset lists, e.g. "0,1"): pin the engine process
+# (all its threads), the server process and the load generator to those CPUs; unset, the
+# scheduler places them.
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
@@ -22,7 +26,8 @@ MODEL=${MODEL:-default}
 COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
         --output-len 256)
 
-python3 -m dspark.cli bench --model "$MODEL" "${COMMON[@]}" --concurrency "$LEVELS" --waves 4 \
+${ENGINE_CPUS:+taskset -c "$ENGINE_CPUS"} python3 -m dspark.cli bench --model "$MODEL" \
+  "${COMMON[@]}" --concurrency "$LEVELS" --waves 4 --repeats "${OFFLINE_REPEATS:-1}" \
   ${OFFLINE_ARMS:+--arms "$OFFLINE_ARMS"} --no-plot --out "$OUT/offline.json" > /dev/null 2>&1 \
   || echo "offline bench failed"
 
@@ -42,16 +47,19 @@ for arm in "$@"; do
   read -r -a extra <<< "${arm#*|}"
   port=$((port + 1))
   log=/tmp/serve_${name}.log
-  python3 -m dspark.cli serve "$MODEL" --port "$port" --max-num-seqs 256 --disable-access-log \
-    "${extra[@]}" > "$log" 2>&1 &
+  ${SERVER_CPUS:+taskset -c "$SERVER_CPUS"} python3 -m dspark.cli serve "$MODEL" --port "$port" \
+    --max-num-seqs 256 --disable-access-log "${extra[@]}" > "$log" 2>&1 &
   pid=$!
   wait_healthy "$port" "$pid" || echo "server $name did not come up"
   engine_pids=$(pgrep -P "$pid" | tr '\n' ' ')
+  if [ -n "${ENGINE_CPUS:-}" ]; then
+    for p in $engine_pids; do taskset -a -p -c "$ENGINE_CPUS" "$p" > /dev/null; done
+  fi
   for c in ${LEVELS//,/ }; do
     n=$((4 * c))
     server0=$(cpu_s "$pid") engine0=$(cpu_s $engine_pids) start=$(date +%s.%N)
     TIMEFORMAT="%U %S"  # bash's `time`: the client's user and system CPU seconds
-    { time timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
+    { time ${CLIENT_CPUS:+taskset -c "$CLIENT_CPUS"} timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
       "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
       --out "/tmp/serve_${name}_c$c.json" > /dev/null 2>&1 ; } 2> "/tmp/client_cpu.txt"
     # the level's wall, and the CPU seconds of the server, the engine process and the client

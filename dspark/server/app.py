@@ -15,7 +15,9 @@ engine process aborts whatever is left and exits.
 
 from __future__ import annotations
 
+import cProfile
 import hmac
+import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -28,6 +30,7 @@ import dspark
 from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
+from dspark.server.engine_process import SERVER_PROFILE_ENV, report_profile
 from dspark.server.errors import APIError, install_error_handlers
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -76,9 +79,18 @@ def build_app(config: ServerConfig, engine_factory: Callable) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # SERVER_PROFILE_ENV: the process under cProfile from start-up to shut-down (uvicorn
+        # re-raises SIGTERM once this returns, so the report is written here)
+        profile_path = os.environ.get(SERVER_PROFILE_ENV)
+        profiler = cProfile.Profile() if profile_path else None
+        if profiler is not None:
+            profiler.enable()
         state.engine_loop.start()
         yield
         await state.engine_loop.stop()
+        if profiler is not None:
+            profiler.disable()
+            report_profile(profiler, profile_path, "the server process")
 
     app = FastAPI(title="dspark", version=dspark.__version__, lifespan=lifespan)
     app.state.server = state

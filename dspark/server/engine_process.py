@@ -60,6 +60,8 @@ PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
 # it slows the loop's Python, so it says where host time goes, not how fast the loop is
 PROFILE_ENV = "DSPARK_ENGINE_PROFILE"
 PROFILE_TOP = 30
+# the same for the server process (its event loop: HTTP, routing, streaming), set by cli.py
+SERVER_PROFILE_ENV = "DSPARK_SERVER_PROFILE"
 
 
 def build_engine(config):
@@ -105,7 +107,7 @@ def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[in
         os._exit(PARENT_GONE_EXIT)
     if profiler is not None:
         profiler.disable()
-        _report_profile(profiler, profile_path)
+        report_profile(profiler, profile_path, "the engine loop")
     sender.drain(timeout=30.0)
     # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
     # bindings report their objects as leaked when finalised); nothing is left to flush but logs
@@ -113,13 +115,13 @@ def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[in
     os._exit(0)
 
 
-def _report_profile(profiler: cProfile.Profile, path: str) -> None:
-    """The step loop's profile (PROFILE_ENV): written to `path` for pstats, its top functions
-    by own time logged."""
+def report_profile(profiler: cProfile.Profile, path: str, what: str) -> None:
+    """A loop's profile (PROFILE_ENV, SERVER_PROFILE_ENV): written to `path` for pstats, its
+    top functions by own time logged."""
     profiler.dump_stats(path)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_TOP)
-    logger.info("the engine loop's profile (%s):\n%s", path, text.getvalue())
+    logger.info("%s's profile (%s):\n%s", what, path, text.getvalue())
 
 
 class StepMix:

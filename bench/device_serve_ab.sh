@@ -26,6 +26,13 @@ MODEL=${MODEL:-default}
 COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
         --output-len 256)
 
+# A throwaway run first (WARMUP=0 skips it): the first engine process of a device call ran
+# 20-30% slower at C = 256 than later ones in the same call (docs/PERFORMANCE.md, fourteenth
+# look), which made the offline reference, measured first, too low
+if [ "${WARMUP:-1}" = 1 ]; then
+  python3 -m dspark.cli bench --model "$MODEL" "${COMMON[@]}" --concurrency 256 --waves 1 \
+    --no-plot --out /tmp/warmup.json > /dev/null 2>&1
+fi
 ${ENGINE_CPUS:+taskset -c "$ENGINE_CPUS"} python3 -m dspark.cli bench --model "$MODEL" \
   "${COMMON[@]}" --concurrency "$LEVELS" --waves 4 --repeats "${OFFLINE_REPEATS:-1}" \
   ${OFFLINE_ARMS:+--arms "$OFFLINE_ARMS"} --no-plot --out "$OUT/offline.json" > /dev/null 2>&1 \

@@ -2,7 +2,8 @@
 # Where the server process's time goes at one load level: `dspark serve` under cProfile
 # (DSPARK_SERVER_PROFILE) loaded by `dspark bench serve` (C streams, 4 C requests), with the
 # server's own TTFT and e2e means from /metrics beside the client's. Carry .whl, .data and
-# .carry/tok (a random SmolLM2-shaped model) or give MODEL. Results under $OUT.
+# .carry/tok (a random SmolLM2-shaped model) or give MODEL. Results under $OUT. PROFILE=0: no
+# cProfile (the server at full speed; the loop-lag and reader lines still say where time goes).
 #
 #   C=256 bash bench/device_serve_profile.sh [serve arguments...]
 set -u
@@ -17,7 +18,8 @@ C=${C:-256}
 python3 -c "import time, timeit; n = 200000
 print(f'thread_time {timeit.timeit(time.thread_time, number=n) / n * 1e6:.2f} us a call,'
       f' perf_counter {timeit.timeit(time.perf_counter, number=n) / n * 1e6:.2f} us')"
-DSPARK_SERVER_PROFILE=$OUT/server.prof python3 -m dspark.cli serve "$MODEL" --port 8290 \
+[ "${PROFILE:-1}" = 1 ] && export DSPARK_SERVER_PROFILE=$OUT/server.prof
+python3 -m dspark.cli serve "$MODEL" --port 8290 \
   --max-num-seqs 256 --disable-access-log "$@" > /tmp/serve_profile.log 2>&1 &
 pid=$!
 wait_healthy 8290 "$pid" || echo "the server did not come up"
@@ -32,6 +34,8 @@ for name in ('time_to_first_token_seconds', 'e2e_request_latency_seconds'):
 kill -TERM "$pid"
 wait "$pid"
 grep -E "engine loop:|engine pipe, read" /tmp/serve_profile.log | tail -3
+cp /tmp/serve_profile.log "$OUT/"
+[ -f "$OUT/server.prof" ] || exit 0
 python3 -c "import pstats; pstats.Stats('$OUT/server.prof').sort_stats('tottime').print_stats(45)" \
   > "$OUT/server_profile.txt"
 python3 -c "import pstats; pstats.Stats('$OUT/server.prof').sort_stats('cumulative').print_stats(60)" \

@@ -59,6 +59,7 @@ from dspark.server import wire
 from dspark.server.engine_process import run_engine_process
 from dspark.server.errors import APIError, bad_request
 from dspark.server.gc_pauses import GCPauses
+from dspark.server.loop_lag import LoopLag
 from dspark.server.phase_times import PhaseTimes
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
 from dspark.server.wire import EngineInfo, EngineStats, decode_output, merge_stats
@@ -122,6 +123,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.read_times = PhaseTimes()  # the pipe's messages: receiving, then routing each
         self.gc_pauses = GCPauses()  # the server process's collections, logged beside those
+        self.loop_lag = LoopLag()  # how late the event loop runs, logged beside those too
 
     # ---- the engine process -----------------------------------------------------------------
 
@@ -139,6 +141,7 @@ class EngineLoop:
         child_conn.close()  # only the child holds its end: its exit closes the pipe
         self._loop.add_reader(self._conn.fileno(), self._read)
         self.gc_pauses.install()
+        self.loop_lag.start()
 
     def _read(self) -> None:
         """The bytes that have arrived, and every message they complete; the pipe's end is the
@@ -170,8 +173,9 @@ class EngineLoop:
         """Where the reader's time went since it last said, with the collections meanwhile
         (the clocks start again)."""
         logger.info(
-            "engine pipe, read by the server: %s; %s",
+            "engine pipe, read by the server: %s; %s; %s",
             self.read_times.take().summary("message"), self.gc_pauses.take().summary(),
+            self.loop_lag.take().summary(),
         )  # fmt: skip
 
     def _dispatch(self, message: tuple) -> None:
@@ -229,6 +233,7 @@ class EngineLoop:
         if self.read_times.counts["message"]:
             self._log_read_times()
         self.gc_pauses.uninstall()
+        self.loop_lag.stop()
         self._fail_all("the server shut down")
 
     # ---- requests -----------------------------------------------------------------------------

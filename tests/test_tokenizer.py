@@ -29,3 +29,25 @@ def test_gguf_tokenizer_equals_hf(smollm_hf_tokenizer):
     if not isinstance(expected, list):  # transformers 5 returns a BatchEncoding
         expected = expected["input_ids"]
     assert ours.apply_chat_template(conv) == expected
+
+
+@pytest.mark.slow
+def test_encode_equals_transformers_with_and_without_special_tokens(smollm_hf_tokenizer):
+    """Our encode goes through a private copy of the Rust tokenizer, one text at a time: the
+    same ids as transformers' encode, with and without special tokens, and unaffected by
+    truncation a transformers call leaves set on the shared backend."""
+    ours = load_tokenizer(resolve_model("default"))
+    texts = (
+        TEXTS
+        + ["\n\n".join(TEXTS) * 3]
+        + [
+            ours._tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False)
+            for t in TEXTS
+        ]
+    )
+    for text in texts:
+        for special in (True, False):
+            expected = smollm_hf_tokenizer.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == expected
+    ours._tok("a longer text than five tokens, surely", truncation=True, max_length=5)
+    assert len(ours.encode("a longer text than five tokens, surely")) > 5

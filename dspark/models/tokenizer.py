@@ -20,6 +20,13 @@ CACHE_DIR = Path.home() / ".cache" / "dspark" / "tokenizers"
 class Tokenizer:
     def __init__(self, hf_tokenizer) -> None:
         self._tok = hf_tokenizer
+        # text -> ids through a private copy of the Rust tokenizer, one text per call: the
+        # same ids as transformers' encode (tests/test_tokenizer.py), without its Python
+        # wrapping, and without encode_batch, which transformers routes even one text through
+        # and which hands it to a thread pool (on the H200's 16-core host 0.24 ms of a served
+        # request's event-loop time went to it, docs/PERFORMANCE.md, fourteenth look). The copy
+        # never truncates or pads, whatever a transformers call sets on the shared one.
+        self._encoder = _plain_copy(hf_tokenizer.backend_tokenizer)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -35,7 +42,7 @@ class Tokenizer:
         return len(self._tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return self._encoder.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -53,6 +60,16 @@ class Tokenizer:
 
     def token_to_text(self, token_ids: list[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(token_ids)
+
+
+def _plain_copy(backend):
+    """An independent copy of a `tokenizers.Tokenizer`, without truncation or padding."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    copy = RustTokenizer.from_str(backend.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    return copy
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:

@@ -34,6 +34,21 @@ def graph_ladder(max_num_seqs: int, sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
     return ladder
 
 
+def capture_stream() -> torch.cuda.Stream:
+    """A graph set's own capture stream, not torch.cuda.graph's class-wide default.
+
+    cuBLAS keeps a workspace per (handle, stream); one first used inside a capture comes from
+    that graph's memory pool, and recent PyTorch drops a stream's workspace when a graph
+    captured on it is destroyed (pytorch/pytorch#193402). On the shared default stream, the
+    graphs of several engines in one process (benchmark arms, tests, a notebook's second LLM)
+    share that workspace, so freeing one engine's graphs can pull it from under another's
+    capture or replay. That is the likely cause of CUBLAS_STATUS_EXECUTION_FAILED in the
+    capture of a later engine, which failed `test_captured_trimmed_cells_equal_the_eager_step`
+    in 7 of 8 processes on the H200 (docs/PERFORMANCE.md, fourteenth look; not yet rerun with
+    this change). A stream per graph set keeps each set's workspace its own."""
+    return torch.cuda.Stream()
+
+
 def decode_layout(num_rows: int) -> StepLayout:
     """G rows of one token each; host mirrors are upper bounds for the kernels' grids."""
     return StepLayout(
@@ -63,6 +78,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, forward: Callable[[StepLayout], torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
+        stream = capture_stream()
         tails = (self.tail_tokens, 0) if self.tail_tokens else (0,)
         for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
             for tail in tails:
@@ -76,7 +92,7 @@ class DecodeGraphs:
                 forward(layout)  # warm-up: compiles kernels, settles the allocator
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._outputs[g, tail] = forward(layout)
                 self._graphs[g, tail] = graph
         torch.cuda.synchronize()

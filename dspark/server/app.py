@@ -55,7 +55,6 @@ class ServerState:
             engine_factory,
             config.max_queued_requests,
             config.max_queued_tokens,
-            on_finished=self.metrics.record,
             stream_budget=config.stream_budget,
             decode_streams=config.stream_detokenize == "server",
         )
@@ -128,8 +127,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
             prep: Prepared = prep_fn(body, loop.info.tokenizer)
             stream = await loop.submit(prep.subs)
         except APIError as e:
-            if e.status == 503:
-                state.metrics.rejected[e.code or "unavailable"] += 1
+            if e.status == 503 and not loop.count_rejected(reason := e.code or "unavailable"):
+                state.metrics.rejected_here[reason] += 1
             raise
         model = state.config.served_model_name
         if prep.stream:

@@ -19,7 +19,8 @@ the commands are sent on it, and a send must not stop halfway.
 
 `submit` registers a `RequestStream` per HTTP request before its add command is sent, so no
 output can arrive unrouted; outputs are routed by request id until each request's final
-output, which is also where the server's metrics see every request, aborted ones included.
+output. (The request metrics are recorded in the engine process, where every request ends,
+aborted ones included; a 503 answered here is sent there to be counted: `count_rejected`.)
 A stream gathers what its choices gained and sends it when its pacing allows
 (request_stream.py). With `decode_streams` (the server's default), a stream without stop
 strings is sent to the engine as output_kind "delta_tokens": the engine reports its tokens
@@ -53,7 +54,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dspark.engine.detokenizer import Detokenizer
-from dspark.outputs import DeltaOutput
 from dspark.sampling_params import SamplingParams
 from dspark.server import wire
 from dspark.server.engine_process import run_engine_process
@@ -98,7 +98,6 @@ class EngineLoop:
         engine_factory: Callable,
         max_queued_requests: int,
         max_queued_tokens: int,
-        on_finished: Callable[[DeltaOutput], None] = lambda out: None,
         stream_budget: float | None = None,
         decode_streams: bool = False,
     ) -> None:
@@ -108,7 +107,6 @@ class EngineLoop:
         self.decode_streams = decode_streams
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
-        self._on_finished = on_finished
         self.state = EngineState.LOADING
         self.failure: str | None = None  # why the engine died
         self.info: EngineInfo | None = None  # sent by the engine once built
@@ -312,6 +310,14 @@ class EngineLoop:
             raise bad_request(str(e)) from None
         return stream
 
+    def count_rejected(self, reason: str) -> bool:
+        """Count a 503 with the engine's request metrics (so every API process's /metrics
+        shows it); False when no engine can take it (loading, stopping, dead)."""
+        if self.state != EngineState.SERVING:
+            return False
+        self._send((wire.REJECTED, reason))
+        return True
+
     def abort(self, request_ids: list[str]) -> None:
         """Ask the engine to abort these requests (their pages are freed at its next
         iteration); their final outputs still come back for the metrics."""
@@ -345,7 +351,6 @@ class EngineLoop:
             out = decode_output(encoded)
             if out.final is not None:
                 del routes[out.request_id]
-                self._on_finished(out)
             stream, index = route
             stream.put(index, out, now)
 

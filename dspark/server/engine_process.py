@@ -44,7 +44,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from time import monotonic
 
+from dspark.outputs import FinalInfo
 from dspark.server import wire
+from dspark.server.metrics import RequestMetrics
 from dspark.server.output_sender import OutputSender
 from dspark.server.phase_times import PhaseTimes
 from dspark.server.wire import EngineInfo, encode_outputs, stats_of
@@ -52,9 +54,10 @@ from dspark.server.wire import EngineInfo, encode_outputs, stats_of
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle engine wakes at least this often
-# the speculative metrics (LLMEngine.get_metrics: a dict built and pickled) go with a step's
-# stats at most this often, and with every step where a request ends; /metrics reads them
-SPEC_METRICS_INTERVAL_S = 0.1
+# the stats' metrics part (LLMEngine.get_metrics, a dict built and pickled, and the request
+# metrics' snapshot) goes with a step's stats at most this often, and with every step where a
+# request ends; /metrics reads it
+METRICS_INTERVAL_S = 0.1
 PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
 # a path here: the step loop runs under cProfile, written there (and its top logged) at stop;
 # it slows the loop's Python, so it says where host time goes, not how fast the loop is
@@ -171,11 +174,12 @@ class EngineServer:
         self._live: set[str] = set()  # unfinished requests, to abort at STOP
         self.times = PhaseTimes()  # where the loop's wall time goes, logged per busy period
         self.mix = StepMix(engine)  # what the steps of a busy period carried, logged beside it
-        self._spec_due = 0.0  # when the speculative metrics go out again (monotonic)
+        self._metrics_due = 0.0  # when the metrics part of the stats goes out again (monotonic)
+        self.requests = RequestMetrics()  # every request's end, for /metrics
 
     def serve(self) -> None:
         engine, conn, sender = self.engine, self.conn, self.sender
-        sender.send((wire.ADDED, (), stats_of(engine)))  # the first stats snapshot
+        sender.send((wire.ADDED, (), stats_of(engine, self.requests)))  # the first snapshot
         logger.info("engine ready: serving")
         times = self.times
         times.restart()
@@ -214,7 +218,7 @@ class EngineServer:
 
     def _apply_commands(self) -> bool:
         """Apply every command that arrived; False once a stop was asked for."""
-        conn, acks, keep_running = self.conn, [], True
+        conn, acks, keep_running, rejected = self.conn, [], True, False
         while conn.poll(0):
             command = conn.recv()
             if command[0] == wire.ADD:
@@ -222,11 +226,14 @@ class EngineServer:
             elif command[0] == wire.ABORT:
                 for request_id in command[1]:
                     self.engine.abort_request(request_id)
+            elif command[0] == wire.REJECTED:
+                self.requests.rejected[command[1]] += 1
+                rejected = True
             else:
                 assert command[0] == wire.STOP, f"unknown command {command[0]!r}"
                 keep_running = False
-        if acks:
-            self.sender.send((wire.ADDED, acks, self._stats()))
+        if acks or rejected:  # (a rejection's count goes out at once, with the metrics)
+            self.sender.send((wire.ADDED, acks, self._stats(force=rejected)))
         return keep_running
 
     def _add(self, subs: tuple) -> tuple[str, str] | None:
@@ -247,16 +254,19 @@ class EngineServer:
         return None
 
     def _stats(self, force: bool = False) -> tuple:
-        """stats_of the engine, with its speculative metrics if due or forced."""
+        """stats_of the engine, with its metrics part if due or forced."""
         now = monotonic()
-        with_spec = force or now >= self._spec_due
-        if with_spec:
-            self._spec_due = now + SPEC_METRICS_INTERVAL_S
-        return stats_of(self.engine, with_spec)
+        with_metrics = force or now >= self._metrics_due
+        if with_metrics:
+            self._metrics_due = now + METRICS_INTERVAL_S
+        return stats_of(self.engine, self.requests, with_metrics)
 
     def _step(self) -> list[tuple]:
         outputs = encode_outputs(self.engine.step())
-        self._live.difference_update(out[0] for out in outputs if out[4] is not None)
+        for out in outputs:
+            if out[4] is not None:  # a final output: the request ended
+                self._live.discard(out[0])
+                self.requests.record(FinalInfo(*out[4]))
         return outputs
 
     def _abort_everything(self) -> None:
@@ -268,4 +278,4 @@ class EngineServer:
         for _ in range(3):
             if self.engine.has_unfinished_requests():
                 outputs += self._step()
-        self.sender.post_step(outputs, stats_of(self.engine))
+        self.sender.post_step(outputs, stats_of(self.engine, self.requests))

@@ -1,8 +1,10 @@
 """GET /metrics: Prometheus text exposition (format 0.0.4), with vLLM's metric names.
 
 Three sources, each rendered by one function:
-- request figures the server records as each request finishes (`ServerMetrics.record`): token
-  counters, finished requests by reason, TTFT / TPOT / end-to-end histograms;
+- request figures recorded as each request finishes (`RequestMetrics.record`): token counters,
+  finished requests by reason, TTFT / TPOT / end-to-end histograms, and the 503s answered. The
+  engine process records them, where every request of every API process ends, and sends a
+  snapshot with its stats, so each API process's page is the whole server's;
 - the engine's state after its last step (`EngineStats`): running and waiting requests, KV use,
   preemptions;
 - the engine's speculative counters (`LLMEngine.get_metrics()`), mapped by the `SPEC_METRICS`
@@ -19,7 +21,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from dspark.outputs import DeltaOutput
+from dspark.outputs import FinalInfo
 from dspark.server.wire import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -98,11 +100,11 @@ class Histogram:
         return lines
 
 
-class ServerMetrics:
-    """Figures recorded per finished request, and the whole /metrics page."""
+class RequestMetrics:
+    """Figures recorded per finished request (and per 503), kept where they are recorded (the
+    engine process) and sent to the API processes as `snapshot()` tuples."""
 
-    def __init__(self, model_name: str) -> None:
-        self.labels = {"model_name": model_name}
+    def __init__(self) -> None:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = Counter()  # finish reason -> requests
@@ -111,9 +113,8 @@ class ServerMetrics:
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
-    def record(self, out: DeltaOutput) -> None:
-        """A request's final output."""
-        final = out.final
+    def record(self, final: FinalInfo) -> None:
+        """A request's end (its final output's FinalInfo)."""
         num_output = final.num_output_tokens
         self.prompt_tokens += final.num_prompt_tokens
         self.generation_tokens += num_output
@@ -127,35 +128,67 @@ class ServerMetrics:
         if end is not None:
             self.e2e.observe(end - start)
 
+    def snapshot(self) -> tuple:
+        """Plain values, to cross the pipe (pickled in C: no objects of ours)."""
+        hists = tuple((tuple(h.counts), h.sum) for h in (self.ttft, self.tpot, self.e2e))
+        return (self.prompt_tokens, self.generation_tokens, dict(self.finished),
+                dict(self.rejected), hists)  # fmt: skip
+
+    @classmethod
+    def from_snapshot(cls, snapshot: tuple) -> RequestMetrics:
+        metrics = cls()
+        if not snapshot:  # (no snapshot yet)
+            return metrics
+        prompt, generation, finished, rejected, hists = snapshot
+        metrics.prompt_tokens, metrics.generation_tokens = prompt, generation
+        metrics.finished, metrics.rejected = Counter(finished), Counter(rejected)
+        for histogram, (counts, total) in zip((metrics.ttft, metrics.tpot, metrics.e2e), hists,
+                                              strict=True):  # fmt: skip
+            histogram.counts, histogram.sum = list(counts), total
+        return metrics
+
+
+class ServerMetrics:
+    """The whole /metrics page of one API process: the engine's request figures (from its
+    latest stats) plus the 503s this process answered while no engine could count them
+    (loading, stopping, dead)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self.rejected_here = Counter()  # reason -> 503s this process answered itself
+
     def render(self, stats: EngineStats, is_serving: bool) -> str:
+        requests = RequestMetrics.from_snapshot(stats.requests)
+        requests.rejected.update(self.rejected_here)
         return "".join(
-            self._request_families() + _engine_families(stats, is_serving, self.labels)
+            _request_families(requests, self.labels)
+            + _engine_families(stats, is_serving, self.labels)
             + spec_families(stats.spec, self.labels)
         )  # fmt: skip
 
-    def _request_families(self) -> list[str]:
-        lb = self.labels
-        reasons = sorted(set(self.finished) | {"stop", "length", "abort", "error"})
-        return [
-            _family("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                    [_sample("vllm:prompt_tokens_total", lb, self.prompt_tokens)]),
-            _family("vllm:generation_tokens_total", "counter", "Generated tokens.",
-                    [_sample("vllm:generation_tokens_total", lb, self.generation_tokens)]),
-            _family("vllm:request_success_total", "counter", "Finished requests by reason.",
-                    [_sample("vllm:request_success_total", {**lb, "finished_reason": r},
-                             self.finished[r]) for r in reasons]),
-            _family("dspark:requests_rejected_total", "counter",
-                    "HTTP requests refused with 503, by reason.",
-                    [_sample("dspark:requests_rejected_total", {**lb, "reason": r}, n)
-                     for r, n in sorted(self.rejected.items())]),
-            _family("vllm:time_to_first_token_seconds", "histogram", "Time to first token.",
-                    self.ttft.samples("vllm:time_to_first_token_seconds", lb)),
-            _family("vllm:time_per_output_token_seconds", "histogram",
-                    "Mean time per output token after the first, per request.",
-                    self.tpot.samples("vllm:time_per_output_token_seconds", lb)),
-            _family("vllm:e2e_request_latency_seconds", "histogram", "Arrival to finish.",
-                    self.e2e.samples("vllm:e2e_request_latency_seconds", lb)),
-        ]  # fmt: skip
+
+def _request_families(m: RequestMetrics, lb: dict[str, str]) -> list[str]:
+    reasons = sorted(set(m.finished) | {"stop", "length", "abort", "error"})
+    return [
+        _family("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                [_sample("vllm:prompt_tokens_total", lb, m.prompt_tokens)]),
+        _family("vllm:generation_tokens_total", "counter", "Generated tokens.",
+                [_sample("vllm:generation_tokens_total", lb, m.generation_tokens)]),
+        _family("vllm:request_success_total", "counter", "Finished requests by reason.",
+                [_sample("vllm:request_success_total", {**lb, "finished_reason": r},
+                         m.finished[r]) for r in reasons]),
+        _family("dspark:requests_rejected_total", "counter",
+                "HTTP requests refused with 503, by reason.",
+                [_sample("dspark:requests_rejected_total", {**lb, "reason": r}, n)
+                 for r, n in sorted(m.rejected.items())]),
+        _family("vllm:time_to_first_token_seconds", "histogram", "Time to first token.",
+                m.ttft.samples("vllm:time_to_first_token_seconds", lb)),
+        _family("vllm:time_per_output_token_seconds", "histogram",
+                "Mean time per output token after the first, per request.",
+                m.tpot.samples("vllm:time_per_output_token_seconds", lb)),
+        _family("vllm:e2e_request_latency_seconds", "histogram", "Arrival to finish.",
+                m.e2e.samples("vllm:e2e_request_latency_seconds", lb)),
+    ]  # fmt: skip
 
 
 def _engine_families(stats: EngineStats, is_serving: bool, lb: dict[str, str]) -> list[str]:

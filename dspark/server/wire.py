@@ -7,6 +7,7 @@ rebuilt on the server's side, and the stats snapshot as a tuple of EngineStats' 
 
     server -> engine   (ADD, ack_id, ((request_id, prompt_ids, SamplingParams, prompt_text), ..))
                        (ABORT, (request_id, ...))
+                       (REJECTED, reason)     a 503 answered (counted with the requests)
                        (STOP,)
     engine -> server   (READY, EngineInfo)                    once, when the engine is built
                        (ADDED, ((ack_id, error | None), ..), stats)   error: (kind, message)
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from dspark.models.tokenizer import Tokenizer
 from dspark.outputs import DeltaOutput, FinalInfo, RequestOutput
 
-ADD, ABORT, STOP = "add", "abort", "stop"
+ADD, ABORT, REJECTED, STOP = "add", "abort", "rejected", "stop"
 READY, ADDED, STEP, FAILED, STOPPED = "ready", "added", "step", "failed", "stopped"
 INVALID = "invalid"  # the kind of an add error that is the client's (ValueError): a 400
 
@@ -44,6 +45,7 @@ class EngineStats:
     num_kv_pages: int = 0
     num_preemptions: int = 0
     spec: dict = field(default_factory=dict)  # LLMEngine.get_metrics()
+    requests: tuple = ()  # metrics.RequestMetrics.snapshot(): every API process's requests
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,14 @@ class EngineInfo:
     pid: int  # the engine process's
 
 
-def stats_of(engine, with_spec: bool = True) -> tuple:
-    """The engine's EngineStats, as a tuple of its fields; without `with_spec` its speculative
-    metrics are None (the receiver keeps the last ones: `merge_stats`)."""
+def stats_of(engine, requests=None, with_metrics: bool = True) -> tuple:
+    """The engine's EngineStats as a tuple: the counts, then its metrics part, (speculative
+    metrics, `requests`' snapshot), or None without `with_metrics` (the dearer part: the
+    receiver keeps the last one, `merge_stats`)."""
     sched, alloc = engine.scheduler, engine.allocator
+    metrics = None
+    if with_metrics:
+        metrics = (engine.get_metrics(), requests.snapshot() if requests is not None else ())
     return (
         len(sched.running),
         len(sched.waiting),
@@ -67,15 +73,16 @@ def stats_of(engine, with_spec: bool = True) -> tuple:
         alloc.num_usable - alloc.num_free,
         alloc.num_usable,
         sched.num_preemptions,
-        engine.get_metrics() if with_spec else None,
+        metrics,
     )
 
 
 def merge_stats(previous: EngineStats, stats: tuple) -> EngineStats:
-    """A received stats tuple; speculative metrics left out (None) keep the previous ones."""
-    if stats[-1] is None:
-        return EngineStats(*stats[:-1], previous.spec)
-    return EngineStats(*stats)
+    """A received stats tuple; a metrics part left out (None) keeps the previous one."""
+    *counts, metrics = stats
+    if metrics is None:
+        return EngineStats(*counts, previous.spec, previous.requests)
+    return EngineStats(*counts, *metrics)
 
 
 def encode_outputs(outputs: list[DeltaOutput | RequestOutput]) -> list[tuple]:

@@ -7,8 +7,13 @@ import re
 import pytest
 
 pytest.importorskip("fastapi")
-from dspark.outputs import DeltaOutput, FinalInfo  # noqa: E402
-from dspark.server.metrics import Histogram, ServerMetrics, spec_families  # noqa: E402
+from dspark.outputs import FinalInfo  # noqa: E402
+from dspark.server.metrics import (  # noqa: E402
+    Histogram,
+    RequestMetrics,
+    ServerMetrics,
+    spec_families,
+)
 from dspark.server.wire import EngineStats  # noqa: E402
 
 LABELS = {"model_name": "m"}
@@ -52,11 +57,17 @@ def test_every_spec_row_kind_renders_and_missing_keys_are_left_out():
 
 
 def test_server_metrics_record_finished_requests():
-    metrics = ServerMetrics('a "quoted" name')
+    """Recorded in the engine process, sent as a snapshot, rendered by an API process (with
+    the 503s it answered itself added to the engine's count)."""
+    requests = RequestMetrics()
     times = {"arrival_time": 10.0, "first_token_time": 10.5, "finished_time": 11.5}
-    final = FinalInfo("length", None, 2, 3, None, times)
-    metrics.record(DeltaOutput("r", "y", [7], None, final))  # (the last of 3 tokens)
-    text = metrics.render(EngineStats(num_running=1, num_kv_pages_used=3, num_kv_pages=12), True)
+    requests.record(FinalInfo("length", None, 2, 3, None, times))
+    requests.rejected["queue_full"] += 2
+    metrics = ServerMetrics('a "quoted" name')
+    metrics.rejected_here["loading"] += 1
+    stats = EngineStats(num_running=1, num_kv_pages_used=3, num_kv_pages=12,
+                        requests=requests.snapshot())  # fmt: skip
+    text = metrics.render(stats, True)
     labels = 'model_name="a \\"quoted\\" name"'
     assert f"vllm:prompt_tokens_total{{{labels}}} 2.0" in text
     assert f"vllm:generation_tokens_total{{{labels}}} 3.0" in text
@@ -64,6 +75,8 @@ def test_server_metrics_record_finished_requests():
     assert f"vllm:time_to_first_token_seconds_sum{{{labels}}} 0.5" in text
     assert f"vllm:time_per_output_token_seconds_sum{{{labels}}} 0.5" in text  # 1 s / 2 gaps
     assert f"vllm:kv_cache_usage_perc{{{labels}}} 0.25" in text
+    assert f'dspark:requests_rejected_total{{{labels},reason="queue_full"}} 2.0' in text
+    assert f'dspark:requests_rejected_total{{{labels},reason="loading"}} 1.0' in text
     # every line is a comment or `name{labels} value`
     sample = re.compile(r'^[a-z0-9_:]+\{([a-z_]+="([^"\\]|\\.)*",?)*\} -?[0-9.e+-]+$')
     for line in text.splitlines():

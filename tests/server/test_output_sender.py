@@ -95,15 +95,14 @@ def test_a_message_is_written_whole_in_the_framing_connection_recv_reads(monkeyp
         assert len(writes) == 1  # (a blocking socket takes the whole buffer in one call)
 
 
-def test_speculative_metrics_are_sent_when_due_and_never_lost_in_a_merge(
-    tiny_vocab_dir, monkeypatch
-):
-    """The engine loop sends get_metrics() at most every SPEC_METRICS_INTERVAL_S (or when
-    forced: a step where a request ended); a step without them keeps the previous ones, on the
-    server (merge_stats) and in a merged message (the sender)."""
+def test_metrics_are_sent_when_due_and_never_lost_in_a_merge(tiny_vocab_dir, monkeypatch):
+    """The engine loop sends its metrics part (get_metrics() and the request metrics) at most
+    every METRICS_INTERVAL_S (or when forced: a step where a request ended); a step without
+    it keeps the previous one, on the server (merge_stats) and in a merged message (the
+    sender)."""
     from dspark import LLM
     from dspark.server import engine_process
-    from dspark.server.engine_process import SPEC_METRICS_INTERVAL_S, EngineServer
+    from dspark.server.engine_process import METRICS_INTERVAL_S, EngineServer
     from dspark.server.wire import EngineStats, merge_stats
 
     clock = [100.0]
@@ -114,19 +113,19 @@ def test_speculative_metrics_are_sent_when_due_and_never_lost_in_a_merge(
     loop = EngineServer(engine, conn=None, sender=None)
     assert loop._stats()[-1] is not None  # due at once
     assert loop._stats()[-1] is None and loop._stats(force=True)[-1] is not None
-    clock[0] += SPEC_METRICS_INTERVAL_S
+    clock[0] += METRICS_INTERVAL_S
     assert loop._stats()[-1] is not None
-    before = EngineStats(spec={"num_drafts": 3})
-    kept = EngineStats(1, 0, 0, 2, 8, 0, {"num_drafts": 3})
+    before = EngineStats(spec={"num_drafts": 3}, requests=(5, 6, {}, {}, ()))
+    kept = EngineStats(1, 0, 0, 2, 8, 0, {"num_drafts": 3}, (5, 6, {}, {}, ()))
     assert merge_stats(before, (1, 0, 0, 2, 8, 0, None)) == kept
-    assert merge_stats(before, (1, 0, 0, 2, 8, 0, {})).spec == {}
+    assert merge_stats(before, (1, 0, 0, 2, 8, 0, ({}, ()))).spec == {}
     reader, writer = multiprocessing.Pipe(duplex=False)
     sender = OutputSender(writer, on_closed_exit=3)
     big = "x" * 200_000  # blocks the first send: the next two steps merge
     sender.post_step([("a", big, [1], None, None)], (0, 0, 0, 0, 8, 0, None))
     time.sleep(0.2)
-    sender.post_step([("a", "b", [2], None, None)], (1, 0, 0, 1, 8, 0, {"num_drafts": 5}))
+    sender.post_step([("a", "b", [2], None, None)], (1, 0, 0, 1, 8, 0, ({"num_drafts": 5}, ())))
     sender.post_step([("a", "c", [3], None, None)], (1, 0, 0, 1, 8, 0, None))
     sender.send((wire.STOPPED,))
     steps = [m for m in _read_all(reader, wire.STOPPED) if m[0] == wire.STEP]
-    assert steps[-1][2] == (1, 0, 0, 1, 8, 0, {"num_drafts": 5})
+    assert steps[-1][2] == (1, 0, 0, 1, 8, 0, ({"num_drafts": 5}, ()))

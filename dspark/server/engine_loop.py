@@ -52,6 +52,7 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 
 from dspark.engine.detokenizer import Detokenizer
 from dspark.sampling_params import SamplingParams
@@ -125,18 +126,34 @@ class EngineLoop:
 
     # ---- the engine process -----------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, other_servers: tuple[Connection, ...] = ()) -> None:
+        """Spawn the engine process. `other_servers`: the engine's ends of the pipes of the
+        other API processes (`dspark serve --api-server-count`), handed to it and closed here
+        (so that each pipe closes when either of its two processes ends)."""
         self._loop = asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         levels = (logging.getLogger().level, logging.getLogger("dspark").getEffectiveLevel())
         self.process = context.Process(
-            target=run_engine_process, args=(self._factory, child_conn, levels),
+            target=run_engine_process, args=(self._factory, (child_conn, *other_servers), levels),
             name="dspark-engine", daemon=True,
         )  # fmt: skip
         self.process.start()
-        child_conn.close()  # only the child holds its end: its exit closes the pipe
+        for conn in (child_conn, *other_servers):  # only the child holds them now
+            conn.close()
+        self._watch()
+
+    def attach(self, conn: Connection) -> None:
+        """Use an engine process another API process started (the main server's, for a
+        worker of `--api-server-count`): `conn` is this process's pipe to it. Stopping
+        detaches this process only; the engine ends with the main server."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
+        self._conn = conn
+        self._watch()
+
+    def _watch(self) -> None:
         self._loop.add_reader(self._conn.fileno(), self._read)
         self.gc_pauses.install()
         self.loop_lag.start()
@@ -196,10 +213,19 @@ class EngineLoop:
             self._die(message[1])
         else:
             assert tag == wire.STOPPED, f"unknown message {tag!r}"
+            if self.process is None and not self._stopped.done():  # attached: detached now
+                self._stopped.set_result(None)
 
     async def _reap(self) -> None:
-        """The engine process ended: why, and every open stream ends with an error."""
+        """The engine process ended (its pipe closed): why, and every open stream ends with
+        an error."""
         process = self.process
+        if process is None:  # attached to another process's engine
+            if self.state not in (EngineState.DEAD, EngineState.STOPPING):
+                self._die("the engine process closed this server's pipe (it exited)")
+            if not self._stopped.done():
+                self._stopped.set_result(None)
+            return
         await asyncio.to_thread(process.join, EXIT_WAIT_S)
         if self.state not in (EngineState.DEAD, EngineState.STOPPING):  # (stop() fails all)
             self._die(f"the engine process exited unexpectedly ({_exit_status(process)})")
@@ -212,10 +238,11 @@ class EngineLoop:
             pass
 
     async def stop(self) -> None:
-        """Abort whatever is still running, then wait for the engine process to exit."""
-        if self.process is None:
+        """Abort whatever this server still runs, then wait for the engine process to exit
+        (attached: for the engine to detach this server)."""
+        if self._conn is None:
             return
-        if self.state == EngineState.LOADING:
+        if self.state == EngineState.LOADING and self.process is not None:
             self.process.kill()  # loading: it would only read the stop once loaded
         elif self.state == EngineState.SERVING:
             self._send((wire.STOP,))
@@ -224,9 +251,14 @@ class EngineLoop:
         try:
             await asyncio.wait_for(asyncio.shield(self._stopped), STOP_TIMEOUT_S)
         except TimeoutError:
-            logger.error("the engine process did not stop in %.0f s: killed", STOP_TIMEOUT_S)
-            self.process.kill()
-            await self._stopped
+            if self.process is not None:
+                logger.error("the engine process did not stop in %.0f s: killed", STOP_TIMEOUT_S)
+                self.process.kill()
+                await self._stopped
+            else:
+                logger.error("the engine did not detach this server in %.0f s", STOP_TIMEOUT_S)
+        if self.process is None:
+            self._loop.remove_reader(self._conn.fileno())
         self._conn.close()
         if self.read_times.counts["message"]:
             self._log_read_times()

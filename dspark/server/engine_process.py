@@ -78,8 +78,11 @@ def engine_factory(config) -> Callable:
     return functools.partial(build_engine, config)
 
 
-def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[int, int]) -> None:
-    """The spawned process's entry point."""
+def run_engine_process(
+    factory: Callable, conns: tuple[Connection, ...], log_levels: tuple[int, int]
+) -> None:
+    """The spawned process's entry point: one pipe per API process (`dspark serve
+    --api-server-count`), the first of them the main server's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     root_level, dspark_level = log_levels
     logging.basicConfig(level=root_level, format="%(levelname)s %(name)s (engine): %(message)s")
@@ -89,33 +92,45 @@ def run_engine_process(factory: Callable, conn: Connection, log_levels: tuple[in
         engine = factory()
     except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
         logger.exception("the engine failed to load")
-        conn.send((wire.FAILED, f"the engine failed to load: {type(e).__name__}: {e}"))
+        reason = f"the engine failed to load: {type(e).__name__}: {e}"
+        for conn in conns:
+            _send_quietly(conn, (wire.FAILED, reason))
         return
-    conn.send((wire.READY, EngineInfo(engine.tokenizer, engine.max_model_len, os.getpid())))
+    info = EngineInfo(engine.tokenizer, engine.max_model_len, os.getpid())
+    for conn in conns:
+        _send_quietly(conn, (wire.READY, info))
     # what exists now (modules, weights' wrappers, the tokenizer) lives as long as the
     # process: frozen, the oldest generation's collections skip it (a full collection of this
     # heap paused the step loop ~0.27 s every few seconds under load on the CPU; vLLM freezes
     # it too)
     gc.collect()
     gc.freeze()
-    sender = OutputSender(conn, PARENT_GONE_EXIT)
+    # one API process: its pipe closing means the server is gone, and the process exits at
+    # once; with several, a closed pipe detaches that one API process (EngineServer)
+    exit_status = PARENT_GONE_EXIT if len(conns) == 1 else None
+    senders = [OutputSender(conn, exit_status) for conn in conns]
     profile_path = os.environ.get(PROFILE_ENV)
     profiler = cProfile.Profile() if profile_path else None
-    try:
-        if profiler is not None:
-            profiler.enable()
-        EngineServer(engine, conn, sender).serve()
-    except (EOFError, OSError):  # the pipe closed under a receive: the server is gone
-        logger.warning("the server closed the pipe: the engine process exits")
-        os._exit(PARENT_GONE_EXIT)
+    if profiler is not None:
+        profiler.enable()
+    server = EngineServer(engine, conns, senders)
+    server.serve()
     if profiler is not None:
         profiler.disable()
         report_profile(profiler, profile_path, "the engine loop")
-    sender.drain(timeout=30.0)
+    for sender in senders:
+        sender.drain(timeout=30.0)
     # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
     # bindings report their objects as leaked when finalised); nothing is left to flush but logs
     logging.shutdown()
-    os._exit(0)
+    os._exit(PARENT_GONE_EXIT if server.lost_every_server else 0)
+
+
+def _send_quietly(conn: Connection, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except OSError:  # that API process is gone already
+        pass
 
 
 def report_profile(profiler: cProfile.Profile, path: str, what: str) -> None:
@@ -165,33 +180,46 @@ def _exit_with_parent() -> None:
 
 
 class EngineServer:
-    """The step loop over one pipe (see the module docstring)."""
+    """The step loop over one pipe per API process (see the module docstring).
 
-    def __init__(self, engine, conn: Connection, sender: OutputSender) -> None:
+    Each request belongs to the API process that added it: its acknowledgement and outputs go
+    back on that pipe only, while every pipe gets the stats. STOP from an API process aborts
+    its requests; once their final outputs are sent it gets STOPPED and is detached. A pipe
+    that closes (its process died) detaches at once, its requests aborted. The loop ends when
+    no API process is attached.
+    """
+
+    def __init__(self, engine, conns: list[Connection], senders: list[OutputSender]) -> None:
         self.engine = engine
-        self.conn = conn  # commands in
-        self.sender = sender  # messages out
-        self._live: set[str] = set()  # unfinished requests, to abort at STOP
+        self.conns = list(conns)  # commands in, one pipe per API process
+        self.senders = list(senders)  # messages out, on the same pipes
+        self._attached = set(range(len(conns)))  # API processes still served
+        self._stopping: set[int] = set()  # asked to stop: detached once their requests end
+        self._owner: dict[str, int] = {}  # unfinished request -> its API process
+        self.lost_every_server = False  # every pipe closed without a STOP
         self.times = PhaseTimes()  # where the loop's wall time goes, logged per busy period
         self.mix = StepMix(engine)  # what the steps of a busy period carried, logged beside it
         self._metrics_due = 0.0  # when the metrics part of the stats goes out again (monotonic)
         self.requests = RequestMetrics()  # every request's end, for /metrics
 
     def serve(self) -> None:
-        engine, conn, sender = self.engine, self.conn, self.sender
-        sender.send((wire.ADDED, (), stats_of(engine, self.requests)))  # the first snapshot
-        logger.info("engine ready: serving")
+        engine = self.engine
+        first = stats_of(engine, self.requests)
+        for i in self._attached:
+            self.senders[i].send((wire.ADDED, (), first))  # the first stats snapshot
+        logger.info("engine ready: serving %d API process(es)", len(self.conns))
         times = self.times
         times.restart()
-        while True:
-            idle = not engine.has_unfinished_requests() and not conn.poll(IDLE_POLL_S)
-            times.lap("idle")
-            if idle:
-                if times.counts["step"]:  # a busy period ended: where its time went
-                    self._log_times()
-                continue
-            if not self._apply_commands():
-                break
+        while self._attached:
+            if not engine.has_unfinished_requests():
+                ready = wait([self.conns[i] for i in self._attached], IDLE_POLL_S)
+                times.lap("idle")
+                if not ready:
+                    if times.counts["step"]:  # a busy period ended: where its time went
+                        self._log_times()
+                    continue
+            self._apply_commands()
+            self._detach_stopped()
             times.lap("commands")
             if not engine.has_unfinished_requests():
                 continue
@@ -200,43 +228,75 @@ class EngineServer:
                 outputs = self._step()
             except Exception as e:
                 logger.exception("engine step failed")
-                sender.send((wire.FAILED, f"an engine step failed: {type(e).__name__}: {e}"))
+                reason = f"an engine step failed: {type(e).__name__}: {e}"
+                for i in self._attached:
+                    self.senders[i].send((wire.FAILED, reason))
                 return
             times.lap("step")
-            sender.post_step(outputs, self._stats(any(out[4] is not None for out in outputs)))
+            self._post(outputs, self._stats(any(out[4] is not None for out in outputs)))
+            self._detach_stopped()
             times.lap("post")
         if times.counts["step"]:
             self._log_times()
-        self._abort_everything()
-        sender.send((wire.STOPPED,))
 
     def _log_times(self) -> None:
         """Where the busy period that just ended spent its time (each level of a benchmark is
         one such period); the clocks start again."""
         logger.info("engine loop: %s; %s", self.times.take().summary("step"), self.mix.take())
-        logger.info("output sender: %s", self.sender.times.take().summary("message"))
+        for i, sender in enumerate(self.senders):
+            logger.info("output sender %d: %s", i, sender.times.take().summary("message"))
 
-    def _apply_commands(self) -> bool:
-        """Apply every command that arrived; False once a stop was asked for."""
-        conn, acks, keep_running, rejected = self.conn, [], True, False
-        while conn.poll(0):
-            command = conn.recv()
-            if command[0] == wire.ADD:
-                acks.append((command[1], self._add(command[2])))
-            elif command[0] == wire.ABORT:
-                for request_id in command[1]:
+    def _apply_commands(self) -> None:
+        """Apply every command that arrived, on every attached pipe."""
+        for i in list(self._attached):
+            conn, acks, rejected = self.conns[i], [], False
+            try:
+                while conn.poll(0):
+                    command = conn.recv()
+                    if command[0] == wire.ADD:
+                        acks.append((command[1], self._add(command[2], i)))
+                    elif command[0] == wire.ABORT:
+                        for request_id in command[1]:
+                            self.engine.abort_request(request_id)
+                    elif command[0] == wire.REJECTED:
+                        self.requests.rejected[command[1]] += 1
+                        rejected = True
+                    else:
+                        assert command[0] == wire.STOP, f"unknown command {command[0]!r}"
+                        self._stop(i)
+            except (EOFError, OSError):  # the API process is gone
+                self._detach(i, stopped=False)
+                continue
+            if acks or rejected:  # (a rejection's count goes out at once, with the metrics)
+                self.senders[i].send((wire.ADDED, acks, self._stats(force=rejected)))
+
+    def _stop(self, i: int) -> None:
+        """API process i stops: abort its requests (their final outputs still go to it)."""
+        self._stopping.add(i)
+        for request_id, owner in self._owner.items():
+            if owner == i:
+                self.engine.abort_request(request_id)
+
+    def _detach_stopped(self) -> None:
+        """STOPPED to each stopping API process whose requests have all ended."""
+        for i in list(self._stopping):
+            if i in self._attached and i not in self._owner.values():
+                self._detach(i, stopped=True)
+
+    def _detach(self, i: int, stopped: bool) -> None:
+        self._attached.discard(i)
+        self._stopping.discard(i)
+        if stopped:
+            self.senders[i].send((wire.STOPPED,))
+        else:  # gone: nobody reads its requests' outputs
+            logger.warning("API process %d closed its pipe: its requests are aborted", i)
+            for request_id, owner in list(self._owner.items()):
+                if owner == i:
                     self.engine.abort_request(request_id)
-            elif command[0] == wire.REJECTED:
-                self.requests.rejected[command[1]] += 1
-                rejected = True
-            else:
-                assert command[0] == wire.STOP, f"unknown command {command[0]!r}"
-                keep_running = False
-        if acks or rejected:  # (a rejection's count goes out at once, with the metrics)
-            self.sender.send((wire.ADDED, acks, self._stats(force=rejected)))
-        return keep_running
+                    del self._owner[request_id]
+            self.lost_every_server = not self._attached and not self._stopping
 
-    def _add(self, subs: tuple) -> tuple[str, str] | None:
+    def _add(self, subs: tuple, owner: int) -> tuple[str, str] | None:
         """Validate the whole group, then add it: a refused request queues none of its group.
         None, or the error as (kind, message)."""
         engine = self.engine
@@ -245,10 +305,11 @@ class EngineServer:
                 engine.validate_request(request_id, prompt_ids, params)
             for request_id, prompt_ids, params, prompt_text in subs:
                 engine.add_request(request_id, prompt_ids, params, prompt_text)
-                self._live.add(request_id)
+                self._owner[request_id] = owner
         except Exception as e:  # noqa: BLE001 - handed to the submitter, who answers it
             for request_id, *_ in subs:
                 engine.abort_request(request_id)
+                self._owner.pop(request_id, None)
             kind = wire.INVALID if isinstance(e, (ValueError, TypeError)) else type(e).__name__
             return kind, str(e)
         return None
@@ -265,17 +326,22 @@ class EngineServer:
         outputs = encode_outputs(self.engine.step())
         for out in outputs:
             if out[4] is not None:  # a final output: the request ended
-                self._live.discard(out[0])
                 self.requests.record(FinalInfo(*out[4]))
         return outputs
 
-    def _abort_everything(self) -> None:
-        """At stop: abort what is left and send its final outputs (an in-flight step needs
-        one more step to be collected)."""
-        for request_id in self._live:
-            self.engine.abort_request(request_id)
-        outputs = []
-        for _ in range(3):
-            if self.engine.has_unfinished_requests():
-                outputs += self._step()
-        self.sender.post_step(outputs, stats_of(self.engine, self.requests))
+    def _post(self, outputs: list[tuple], stats: tuple) -> None:
+        """Each output to its request's API process, the stats to every one."""
+        if len(self.conns) == 1:  # (the usual case: no routing)
+            for out in outputs:
+                if out[4] is not None:
+                    self._owner.pop(out[0], None)
+            self.senders[0].post_step(outputs, stats)
+            return
+        routed: list[list[tuple]] = [[] for _ in self.conns]
+        owner = self._owner
+        for out in outputs:
+            i = owner.pop(out[0], None) if out[4] is not None else owner.get(out[0])
+            if i is not None:
+                routed[i].append(out)
+        for i in self._attached:
+            self.senders[i].post_step(routed[i], stats)

@@ -110,7 +110,7 @@ def test_metrics_are_sent_when_due_and_never_lost_in_a_merge(tiny_vocab_dir, mon
     # session's live servers, which run in this process)
     monkeypatch.setattr(engine_process, "monotonic", lambda: clock[0])
     engine = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=32).engine
-    loop = EngineServer(engine, conn=None, sender=None)
+    loop = EngineServer(engine, conns=[], senders=[])
     assert loop._stats()[-1] is not None  # due at once
     assert loop._stats()[-1] is None and loop._stats(force=True)[-1] is not None
     clock[0] += METRICS_INTERVAL_S

@@ -19,8 +19,9 @@ import cProfile
 import hmac
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from multiprocessing.connection import Connection
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -71,9 +72,21 @@ class ServerState:
             )
 
 
-def build_app(config: ServerConfig, engine_factory: Callable) -> FastAPI:
+def build_app(
+    config: ServerConfig,
+    engine_factory: Callable | None,
+    *,
+    other_servers: tuple[Connection, ...] = (),
+    attach: Connection | None = None,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
+) -> FastAPI:
     """engine_factory builds the LLMEngine in the engine process: it must pickle (a module
-    function or a functools.partial of one, e.g. engine_process.engine_factory(config))."""
+    function or a functools.partial of one, e.g. engine_process.engine_factory(config)).
+
+    With `--api-server-count` (api_servers.py) the main server's app also hands the engine
+    the pipes of the other API processes (`other_servers`) and stops them first at shut-down
+    (`before_stop`); each of those attaches to the engine through its pipe (`attach`, no
+    factory)."""
     state = ServerState(config, engine_factory)
 
     @asynccontextmanager
@@ -84,8 +97,13 @@ def build_app(config: ServerConfig, engine_factory: Callable) -> FastAPI:
         profiler = cProfile.Profile() if profile_path else None
         if profiler is not None:
             profiler.enable()
-        state.engine_loop.start()
+        if attach is not None:
+            state.engine_loop.attach(attach)
+        else:
+            state.engine_loop.start(other_servers)
         yield
+        if before_stop is not None:
+            await before_stop()
         await state.engine_loop.stop()
         if profiler is not None:
             profiler.disable()

@@ -48,6 +48,7 @@ SERVER_OPTIONS: dict[str, Any] = {
     "shutdown_timeout_s": ServerConfig.shutdown_timeout_s,
     "stream_budget": ServerConfig.stream_budget,
     "stream_detokenize": ServerConfig.stream_detokenize,
+    "api_server_count": ServerConfig.api_server_count,
     "disable_access_log": False,
 }
 
@@ -121,6 +122,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "once per chunk, or the engine, once per report inside its step loop (streams with "
         "stop strings: the engine either way)",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="HTTP server processes sharing the port, each with its own pipe to the one engine "
+        f"process (default {ServerConfig.api_server_count}); more keep up with more streams",
+    )
     p.add_argument("--disable-access-log", action="store_true", default=None)
     p.set_defaults(func=cmd_serve)
     return p
@@ -146,7 +154,7 @@ OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_toke
                 "kv_cache_memory_gb": float, "num_kv_pages": int, "seed": int, "port": int,
                 "stream_interval": int, "mixed_prefill_tokens": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
-                "shutdown_timeout_s": float, "stream_budget": float,
+                "shutdown_timeout_s": float, "stream_budget": float, "api_server_count": int,
                 "disable_access_log": bool}  # fmt: skip
 
 
@@ -200,14 +208,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = resolve_options(args)
     engine_config, server_config = build_configs(options)
+    uvicorn_options = {
+        "timeout_graceful_shutdown": server_config.shutdown_timeout_s,
+        "access_log": not options["disable_access_log"],
+        "log_level": "info",
+    }
+    if server_config.api_server_count > 1:
+        from dspark.server.api_servers import serve_with_workers
+
+        serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
+        return 0
     app = build_app(server_config, engine_factory(engine_config))
     config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        timeout_graceful_shutdown=server_config.shutdown_timeout_s,
-        access_log=not options["disable_access_log"],
-        log_level="info",
+        app, host=server_config.host, port=server_config.port, **uvicorn_options
     )
     uvicorn.Server(config).run()
     return 0

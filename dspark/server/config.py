@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host)
 DEFAULT_PORT = 8000
 STREAM_DETOKENIZE = ("server", "engine")
+MAX_API_SERVERS = 64
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class ServerConfig:
     # tokens only, output_kind "delta_tokens") or "engine" (once per report, inside its step
     # loop). Streams with stop strings are decoded by the engine either way: it must find them
     stream_detokenize: str = "server"
+    # HTTP processes sharing the port, each with its own pipe to the one engine process
+    # (vLLM's --api-server-count): one event loop saturates at a few hundred streams
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,6 +58,10 @@ class ServerConfig:
                 self.stream_detokenize in STREAM_DETOKENIZE,
                 f"stream_detokenize must be one of {STREAM_DETOKENIZE}, got "
                 f"{self.stream_detokenize!r}",
+            ),
+            (
+                1 <= self.api_server_count <= MAX_API_SERVERS,
+                f"api_server_count must be in 1..{MAX_API_SERVERS}, got {self.api_server_count}",
             ),
             (
                 self.stream_budget is None or 0 < self.stream_budget <= 1,

@@ -49,3 +49,14 @@ def test_the_stream_budget_flows_from_flag_or_file_and_is_checked(tmp_path):
     assert build_configs(_options(tmp_path, "stream_budget: 1\n"))[1].stream_budget == 1.0
     with pytest.raises(ValueError, match=r"stream_budget must be in \(0, 1\] or None, got 2.0"):
         build_configs(_options(tmp_path, "stream-budget: 2.0\n"))
+
+
+def test_the_api_server_count_flows_from_flag_or_file_and_is_checked(tmp_path):
+    assert build_configs(_options(tmp_path, "model: m\n"))[1].api_server_count == 1  # default
+    _, server = build_configs(_options(tmp_path, "api-server-count: 4\n", "--api-server-count", "2"))
+    assert server.api_server_count == 2
+    assert build_configs(_options(tmp_path, "api_server_count: 3\n"))[1].api_server_count == 3
+    with pytest.raises(ValueError, match=r"api_server_count must be in 1\.\.64, got 0"):
+        build_configs(_options(tmp_path, "api-server-count: 0\n"))
+    with pytest.raises(ValueError, match="api_server_count: expected int, got 'two'"):
+        _options(tmp_path, "api-server-count: two\n")

@@ -1,7 +1,8 @@
 """The engine's own process: it builds the engine and runs the step loop (vLLM's "engine core").
 
 The server process (engine_loop.py) starts it with the `spawn` method (CUDA cannot be used in a
-forked child) and talks to it over one multiprocessing Pipe, in wire.py's messages. Apart, the
+forked child) and talks to it over a multiprocessing Pipe, in wire.py's messages: one pipe per
+API process (`dspark serve --api-server-count`, api_servers.py; usually one). Apart, the
 two share no interpreter lock: the event loop's HTTP work no longer takes host time from the
 engine's step loop, which on a GPU is what bounds throughput at large batches. The loop:
 

@@ -59,6 +59,9 @@ IDLE_POLL_S = 0.5  # an idle engine wakes at least this often
 # metrics' snapshot) goes with a step's stats at most this often, and with every step where a
 # request ends; /metrics reads it
 METRICS_INTERVAL_S = 0.1
+# with several API processes, one whose requests did not advance in a step gets that step's
+# stats alone at most this often (admission control reads them: 10 ms stale is fine)
+STATS_ONLY_INTERVAL_S = 0.01
 PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
 # a path here: the step loop runs under cProfile, written there (and its top logged) at stop;
 # it slows the loop's Python, so it says where host time goes, not how fast the loop is
@@ -197,6 +200,7 @@ class EngineServer:
         self._attached = set(range(len(conns)))  # API processes still served
         self._stopping: set[int] = set()  # asked to stop: detached once their requests end
         self._owner: dict[str, int] = {}  # unfinished request -> its API process
+        self._stats_due = [0.0] * len(conns)  # when each process gets counts alone again
         self.lost_every_server = False  # every pipe closed without a STOP
         self.times = PhaseTimes()  # where the loop's wall time goes, logged per busy period
         self.mix = StepMix(engine)  # what the steps of a busy period carried, logged beside it
@@ -344,5 +348,12 @@ class EngineServer:
             i = owner.pop(out[0], None) if out[4] is not None else owner.get(out[0])
             if i is not None:
                 routed[i].append(out)
+        # a process none of whose requests advanced gets the counts at most every
+        # STATS_ONLY_INTERVAL_S (each post wakes a sender thread, which takes the interpreter
+        # lock from this loop); a metrics part goes to every process, and so do the counts
+        # once the engine has nothing left to run (no later step would correct them)
+        now, idle = monotonic(), not self.engine.has_unfinished_requests()
         for i in self._attached:
-            self.senders[i].post_step(routed[i], stats)
+            if routed[i] or idle or stats[-1] is not None or now >= self._stats_due[i]:
+                self.senders[i].post_step(routed[i], stats)
+                self._stats_due[i] = now + STATS_ONLY_INTERVAL_S

@@ -99,6 +99,11 @@ async def _streams(url: str, n: int) -> list[tuple[int, str]]:
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+def _gauge(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"Connection": "close"}).text
+    return float(next(s for s in text.splitlines() if s.startswith(name + "{")).split()[-1])
+
+
 def _finished(url: str) -> float:
     text = httpx.get(f"{url}/metrics", headers={"Connection": "close"}).text
     name = 'vllm:request_success_total{model_name="tiny",finished_reason="length"}'
@@ -110,8 +115,10 @@ def test_two_api_processes_serve_count_together_and_stop_together(two_servers):
     workers_and_engine = _children(main.pid)
     results = asyncio.run(_streams(url, NUM_STREAMS))
     assert results == [(NUM_TOKENS, "length")] * NUM_STREAMS
-    # any process's page counts every process's requests (recorded in the engine process)
+    # any process's page counts every process's requests (recorded in the engine process),
+    # and none still shows a request running once the engine is idle
     assert [_finished(url) for _ in range(6)] == [float(NUM_STREAMS)] * 6
+    assert [_gauge(url, "vllm:num_requests_running") for _ in range(6)] == [0.0] * 6
     main.send_signal(signal.SIGTERM)
     main.wait(timeout=60)
     deadline = time.monotonic() + 20

@@ -20,12 +20,14 @@ decoded here: the engine decodes those anyway to find stop strings (and which to
 one, to drop the tokens after it), so their text is sent with the tokens.
 
 Lifetime: SIGINT is ignored (a Ctrl-C reaches the whole process group; the server shuts down
-on it and decides when the engine stops: STOP aborts what is left, reports it and exits).
+on it and decides when the engine stops: STOP aborts that server's requests, reports them and
+detaches it; the process exits once no server is attached).
 SIGTERM ends the process, as vLLM's engine core (send it to the server, which stops the engine
 in order; multiprocessing's exit handler terminates a daemon child the server left behind).
 The process ends on its own when its parent is gone: a watchdog thread waits on the parent's
-sentinel (also while the model loads), and a closed pipe ends the loop. If the engine fails to
-load or a step raises, FAILED carries the reason and the process exits.
+sentinel (also while the model loads), and a closed pipe detaches its server (the only one:
+the loop ends). If the engine fails to load or a step raises, FAILED carries the reason and
+the process exits.
 """
 
 from __future__ import annotations

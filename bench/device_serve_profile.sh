@@ -4,6 +4,8 @@
 # server's own TTFT and e2e means from /metrics beside the client's. Carry .whl, .data and
 # .carry/tok (a random SmolLM2-shaped model) or give MODEL. Results under $OUT. PROFILE=0: no
 # cProfile (the server at full speed; the loop-lag and reader lines still say where time goes).
+# The server also traces each stream (DSPARK_REQUEST_TRACE) and the client keeps its records
+# (--save-requests): bench/request_phases.py prints where a request's time went.
 #
 #   C=256 bash bench/device_serve_profile.sh [serve arguments...]
 set -u
@@ -19,13 +21,15 @@ python3 -c "import time, timeit; n = 200000
 print(f'thread_time {timeit.timeit(time.thread_time, number=n) / n * 1e6:.2f} us a call,'
       f' perf_counter {timeit.timeit(time.perf_counter, number=n) / n * 1e6:.2f} us')"
 [ "${PROFILE:-1}" = 1 ] && export DSPARK_SERVER_PROFILE=$OUT/server.prof
+rm -f /tmp/request_trace.*
+export DSPARK_REQUEST_TRACE=/tmp/request_trace
 python3 -m dspark.cli serve "$MODEL" --port 8290 \
   --max-num-seqs 256 --disable-access-log "$@" > /tmp/serve_profile.log 2>&1 &
 pid=$!
 wait_healthy 8290 "$pid" || echo "the server did not come up"
 python3 -m dspark.cli bench serve --base-url http://127.0.0.1:8290 --prompts-dir "$PROMPTS" \
   --sources gsm8k,alpaca,vicuna --output-len 256 --concurrency "$C" --num-prompts $((4 * C)) \
-  --no-plot --out "$OUT/served.json" 2>&1 | tail -2
+  --no-plot --save-requests --out "$OUT/served.json" 2>&1 | tail -2
 curl -s http://127.0.0.1:8290/metrics | python3 -c "
 import sys
 v = {l.split('{')[0]: float(l.split()[-1]) for l in sys.stdin if l.startswith('vllm:') and '{' in l}
@@ -34,6 +38,7 @@ for name in ('time_to_first_token_seconds', 'e2e_request_latency_seconds'):
 kill -TERM "$pid"
 wait "$pid"
 grep -E "engine loop:|engine pipe, read" /tmp/serve_profile.log | tail -3
+python3 bench/request_phases.py "$OUT/served.json" /tmp/request_trace | tee "$OUT/phases.txt"
 cp /tmp/serve_profile.log "$OUT/"
 [ -f "$OUT/server.prof" ] || exit 0
 python3 -c "import pstats; pstats.Stats('$OUT/server.prof').sort_stats('tottime').print_stats(45)" \

@@ -81,6 +81,12 @@ def add_serve_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
+        "--save-requests",
+        action="store_true",
+        help="keep each request's response id, send time (the monotonic clock), TTFT, e2e "
+        "and tokens in --out, for bench/request_phases.py",
+    )
+    p.add_argument(
         "--server-args",
         default="",
         help="extra `dspark serve` arguments when the bench starts the server, e.g. "
@@ -204,6 +210,12 @@ async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
                 pool, path, payloads, headers, level["concurrency"], level["rate"], args.seed
             )
             level["summary"] = summarize(records, wall, slos)
+            if args.save_requests:
+                level["requests"] = [
+                    {"id": r.response_id, "start": r.start, "ttft": r.ttft, "e2e": r.e2e,
+                     "output_tokens": r.output_tokens, "ok": r.ok}
+                    for r in records
+                ]  # fmt: skip
             level["client_cpu_s"] = time.process_time() - cpu_start
             level["speculation"] = _acceptance(before, await read_spec_counters(client, base_url))
             level["rate"] = None if math.isinf(level["rate"]) else level["rate"]

@@ -34,7 +34,8 @@ CONNECT_TIMEOUT_S = 30.0
 class RequestRecord:
     ok: bool = False
     error: str | None = None
-    start: float = 0.0  # perf_counter when sent
+    start: float = 0.0  # perf_counter when sent (on Linux the server's time.monotonic clock)
+    response_id: str | None = None  # the chunks' "id": the server's request id
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     e2e: float | None = None
@@ -269,6 +270,7 @@ async def _read_stream(connection: HTTPConnection, record: RequestRecord) -> Non
         if data == b"[DONE]":
             continue  # the response ends right after it
         chunk = json.loads(data)
+        record.response_id = record.response_id or chunk.get("id")
         if "error" in chunk:
             record.error = str(chunk["error"].get("message"))
             return

@@ -35,6 +35,7 @@ from dspark.server.engine_process import SERVER_PROFILE_ENV, report_profile
 from dspark.server.errors import APIError, install_error_handlers
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
+from dspark.server.request_trace import SCOPE_KEY, StampMiddleware, tracer_from_env
 from dspark.server.serving import (
     Prepared,
     full_response,
@@ -52,6 +53,7 @@ class ServerState:
     def __init__(self, config: ServerConfig, engine_factory: Callable) -> None:
         self.config = config
         self.metrics = ServerMetrics(config.served_model_name)
+        self.tracer = tracer_from_env()  # DSPARK_REQUEST_TRACE: per-request timestamps
         self.engine_loop = EngineLoop(
             engine_factory,
             config.max_queued_requests,
@@ -105,6 +107,8 @@ def build_app(
         if before_stop is not None:
             await before_stop()
         await state.engine_loop.stop()
+        if state.tracer is not None:
+            state.tracer.close()
         if profiler is not None:
             profiler.disable()
             report_profile(profiler, profile_path, "the server process")
@@ -113,6 +117,8 @@ def build_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if state.tracer is not None:  # (added last: the outermost, called first)
+        app.add_middleware(StampMiddleware)
     _add_generation_routes(app, state, _api_key_check(config.api_key))
     _add_info_routes(app, state)
     return app
@@ -143,7 +149,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
         try:
             loop.check_serving()
             prep: Prepared = prep_fn(body, loop.info.tokenizer)
+            trace = None
+            if state.tracer is not None and prep.stream:
+                trace = {"id": prep.request_id, "pid": os.getpid(),
+                         "asgi": request.scope.get(SCOPE_KEY)}  # fmt: skip
             stream = await loop.submit(prep.subs)
+            if trace is not None:
+                trace["acked"] = time.monotonic()
         except APIError as e:
             if e.status == 503 and not loop.count_rejected(reason := e.code or "unavailable"):
                 state.metrics.rejected_here[reason] += 1
@@ -155,7 +167,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
                 stream.close()
 
             return StreamingResponse(
-                stream_response(prep, stream, model),
+                stream_response(prep, stream, model, trace, state.tracer),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
                 background=BackgroundTask(close),

@@ -31,6 +31,7 @@ from dspark.server.engine_loop import SubRequest
 from dspark.server.errors import APIError, bad_request, error_body
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from dspark.server.request_stream import EngineFailed, RequestStream
+from dspark.server.request_trace import RequestTracer
 from dspark.server.responses import (
     ChatFormat,
     CompletionFormat,
@@ -224,8 +225,16 @@ class StreamWriter:
         return self.sse([], usage(finals, self.prep.num_prompt_tokens))
 
 
-async def stream_response(prep: Prepared, stream: RequestStream, model: str) -> AsyncIterator[str]:
-    """SSE text for one request; closing it (client gone) aborts what is still running."""
+async def stream_response(
+    prep: Prepared,
+    stream: RequestStream,
+    model: str,
+    trace: dict | None = None,
+    tracer: RequestTracer | None = None,
+) -> AsyncIterator[str]:
+    """SSE text for one request; closing it (client gone) aborts what is still running.
+    `trace` (DSPARK_REQUEST_TRACE): the request's timestamps so far, completed here and
+    written by `tracer` when the stream ends."""
     writer = StreamWriter(prep, model)
     try:
         try:
@@ -235,6 +244,8 @@ async def stream_response(prep: Prepared, stream: RequestStream, model: str) -> 
                     raise RuntimeError(f"the engine stopped serving this request: {failure.reason}")
                 choices = [writer.delta(i, out) for i, out in sorted(batch.items())]
                 choices = [c for c in choices if c is not None]
+                if trace is not None:
+                    _trace_batch(trace, batch, bool(choices))
                 if choices:
                     yield writer.sse(choices)
         except Exception as e:  # noqa: BLE001 - this request fails alone; others go on
@@ -245,5 +256,20 @@ async def stream_response(prep: Prepared, stream: RequestStream, model: str) -> 
         if prep.include_usage:
             yield writer.usage_chunk()
         yield "data: [DONE]\n\n"
+        if trace is not None:
+            trace["last_chunk"] = time.monotonic()
+            tracer.write(trace)
     finally:
         stream.close()
+
+
+def _trace_batch(trace: dict, batch: dict, has_chunk: bool) -> None:
+    """The first chunk's time, and the engine's times from the first choice to end."""
+    if has_chunk and "first_chunk" not in trace:
+        trace["first_chunk"] = time.monotonic()
+    for update in batch.values():
+        final = getattr(update, "final", None)
+        if final is not None and "arrival" not in trace:
+            m = final.metrics
+            trace.update(arrival=m["arrival_time"], first_token=m.get("first_token_time"),
+                         finished=m.get("finished_time"))  # fmt: skip

@@ -53,7 +53,8 @@ def test_the_stream_budget_flows_from_flag_or_file_and_is_checked(tmp_path):
 
 def test_the_api_server_count_flows_from_flag_or_file_and_is_checked(tmp_path):
     assert build_configs(_options(tmp_path, "model: m\n"))[1].api_server_count == 1  # default
-    _, server = build_configs(_options(tmp_path, "api-server-count: 4\n", "--api-server-count", "2"))
+    options = _options(tmp_path, "api-server-count: 4\n", "--api-server-count", "2")
+    _, server = build_configs(options)
     assert server.api_server_count == 2
     assert build_configs(_options(tmp_path, "api_server_count: 3\n"))[1].api_server_count == 3
     with pytest.raises(ValueError, match=r"api_server_count must be in 1\.\.64, got 0"):

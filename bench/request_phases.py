@@ -1,0 +1,75 @@
+"""Where served streams spend their time: the load generator's per-request records joined with
+the server's per-request trace by response id.
+
+    DSPARK_REQUEST_TRACE=/tmp/trace dspark serve ... &
+    dspark bench serve --save-requests --out served.json ...
+    python bench/request_phases.py served.json /tmp/trace
+
+One clock for all three processes (the monotonic clock; the client's perf_counter is the same
+clock on Linux). Each phase's median, mean and 90th percentile, in ms:
+
+    client -> app          the client sent it; the server's app was called
+    app -> engine          ... the engine added it (validation, tokenization, the pipe)
+    engine: first token    the engine's own time to first token
+    app -> acked           the engine's acknowledgement reached the handler
+    first token -> chunk   the first chunk with content was handed to the server
+    chunk -> client        ... and read by the client
+    engine: run            first token -> finished, in the engine
+    finished -> last chunk the stream's end was handed to the server
+    last chunk -> client   ... and read by the client
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+
+PHASES = (
+    ("client -> app", lambda c, t: t["asgi"] - c["start"]),
+    ("app -> engine", lambda c, t: t["arrival"] - t["asgi"]),
+    ("engine: first token", lambda c, t: t["first_token"] - t["arrival"]),
+    ("app -> acked", lambda c, t: t["acked"] - t["asgi"]),
+    ("first token -> chunk", lambda c, t: t["first_chunk"] - t["first_token"]),
+    ("chunk -> client", lambda c, t: c["start"] + c["ttft"] - t["first_chunk"]),
+    ("engine: run", lambda c, t: t["finished"] - t["first_token"]),
+    ("finished -> last chunk", lambda c, t: t["last_chunk"] - t["finished"]),
+    ("last chunk -> client", lambda c, t: c["start"] + c["e2e"] - t["last_chunk"]),
+    ("client TTFT", lambda c, t: c["ttft"]),
+)
+
+
+def phases(client_json: str, trace_prefix: str, level: int) -> tuple[int, list[tuple]]:
+    """(requests joined, [(phase, median, mean, p90) in ms])."""
+    requests = json.load(open(client_json))["levels"][level]["requests"]
+    traces = {}
+    for path in glob.glob(f"{trace_prefix}.*"):
+        for line in open(path):
+            record = json.loads(line)
+            traces[record["id"]] = record
+    joined = [(c, traces[c["id"]]) for c in requests if c["ok"] and c["id"] in traces]
+    rows = []
+    for name, phase in PHASES:
+        values = sorted(1e3 * phase(c, t) for c, t in joined)
+        if values:
+            p90 = values[min(len(values) - 1, 9 * len(values) // 10)]
+            rows.append((name, statistics.median(values), statistics.mean(values), p90))
+    return len(joined), rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("client_json", help="dspark bench serve --save-requests --out")
+    parser.add_argument("trace_prefix", help="the server's DSPARK_REQUEST_TRACE")
+    parser.add_argument("--level", type=int, default=0, help="which level of the client JSON")
+    args = parser.parse_args()
+    n, rows = phases(args.client_json, args.trace_prefix, args.level)
+    print(f"{n} requests joined")
+    print(f"{'phase':<24}{'median':>9}{'mean':>9}{'p90':>9}  (ms)")
+    for name, median, mean, p90 in rows:
+        print(f"{name:<24}{median:>9.1f}{mean:>9.1f}{p90:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""DSPARK_REQUEST_TRACE: one line per finished stream with the HTTP side's and the engine's
+timestamps, in order, joined with the load generator's records by bench/request_phases.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from dspark.server.request_trace import TRACE_ENV
+from tests.server.conftest import MODEL, engine_config, start_server
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _request_phases():
+    path = REPO / "bench" / "request_phases.py"
+    spec = importlib.util.spec_from_file_location("request_phases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_traced_stream_has_every_timestamp_in_order(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace"))
+    live = start_server(engine_config(tiny_llama_dir))
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    start = time.monotonic()
+    response_id, ttft = None, None
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                response_id = response_id or json.loads(line[6:])["id"]
+                ttft = ttft or time.monotonic() - start
+    e2e = time.monotonic() - start
+    httpx.post(f"{live.url}/v1/completions", json={**body, "stream": False}, timeout=60)
+    live.stop()  # (closes the trace file)
+    [path] = tmp_path.glob("trace.*")
+    [trace] = [json.loads(line) for line in path.read_text().splitlines()]  # streams only
+    assert trace["id"] == response_id
+    order = ["asgi", "arrival", "first_token", "first_chunk", "last_chunk"]
+    assert [trace[k] for k in order] == sorted(trace[k] for k in order), trace
+    assert trace["asgi"] <= trace["acked"] <= trace["first_chunk"]
+    assert start <= trace["asgi"] and trace["first_token"] <= trace["finished"]
+    client = tmp_path / "client.json"
+    record = {"id": response_id, "start": start, "ttft": ttft, "e2e": e2e, "ok": True,
+              "output_tokens": 5}  # fmt: skip
+    client.write_text(json.dumps({"levels": [{"requests": [record]}]}))
+    joined, rows = _request_phases().phases(str(client), str(tmp_path / "trace"), 0)
+    assert joined == 1
+    assert all(median >= 0 for name, median, _, _ in rows), rows

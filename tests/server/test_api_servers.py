@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from tests.server.conftest import is_running
+from tests.server.test_load import NUM_REQUESTS, _finished_by_reason, _run_load
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_STREAMS = 24
@@ -54,7 +57,7 @@ def two_servers(tiny_llama_dir, tmp_path):
     main = subprocess.Popen(
         [sys.executable, "-m", "dspark.cli", "serve", str(tiny_llama_dir), "--port", str(port),
          "--api-server-count", "2", "--dtype", "float32", "--device", "cpu",
-         "--max-model-len", "256", "--num-kv-pages", "128", "--disable-access-log",
+         "--max-model-len", "256", "--num-kv-pages", "2048", "--disable-access-log",
          "--served-model-name", "tiny"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -141,3 +144,24 @@ def test_a_worker_that_dies_leaves_the_main_server_serving(two_servers):
     assert httpx.get(f"{url}/health").status_code == 200
     assert is_running(engine_pid)
     assert "API process 1 closed its pipe" in log.read_text()
+
+
+def test_load_with_cancellations_across_two_api_processes(two_servers):
+    """test_load's 200 streams, a third cancelled mid-stream, each stream on its own connection
+    (spread over both processes by the kernel): every abort reaches the engine from the process
+    that owns the request, the rest end with their tokens, and every KV page is free after."""
+    main, url, log = two_servers
+    cancelled = set(random.Random(1).sample(range(NUM_REQUESTS), NUM_REQUESTS // 3))
+    live = SimpleNamespace(url=url)  # what _run_load needs of a server
+    results, statuses = asyncio.run(_run_load(live, cancelled))
+    left = {r["index"] for r in results if r["index"] in cancelled and r["finish"] is None}
+    assert len(left) >= len(cancelled) // 2, (len(left), len(cancelled))
+    assert all(r["finish"] == "length" for r in results if r["index"] not in left)
+    assert set(statuses) == {200}
+    deadline = time.monotonic() + 30
+    while _gauge(url, "dspark:kv_cache_pages_used") or _gauge(url, "vllm:num_requests_running"):
+        assert time.monotonic() < deadline, "pages still in use after the load"
+        time.sleep(0.1)
+    finished = _finished_by_reason(live)
+    assert finished.get("abort", 0) == len(left)
+    assert finished.get("length", 0) == NUM_REQUESTS - len(left)

@@ -14,7 +14,8 @@
 # and the share that ran eagerly among them), warnings and errors are kept
 # (serve_NAME_log.txt): the files that come back are few.
 #
-# ENGINE_CPUS, SERVER_CPUS, CLIENT_CPUS (taskset lists, e.g. "0,1"): pin the engine process
+# ENGINE_CPUS, SERVER_CPUS, CLIENT_CPUS (taskset lists, e.g. "0,1"): pin the engine process (with
+# any API workers: the server's children)
 # (all its threads), the server process and the load generator to those CPUs; unset, the
 # scheduler places them.
 set -u
@@ -69,7 +70,8 @@ for arm in "$@"; do
     { time ${CLIENT_CPUS:+taskset -c "$CLIENT_CPUS"} timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
       "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
       --out "/tmp/serve_${name}_c$c.json" > /dev/null 2>&1 ; } 2> "/tmp/client_cpu.txt"
-    # the level's wall, and the CPU seconds of the server, the engine process and the client
+    # the level's wall, and the CPU seconds of the server, its children (the engine process and
+    # any API workers of --api-server-count) and the client
     echo "$(minus "$(date +%s.%N)" "$start") $(minus "$(cpu_s "$pid")" "$server0")" \
       "$(minus "$(cpu_s $engine_pids)" "$engine0")" \
       "$(awk '{print $1 + $2}' /tmp/client_cpu.txt)" > "/tmp/cpu_${name}_c$c.txt"
@@ -77,7 +79,7 @@ for arm in "$@"; do
   kill -TERM "$pid" 2> /dev/null
   wait "$pid"
   { grep "dspark stats" "$log" | tail -6
-    grep -E "engine loop:|output sender:|engine pipe, read" "$log"
+    grep -E "engine loop:|output sender|engine pipe, read" "$log"
     grep -v "clean_up_tokenization" "$log" | grep -E -A8 "WARNING|ERROR|Traceback" | head -80
   } > "$OUT/serve_${name}_log.txt"
 done
@@ -95,7 +97,7 @@ offline_arms = {arm: {lv["concurrency"]: lv for lv in sweep["levels"]} for arm, 
 first = next(iter(offline_arms.values()), {})
 table = {"levels": levels, "offline": offline_arms, "served": {}}
 rows = [f"{'C':>5} {'arm':>12} {'offline':>9} {'served':>9} {'ratio':>6} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ok':>9}"
-        f" {'wall s':>6} {'CPU s: server':>13} {'engine':>6} {'client':>6}"]
+        f" {'wall s':>6} {'CPU s: server':>13} {'children':>8} {'client':>6}"]
 for name in names:
     for c in levels:
         path = f"/tmp/serve_{name}_c{c}.json"
@@ -108,8 +110,8 @@ for name in names:
         tps = s["output_tokens_per_s"]
         try:  # the level's wall and the CPU seconds each process used in it
             wall, *cpu = open(f"/tmp/cpu_{name}_c{c}.txt").read().split()
-            s["cpu_s"] = dict(zip(("server", "engine", "client"), map(float, cpu)))
-            cpu_cols = f" {float(wall):>6.2f} {float(cpu[0]):>13.2f} {float(cpu[1]):>6.2f} {float(cpu[2]):>6.2f}"
+            s["cpu_s"] = dict(zip(("server", "children", "client"), map(float, cpu)))
+            cpu_cols = f" {float(wall):>6.2f} {float(cpu[0]):>13.2f} {float(cpu[1]):>8.2f} {float(cpu[2]):>6.2f}"
         except (OSError, ValueError, IndexError):
             cpu_cols = ""
         rows.append(f"{c:>5} {name:>12} {off:>9.0f} {tps:>9.0f} {tps / off:>6.2f} "

@@ -14,10 +14,9 @@
 # and the share that ran eagerly among them), warnings and errors are kept
 # (serve_NAME_log.txt): the files that come back are few.
 #
-# ENGINE_CPUS, SERVER_CPUS, CLIENT_CPUS (taskset lists, e.g. "0,1"): pin the engine process (with
-# any API workers: the server's children)
-# (all its threads), the server process and the load generator to those CPUs; unset, the
-# scheduler places them.
+# ENGINE_CPUS, SERVER_CPUS, CLIENT_CPUS (taskset lists, e.g. "0,1"): pin the server's children
+# (the engine process, all its threads, and any API workers), the server process and the load
+# generator to those CPUs; unset, the scheduler places them.
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"

@@ -2,10 +2,11 @@
 
 The engine runs in its own process (engine_process.py), so its step loop and the event loop's
 HTTP work do not share an interpreter lock. Everything here runs on the event loop: `start`
-spawns the engine process and watches its end of the pipe with `add_reader` (no thread: a
-message is read when the loop is free, and a thread handing the lock back and forth would cost
-more than it saves); commands are sent on the loop too (small, and the engine drains its pipe
-every step).
+spawns the engine process (or `attach` joins the one the main server spawned, for the workers
+of `--api-server-count`, api_servers.py) and watches its end of the pipe with `add_reader` (no
+thread: a message is read when the loop is free, and a thread handing the lock back and forth
+would cost more than it saves); commands are sent on the loop too (small, and the engine
+drains its pipe every step).
 
 Reading never waits for a message in transit. poll() reports the pipe readable as soon as a
 message's first bytes arrive, and a large one (READY carries the tokenizer, a step at C = 256

@@ -8,15 +8,15 @@ the server's per-request trace by response id.
 One clock for all three processes (the monotonic clock; the client's perf_counter is the same
 clock on Linux). Each phase's median, mean and 90th percentile, in ms:
 
-    client -> app          the client sent it; the server's app was called
-    app -> engine          ... the engine added it (validation, tokenization, the pipe)
-    engine: first token    the engine's own time to first token
-    app -> acked           the engine's acknowledgement reached the handler
-    first token -> chunk   the first chunk with content was handed to the server
-    chunk -> client        ... and read by the client
-    engine: run            first token -> finished, in the engine
-    finished -> last chunk the stream's end was handed to the server
-    last chunk -> client   ... and read by the client
+    client -> app                  the client sent it; the server's app was called
+    app -> engine                  ... the engine added it (validation, tokenization, pipe)
+    engine: added -> first token   the engine's own time to first token
+    app -> acked                   the engine's acknowledgement reached the handler
+    first token -> chunk           the first chunk with content was handed to the server
+    chunk -> client                ... and read by the client
+    engine: run                    first token -> finished, in the engine
+    finished -> last chunk         the stream's end was handed to the server
+    last chunk -> client           ... and read by the client
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import statistics
 
 PHASES = (
     ("client -> app", lambda c, t: t["asgi"] - c["start"]),
-    ("app -> engine", lambda c, t: t["arrival"] - t["asgi"]),
-    ("engine: first token", lambda c, t: t["first_token"] - t["arrival"]),
+    ("app -> engine", lambda c, t: t["added"] - t["asgi"]),
+    ("engine: added -> first token", lambda c, t: t["first_token"] - t["added"]),
     ("app -> acked", lambda c, t: t["acked"] - t["asgi"]),
     ("first token -> chunk", lambda c, t: t["first_chunk"] - t["first_token"]),
     ("chunk -> client", lambda c, t: c["start"] + c["ttft"] - t["first_chunk"]),
@@ -66,9 +66,9 @@ def main() -> None:
     args = parser.parse_args()
     n, rows = phases(args.client_json, args.trace_prefix, args.level)
     print(f"{n} requests joined")
-    print(f"{'phase':<24}{'median':>9}{'mean':>9}{'p90':>9}  (ms)")
+    print(f"{'phase':<30}{'median':>9}{'mean':>9}{'p90':>9}  (ms)")
     for name, median, mean, p90 in rows:
-        print(f"{name:<24}{median:>9.1f}{mean:>9.1f}{p90:>9.1f}")
+        print(f"{name:<30}{median:>9.1f}{mean:>9.1f}{p90:>9.1f}")
 
 
 if __name__ == "__main__":

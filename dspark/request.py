@@ -43,8 +43,9 @@ class Request:
     sampling_params: SamplingParams
     seed: int  # sampling_params.seed, or one drawn from the engine's generator
     eos_token_id: int | None
-    arrival_time: float
+    arrival_time: float  # when it reached the server (the API handler), else added_time
     prompt: str | None = None
+    added_time: float | None = None  # when the engine added it (monotonic clock)
     # prompt + output tokens; the last one is not in the KV cache yet once sampled. Under async
     # scheduling the last one or two may be PENDING_TOKEN until their step's results arrive.
     token_ids: list[int] = field(default_factory=list)

@@ -169,3 +169,21 @@ def test_min_tokens_and_ignore_eos_on_a_model_that_often_ends(tiny_vocab_dir):
     assert any(o.finish_reason == "stop" and len(o.token_ids) < 8 for o in plain)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in run(ignore_eos=True))
     assert all(eos not in o.token_ids[:5] for o in run(min_tokens=5))
+
+
+def test_arrival_time_is_the_callers_and_the_add_time_is_kept(tiny_llm):
+    """add_request(arrival_time=t) (the server passes its handler's time, as vLLM does): the
+    latency metrics start at t, and the engine's own add time is kept beside it."""
+    import time
+
+    engine = tiny_llm.engine
+    arrival = time.monotonic() - 0.5  # (half a second in the server before it got here)
+    engine.add_request("timed", "Hello", SamplingParams(max_tokens=2), arrival_time=arrival)
+    engine.add_request("untimed", "Hello", SamplingParams(max_tokens=2))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    timed, untimed = outputs["timed"].metrics, outputs["untimed"].metrics
+    assert timed["arrival_time"] == arrival and timed["added_time"] >= arrival + 0.5
+    assert untimed["arrival_time"] == untimed["added_time"]
+    assert timed["first_token_time"] - timed["arrival_time"] >= 0.5

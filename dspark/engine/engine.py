@@ -339,24 +339,30 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         prompt_text: str | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Validate first, then enqueue: a rejected request leaves the engine untouched.
 
         `prompt` is text (encoded here) or token ids; `prompt_text` labels token-id prompts.
+        `arrival_time` (the monotonic clock): when the request reached whoever calls, as vLLM's
+        (the server passes its handler's time, so the latency metrics include tokenization and
+        the pipe); default now.
         """
         params = params or SamplingParams()
         prompt_ids, text = self._prompt_ids(prompt)
         prompt_text = text if text is not None else prompt_text
         self.validate_request(request_id, prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.randint(0, MAX_SEED)
+        now = time.monotonic()
         req = Request(
             request_id,
             prompt_ids,
             params,
             seed=seed,
             eos_token_id=self.eos_token_id,
-            arrival_time=time.monotonic(),
+            arrival_time=now if arrival_time is None else arrival_time,
             prompt=prompt_text,
+            added_time=now,
         )
         self._requests[request_id] = req
         self._detokenizers[request_id] = Detokenizer(
@@ -575,7 +581,8 @@ class LLMEngine:
                              req.is_finished, self._metrics(req))  # fmt: skip
 
     def _metrics(self, req: Request) -> dict[str, float]:
-        metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions}
+        metrics = {"arrival_time": req.arrival_time, "added_time": req.added_time,
+                   "num_preemptions": req.num_preemptions}  # fmt: skip
         if self.spec is not None:
             metrics["num_drafts"] = req.num_drafts
             metrics["num_draft_tokens"] = req.num_draft_tokens

@@ -145,6 +145,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
     loop = state.engine_loop
 
     async def run(prep_fn, body, request: Request):
+        arrival = time.monotonic()  # (vLLM's arrival time: the latency metrics start here)
         state.check_model(body.model)
         try:
             loop.check_serving()
@@ -153,7 +154,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
             if state.tracer is not None and prep.stream:
                 trace = {"id": prep.request_id, "pid": os.getpid(),
                          "asgi": request.scope.get(SCOPE_KEY)}  # fmt: skip
-            stream = await loop.submit(prep.subs)
+            stream = await loop.submit(prep.subs, arrival)
             if trace is not None:
                 trace["acked"] = time.monotonic()
         except APIError as e:

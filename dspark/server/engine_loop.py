@@ -304,9 +304,12 @@ class EngineLoop:
                 retry_after_s=RETRY_AFTER_S,
             )
 
-    async def submit(self, subs: list[SubRequest]) -> RequestStream:
+    async def submit(
+        self, subs: list[SubRequest], arrival_time: float | None = None
+    ) -> RequestStream:
         """Send a group of engine requests; returns once the engine has accepted all of them
-        (400 if it refused one, 503 if the server cannot take them now)."""
+        (400 if it refused one, 503 if the server cannot take them now). `arrival_time`: when
+        the HTTP request reached its handler (the engine's latency metrics start there)."""
         self.check_serving()
         num_tokens = sum(len(s.prompt_ids) for s in subs)
         if len(subs) > self.max_queued_requests or num_tokens > self.max_queued_tokens:
@@ -331,7 +334,9 @@ class EngineLoop:
             self._routes[sub.request_id] = (stream, index)
         done, ack_id = self._loop.create_future(), next(self._ack_ids)
         self._pending[ack_id] = (done, tuple(subs), num_tokens)
-        encoded = tuple((s.request_id, s.prompt_ids, s.params, s.prompt_text) for s in subs)
+        encoded = tuple(
+            (s.request_id, s.prompt_ids, s.params, s.prompt_text, arrival_time) for s in subs
+        )
         self._send((wire.ADD, ack_id, encoded))
         try:
             await done

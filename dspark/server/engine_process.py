@@ -308,10 +308,10 @@ class EngineServer:
         None, or the error as (kind, message)."""
         engine = self.engine
         try:
-            for request_id, prompt_ids, params, _ in subs:
+            for request_id, prompt_ids, params, *_ in subs:
                 engine.validate_request(request_id, prompt_ids, params)
-            for request_id, prompt_ids, params, prompt_text in subs:
-                engine.add_request(request_id, prompt_ids, params, prompt_text)
+            for request_id, prompt_ids, params, prompt_text, arrival_time in subs:
+                engine.add_request(request_id, prompt_ids, params, prompt_text, arrival_time)
                 self._owner[request_id] = owner
         except Exception as e:  # noqa: BLE001 - handed to the submitter, who answers it
             for request_id, *_ in subs:

@@ -10,8 +10,9 @@ bench/request_phases.py joins both by the response id:
 
     {"id": "cmpl-...", "pid": 4242,
      "asgi": 10.000,       the app was called (the outermost middleware)
+     "arrival": 10.001,    the handler ran (the arrival time the engine's metrics start at)
+     "added": 10.002,      the engine added it             (the engine's clock: same machine)
      "acked": 10.052,      the engine acknowledged the request (the handler may answer now)
-     "arrival": 10.002,    the engine added it             (the engine's clock: same machine)
      "first_token": 10.030,
      "first_chunk": 10.060, the first chunk with content was handed to the server
      "finished": 10.600,   the engine finished it

@@ -271,5 +271,6 @@ def _trace_batch(trace: dict, batch: dict, has_chunk: bool) -> None:
         final = getattr(update, "final", None)
         if final is not None and "arrival" not in trace:
             m = final.metrics
-            trace.update(arrival=m["arrival_time"], first_token=m.get("first_token_time"),
+            trace.update(arrival=m["arrival_time"], added=m.get("added_time"),
+                         first_token=m.get("first_token_time"),
                          finished=m.get("finished_time"))  # fmt: skip

@@ -5,7 +5,8 @@ while a dataclass or a named tuple goes through Python per object (3 to 4x slowe
 measured on 256 outputs). So outputs travel as the tuples of DeltaOutput's fields and are
 rebuilt on the server's side, and the stats snapshot as a tuple of EngineStats' fields.
 
-    server -> engine   (ADD, ack_id, ((request_id, prompt_ids, SamplingParams, prompt_text), ..))
+    server -> engine   (ADD, ack_id, ((request_id, prompt_ids, SamplingParams, prompt_text,
+                                   arrival_time), ..))
                        (ABORT, (request_id, ...))
                        (REJECTED, reason)     a 503 answered (counted with the requests)
                        (STOP,)

@@ -42,7 +42,7 @@ def test_a_traced_stream_has_every_timestamp_in_order(tiny_llama_dir, tmp_path, 
     [path] = tmp_path.glob("trace.*")
     [trace] = [json.loads(line) for line in path.read_text().splitlines()]  # streams only
     assert trace["id"] == response_id
-    order = ["asgi", "arrival", "first_token", "first_chunk", "last_chunk"]
+    order = ["asgi", "arrival", "added", "first_token", "first_chunk", "last_chunk"]
     assert [trace[k] for k in order] == sorted(trace[k] for k in order), trace
     assert trace["asgi"] <= trace["acked"] <= trace["first_chunk"]
     assert start <= trace["asgi"] and trace["first_token"] <= trace["finished"]

@@ -286,3 +286,34 @@ def test_captured_trimmed_cells_equal_the_eager_step(
         runs[name] = [o.outputs[0].token_ids for o in outs]
         assert llm.engine.runner.stats["spec_graph_steps_trimmed"] > 0, dict(spec_runner.stats)
     assert runs["graphs"] == runs["eager"] == runs["ahead"]
+
+
+@pytest.mark.gpu
+def test_engines_built_after_others_were_freed_capture_and_replay_the_same(
+    tiny_vocab_dir, drafter, tmp_path
+):
+    """Several engines in one process, each built after the last one's graphs were freed (a
+    benchmark's arms, a notebook's second LLM): every capture succeeds and every engine makes
+    the same tokens. With every engine capturing on torch.cuda.graph's one default stream, the
+    later captures failed with CUBLAS_STATUS_EXECUTION_FAILED in 7 of 8 processes on the H200
+    (the cuBLAS workspace of that stream belonged to a freed graph: cuda_graph.capture_stream)."""
+    import gc
+
+    kw = dict(dtype="float32", device="cuda", num_kv_pages=256, max_num_seqs=8, max_model_len=128)
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **kw)
+    path = tmp_path / "trim_gpu.json"
+    sizes = probe.engine.runner.spec_runner.graphs.sizes
+    path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
+    del probe
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate([40, 33, 51, 37, 29])]  # fmt: skip
+    runs = []
+    for _ in range(4):
+        llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(path)),
+                  **kw)  # fmt: skip
+        runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS12, params,
+                                                                  use_tqdm=False)])  # fmt: skip
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert all(run == runs[0] for run in runs)

@@ -322,6 +322,9 @@ class LLMEngine:
         m["steps"] = {k: stats[k] for k in ("spec_graph_steps", "spec_graph_steps_mixed",
                       "spec_graph_steps_trimmed", "eager_spec_steps", "spec_steps_trimmed_eager",
                       "graph_steps", "eager_steps")}  # fmt: skip
+        # plain steps beside them: the eager ones by reason, those that admitted prefills
+        m["steps"].update({k: n for k, n in stats.items()
+                           if k.startswith(("eager_steps_", "mixed_decode_steps"))})  # fmt: skip
         m["async_spec_steps"] = {
             "launched_ahead": stats["spec_steps_launched_ahead"],
             "continuation_windows": stats["continuation_windows"],

@@ -42,9 +42,12 @@ logger = logging.getLogger(__name__)
 
 
 class OutputSender:
-    def __init__(self, conn: Connection, on_closed_exit: int) -> None:
+    def __init__(self, conn: Connection, on_closed_exit: int | None) -> None:
         self._conn = conn
-        self._exit_status = on_closed_exit  # the process exits with it if the pipe closes
+        # the process exits with it if the pipe closes; None: this sender stops, dropping what
+        # is posted after (one API process of several is gone: engine_process.EngineServer)
+        self._exit_status = on_closed_exit
+        self.closed = False
         self._cond = threading.Condition()
         self._queue: deque[tuple] = deque()  # whole messages, in order
         self._pending: dict[str, list] = {}  # request id -> [text, token_ids, logprobs, final]
@@ -57,6 +60,8 @@ class OutputSender:
     def post_step(self, outputs: list[tuple], stats: tuple) -> None:
         """A step's wire outputs (wire.encode_outputs) and the stats after it."""
         with self._cond:
+            if self.closed:
+                return
             for request_id, text, token_ids, logprobs, final in outputs:
                 entry = self._pending.get(request_id)
                 if entry is not None and entry[3] is not None:  # a reused id after its final
@@ -79,6 +84,8 @@ class OutputSender:
     def send(self, message: tuple) -> None:
         """A control message, after every output posted before it."""
         with self._cond:
+            if self.closed:
+                return
             self._flush_locked()
             self._queue.append(message)
             self._cond.notify()
@@ -111,8 +118,15 @@ class OutputSender:
                 send_whole(self._conn, message)
                 times.lap("message")
             except (EOFError, OSError):  # the server closed the pipe: nobody is left to answer
-                logger.warning("the server closed the pipe: the engine process exits")
-                os._exit(self._exit_status)
+                if self._exit_status is not None:
+                    logger.warning("the server closed the pipe: the engine process exits")
+                    os._exit(self._exit_status)
+                with self._cond:  # one of several servers: stop sending to it
+                    self.closed, self._busy = True, False
+                    self._queue.clear()
+                    self._pending, self._stats = {}, None
+                    self._cond.notify_all()
+                return
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()

@@ -129,3 +129,19 @@ def test_metrics_are_sent_when_due_and_never_lost_in_a_merge(tiny_vocab_dir, mon
     sender.send((wire.STOPPED,))
     steps = [m for m in _read_all(reader, wire.STOPPED) if m[0] == wire.STEP]
     assert steps[-1][2] == (1, 0, 0, 1, 8, 0, ({"num_drafts": 5}, ()))
+
+
+def test_a_sender_of_one_of_several_servers_stops_when_its_pipe_closes():
+    """With several API processes the engine must outlive one of them: that sender (no exit
+    status) stops and drops what is posted after, instead of ending the process."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sender = OutputSender(writer, on_closed_exit=None)
+    reader.close()  # the API process is gone
+    sender.post_step([("a", "x", [1], None, None)], (0, 0, 0, 0, 8, 0, None))
+    deadline = time.monotonic() + 5
+    while not sender.closed:
+        assert time.monotonic() < deadline, "the sender did not notice the closed pipe"
+        time.sleep(0.01)
+    sender.post_step([("a", "y", [2], None, None)], (0, 0, 0, 0, 8, 0, None))  # dropped
+    sender.send((wire.STOPPED,))
+    assert sender.drain(timeout=1.0)  # nothing left waiting

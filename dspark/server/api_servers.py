@@ -37,6 +37,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from dspark.server.config import ServerConfig
+from dspark.server.engine_process import SERVER_PROFILE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ def run_worker(
                         format=f"%(levelname)s %(name)s (api {index}): %(message)s")  # fmt: skip
     logging.getLogger("dspark").setLevel(dspark_level)
     threading.Thread(target=_exit_with_parent, name="dspark-parent-watch", daemon=True).start()
+    if os.environ.get(SERVER_PROFILE_ENV):  # each process its own profile, not the main's path
+        os.environ[SERVER_PROFILE_ENV] += f".api{index}"
     app = build_app(config, None, attach=conn)
     uvicorn.Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])
 

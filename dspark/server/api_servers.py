@@ -32,12 +32,11 @@ import multiprocessing
 import os
 import signal
 import socket
-import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 from dspark.server.config import ServerConfig
-from dspark.server.engine_process import SERVER_PROFILE_ENV
+from dspark.server.engine_process import SERVER_PROFILE_ENV, watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +109,8 @@ def run_worker(
     logging.basicConfig(level=root_level,
                         format=f"%(levelname)s %(name)s (api {index}): %(message)s")  # fmt: skip
     logging.getLogger("dspark").setLevel(dspark_level)
-    threading.Thread(target=_exit_with_parent, name="dspark-parent-watch", daemon=True).start()
+    watch_parent()  # (the main server gone, so is the engine: nobody is left to answer)
     if os.environ.get(SERVER_PROFILE_ENV):  # each process its own profile, not the main's path
         os.environ[SERVER_PROFILE_ENV] += f".api{index}"
     app = build_app(config, None, attach=conn)
     uvicorn.Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])
-
-
-def _exit_with_parent() -> None:
-    wait([multiprocessing.parent_process().sentinel])
-    os._exit(3)  # the main server is gone: so is the engine; nobody is left to answer

@@ -93,7 +93,7 @@ def run_engine_process(
     root_level, dspark_level = log_levels
     logging.basicConfig(level=root_level, format="%(levelname)s %(name)s (engine): %(message)s")
     logging.getLogger("dspark").setLevel(dspark_level)
-    threading.Thread(target=_exit_with_parent, name="dspark-parent-watch", daemon=True).start()
+    watch_parent()
     try:
         engine = factory()
     except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
@@ -180,9 +180,15 @@ class StepMix:
         return f"{line}; {paths or 'no runner counters'}"
 
 
-def _exit_with_parent() -> None:
-    wait([multiprocessing.parent_process().sentinel])
-    os._exit(PARENT_GONE_EXIT)  # no cleanup to wait for: nobody is left to answer
+def watch_parent() -> None:
+    """Exit this spawned process as soon as the process that spawned it is gone (a watchdog
+    thread: also while a model loads); no cleanup to wait for, nobody is left to answer."""
+
+    def exit_with_parent() -> None:
+        wait([multiprocessing.parent_process().sentinel])
+        os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=exit_with_parent, name="dspark-parent-watch", daemon=True).start()
 
 
 class EngineServer:
@@ -240,7 +246,7 @@ class EngineServer:
                     self.senders[i].send((wire.FAILED, reason))
                 return
             times.lap("step")
-            self._post(outputs, self._stats(any(out[4] is not None for out in outputs)))
+            self._post(outputs)
             self._detach_stopped()
             times.lap("post")
         if times.counts["step"]:
@@ -330,26 +336,27 @@ class EngineServer:
         return stats_of(self.engine, self.requests, with_metrics)
 
     def _step(self) -> list[tuple]:
-        outputs = encode_outputs(self.engine.step())
+        return encode_outputs(self.engine.step())
+
+    def _post(self, outputs: list[tuple]) -> None:
+        """Record the requests that ended, then each output to its request's API process and
+        the stats (their metrics part forced when a request ended) to every one."""
+        owner, routed = self._owner, [[] for _ in self.conns]
+        single = len(self.conns) == 1  # (the usual case: nothing to route)
+        ended = False
         for out in outputs:
             if out[4] is not None:  # a final output: the request ended
+                ended = True
                 self.requests.record(FinalInfo(*out[4]))
-        return outputs
-
-    def _post(self, outputs: list[tuple], stats: tuple) -> None:
-        """Each output to its request's API process, the stats to every one."""
-        if len(self.conns) == 1:  # (the usual case: no routing)
-            for out in outputs:
-                if out[4] is not None:
-                    self._owner.pop(out[0], None)
+                i = owner.pop(out[0], None)
+            else:
+                i = None if single else owner.get(out[0])
+            if not single and i is not None:
+                routed[i].append(out)
+        stats = self._stats(force=ended)
+        if single:
             self.senders[0].post_step(outputs, stats)
             return
-        routed: list[list[tuple]] = [[] for _ in self.conns]
-        owner = self._owner
-        for out in outputs:
-            i = owner.pop(out[0], None) if out[4] is not None else owner.get(out[0])
-            if i is not None:
-                routed[i].append(out)
         # a process none of whose requests advanced gets the counts at most every
         # STATS_ONLY_INTERVAL_S (each post wakes a sender thread, which takes the interpreter
         # lock from this loop); a metrics part goes to every process, and so do the counts

@@ -103,14 +103,13 @@ async def _streams(url: str, n: int) -> list[tuple[int, str]]:
 
 
 def _gauge(url: str, name: str) -> float:
+    """The value of the first /metrics sample starting with `name` (on a new connection)."""
     text = httpx.get(f"{url}/metrics", headers={"Connection": "close"}).text
-    return float(next(s for s in text.splitlines() if s.startswith(name + "{")).split()[-1])
+    return float(next(s for s in text.splitlines() if s.startswith(name)).split()[-1])
 
 
 def _finished(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", headers={"Connection": "close"}).text
-    name = 'vllm:request_success_total{model_name="tiny",finished_reason="length"}'
-    return float(next(s for s in text.splitlines() if s.startswith(name)).split()[-1])
+    return _gauge(url, 'vllm:request_success_total{model_name="tiny",finished_reason="length"')
 
 
 def test_two_api_processes_serve_count_together_and_stop_together(two_servers):
@@ -121,7 +120,7 @@ def test_two_api_processes_serve_count_together_and_stop_together(two_servers):
     # any process's page counts every process's requests (recorded in the engine process),
     # and none still shows a request running once the engine is idle
     assert [_finished(url) for _ in range(6)] == [float(NUM_STREAMS)] * 6
-    assert [_gauge(url, "vllm:num_requests_running") for _ in range(6)] == [0.0] * 6
+    assert [_gauge(url, "vllm:num_requests_running{") for _ in range(6)] == [0.0] * 6
     main.send_signal(signal.SIGTERM)
     main.wait(timeout=60)
     deadline = time.monotonic() + 20
@@ -159,7 +158,7 @@ def test_load_with_cancellations_across_two_api_processes(two_servers):
     assert all(r["finish"] == "length" for r in results if r["index"] not in left)
     assert set(statuses) == {200}
     deadline = time.monotonic() + 30
-    while _gauge(url, "dspark:kv_cache_pages_used") or _gauge(url, "vllm:num_requests_running"):
+    while _gauge(url, "dspark:kv_cache_pages_used{") or _gauge(url, "vllm:num_requests_running{"):
         assert time.monotonic() < deadline, "pages still in use after the load"
         time.sleep(0.1)
     finished = _finished_by_reason(live)

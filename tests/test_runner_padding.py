@@ -61,3 +61,32 @@ def test_padded_decode_equals_unpadded_as_the_batch_shrinks(tiny_llama_dir, tiny
     assert kv[:, 7:].abs().sum() == 0
     e = llm.engine
     assert e.allocator.num_free == e.allocator.num_usable
+
+
+def test_no_garbage_collection_collects_first_then_holds_the_collector_off():
+    """Graph capture runs with Python's cyclic collector off (cuda_graph.no_garbage_collection):
+    a dropped engine's cycles are freed before the first capture, never inside one."""
+    import gc
+    import weakref
+
+    from dspark.runner.cuda_graph import no_garbage_collection
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the collector frees it
+    dead = weakref.ref(a)
+    del a, b
+    assert gc.isenabled()
+    with no_garbage_collection():
+        assert dead() is None  # collected on the way in
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_garbage_collection():
+            pass
+        assert not gc.isenabled()  # a caller's choice is left as it was
+    finally:
+        gc.enable()

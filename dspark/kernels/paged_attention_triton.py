@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels.pdl import gdc_enter, pdl_options
 from dspark.kernels.rotary_triton import rotated_rows
 from dspark.layers.attention_metadata import AttentionMetadata
 
@@ -153,8 +154,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CAUSAL: tl.constexpr, ROTARY: tl.constexpr,
+    CAUSAL: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(PDL)  # before any load: q, the new k and v and the cache come from earlier kernels
     # causal blocks late in a chunk see the most keys: schedule them first (shorter tail)
     req, m_block = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
@@ -348,7 +350,7 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=attn.causal,
         ROTARY=new_kv is not None, num_warps=cfg.num_warps,
         # rotary_triton's rounding needs it (no product contracted into the add after it)
-        enable_fp_fusion=new_kv is None,
+        enable_fp_fusion=new_kv is None, **pdl_options(q.device),
     )  # fmt: skip
     return out
 

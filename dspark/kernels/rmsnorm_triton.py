@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels.pdl import gdc_enter, pdl_options
+
 
 def rmsnorm_ref(
     x: torch.Tensor,  # [T, d]
@@ -52,11 +54,12 @@ def _scale_normed(x, w, eps, D: tl.constexpr, X_DTYPE: tl.constexpr):
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, w_ptr, out_ptr, s_x, s_out, eps,
-    D: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < D
+    gdc_enter(PDL)
     x = tl.load(x_ptr + row * s_x + i, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
     y = _scale_normed(x, w, eps, D, x_ptr.dtype.element_ty)
@@ -67,11 +70,12 @@ def _rmsnorm_kernel(
 def _fused_add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     s_x, s_res, s_out, s_res_out, eps,
-    D: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < D
+    gdc_enter(PDL)
     x = tl.load(x_ptr + row * s_x + i, mask=mask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * s_res + i, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
@@ -117,7 +121,7 @@ def rmsnorm(
     block, num_warps = _launch_config(x.shape[1])
     _rmsnorm_kernel[(x.shape[0],)](
         x, weight, out, x.stride(0), out.stride(0), eps,
-        D=x.shape[1], BLOCK=block, num_warps=num_warps,
+        D=x.shape[1], BLOCK=block, num_warps=num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return out
 
@@ -143,6 +147,6 @@ def fused_add_rmsnorm(
     _fused_add_rmsnorm_kernel[(x.shape[0],)](
         x, residual, weight, out, residual_out,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), eps,
-        D=x.shape[1], BLOCK=block, num_warps=num_warps,
+        D=x.shape[1], BLOCK=block, num_warps=num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return out, residual_out

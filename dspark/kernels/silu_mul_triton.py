@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dspark.kernels.pdl import gdc_enter, pdl_options
+
 BLOCK = 512  # columns per program: I 1536 -> 3 programs per row (the fastest on an H200)
 
 
@@ -30,8 +32,9 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I
 @triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, s_in, s_out,
-    INTER: tl.constexpr, BLOCK: tl.constexpr,
+    INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < INTER
@@ -61,6 +64,6 @@ def silu_and_mul(
     block = min(BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(T, triton.cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), out.stride(0),
-        INTER=inter, BLOCK=block, num_warps=4,
+        INTER=inter, BLOCK=block, num_warps=4, **pdl_options(gate_up.device),
     )  # fmt: skip
     return out

@@ -8,6 +8,7 @@ from torch import nn
 
 from dspark.kernels.paged_attention_ref import paged_attention_ref, store_kv_ref
 from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.layers.linear import Linear
 from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.model_config import ModelConfig
 
@@ -35,10 +36,9 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               config.attention_bias, self.use_triton)  # fmt: skip
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, self.use_triton)
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.layers.linear import Linear
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
 from dspark.models.model_config import ModelConfig
@@ -38,8 +39,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, use_triton: bool) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False,
+                                   use_triton)  # fmt: skip
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, use_triton)
         self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, d]

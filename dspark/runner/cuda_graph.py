@@ -15,8 +15,10 @@ alone that fits the tail replays the (1, P) graph with a pad decode row
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -47,6 +49,29 @@ def capture_stream() -> torch.cuda.Stream:
     in 7 of 8 processes on the H200 (docs/PERFORMANCE.md, fourteenth look; not yet rerun with
     this change). A stream per graph set keeps each set's workspace its own."""
     return torch.cuda.Stream()
+
+
+@contextlib.contextmanager
+def no_garbage_collection() -> Iterator[None]:
+    """Collect garbage once, then keep Python's collector off while graphs are captured.
+
+    An engine's objects form reference cycles, so a dropped engine (a benchmark's earlier arm,
+    a test's earlier LLM) is freed by the cyclic collector, which runs whenever allocations
+    trigger it. Freed inside another engine's capture, its CUDA graphs and their memory pool
+    are released there, and that CUDA work invalidates the capture ("operation failed due to a
+    previous error during capture"): it failed one capture in four processes of
+    `test_captured_trimmed_cells_equal_the_eager_step` on the H200 even with a stream per graph
+    set (docs/PERFORMANCE.md, fifteenth look). torch.cuda.graph no longer collects before a
+    capture (torch.compiler.config.force_cudagraph_gc), so the collection happens here, before
+    the first capture of a set, and none can happen during one."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def decode_layout(num_rows: int) -> StepLayout:
@@ -80,6 +105,14 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream()
         tails = (self.tail_tokens, 0) if self.tail_tokens else (0,)
+        with no_garbage_collection():
+            self._capture_all(forward, pool, stream, tails)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs: %s%s", len(self._graphs), self.sizes,
+                    f", with and without a tail of {self.tail_tokens} prefill tokens"
+                    if self.tail_tokens else "")  # fmt: skip
+
+    def _capture_all(self, forward, pool, stream, tails: tuple[int, ...]) -> None:
         for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
             for tail in tails:
                 if tail:
@@ -95,10 +128,6 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._outputs[g, tail] = forward(layout)
                 self._graphs[g, tail] = graph
-        torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs: %s%s", len(self._graphs), self.sizes,
-                    f", with and without a tail of {self.tail_tokens} prefill tokens"
-                    if self.tail_tokens else "")  # fmt: skip
 
     def replay(self, size: int, tail: int = 0) -> torch.Tensor:  # [G (+ R with a tail), vocab]
         self.buffers.check_pointers()

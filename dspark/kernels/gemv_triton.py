@@ -1,0 +1,113 @@
+"""y = x @ W^T (+ bias) for a few token rows (T <= GEMV_MAX_ROWS): the decoder layer's
+projections at small decode batches.
+
+At T = 1 a SmolLM2 projection moves 1-4 MB of weights and is latency bound: cuBLAS took 3.9 us
+a call in the decode step and 5.6 us in a chain of projections with cold weights, where this
+kernel takes 3.3 us, and 2.4 us launched with PDL (bench/pdl_chain.py, docs/PERFORMANCE.md,
+fifteenth look). Each program owns BLOCK_N output columns (rows of W) and walks all of K, so
+there is no split-K workspace and no second pass. Before it waits for the kernel ahead of it
+(kernels/pdl.py) it prefetches its W rows into L2: the weights do not depend on that kernel,
+so their first HBM round trip overlaps it.
+
+    W [N, K] (nn.Linear's layout), x [T, K]; program p computes out[:, p*BN : (p+1)*BN]:
+        acc[t, n] = sum over k-blocks of sum_k x[t, k] * W[n, k]     (float32)
+
+The sum runs in float32 over BLOCK_K-wide blocks, so the result equals F.linear's up to the
+order of float32 additions.
+
+Under TRITON_INTERPRET=1 (CPU tensors) it runs in Triton's interpreter; set the variable before
+this module is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels.pdl import gdc_enter, pdl_options
+
+GEMV_MAX_ROWS = 8  # token rows a step may have for its projections to take this kernel
+BLOCK_N = 4  # output columns a program: many small programs keep many loads in flight
+TILE_ELEMS = 2048  # BLOCK_T * BLOCK_N * BLOCK_K, the product tile a program holds
+L2_LINE_BYTES = 128
+
+
+@triton.jit
+def _prefetch_rows_l2(w_ptr, cols, s_w, N: tl.constexpr, LINES: tl.constexpr,
+                      LINES_P2: tl.constexpr, LINE_ELEMS: tl.constexpr):  # fmt: skip
+    # one address per 128-byte line of this program's W rows (clamped: duplicates are harmless)
+    line = tl.minimum(tl.arange(0, LINES_P2), LINES - 1)
+    row = tl.minimum(cols, N - 1)
+    addr = w_ptr + row[:, None] * s_w + line[None, :] * LINE_ELEMS  # [BLOCK_N, LINES_P2]
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, s_x, s_w, s_out,
+    N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LINES: tl.constexpr, LINES_P2: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    col_mask = cols < N
+    if PDL:  # the weights do not depend on the kernel ahead: fetch them while it runs
+        _prefetch_rows_l2(w_ptr, cols, s_w, N, LINES, LINES_P2, LINE_ELEMS)
+    gdc_enter(PDL)
+    rows = tl.arange(0, BLOCK_T)
+    row_mask = rows < num_rows
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: all loads can be in flight
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_ptr + rows[:, None] * s_x + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BT, BK]
+        w = tl.load(w_ptr + cols[:, None] * s_w + ks[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BT, BN, BK]
+        acc += tl.sum(prod, axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + rows[:, None] * s_out + cols[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _block_k(K: int, cap: int) -> int:
+    """The widest power-of-two block of K, at most cap, whose padding of K stays within 1/8:
+    K 576 -> 128 (640, not 768 or 1,024), K 1,536 -> 512 at cap 512."""
+    block = max(16, min(cap, triton.next_power_of_2(K)))
+    while block > 16 and triton.cdiv(K, block) * block * 8 > K * 9:
+        block //= 2
+    return block
+
+
+def gemv(
+    x: torch.Tensor,  # [T, K], T <= GEMV_MAX_ROWS, rows may be strided, last dim contiguous
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [T, N], x's dtype
+    """F.linear(x, weight, bias) in one launch for a few token rows."""
+    T, (N, K) = x.shape[0], weight.shape
+    assert x.dim() == 2 and x.shape[1] == K, (x.shape, weight.shape)
+    assert T <= GEMV_MAX_ROWS, f"{T} rows: the GEMV takes at most {GEMV_MAX_ROWS}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+    assert bias is None or (bias.is_contiguous() and bias.shape == (N,)), bias
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    block_t = triton.next_power_of_2(T)
+    block_k = _block_k(K, TILE_ELEMS // (block_t * BLOCK_N))
+    line_elems = L2_LINE_BYTES // weight.element_size()
+    lines = triton.cdiv(K, line_elems)
+    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+        x, weight, weight if bias is None else bias, out, T,
+        x.stride(0), weight.stride(0), out.stride(0),
+        N=N, K=K, HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        LINES=lines, LINES_P2=triton.next_power_of_2(lines), LINE_ELEMS=line_elems,
+        num_warps=4, **pdl_options(x.device),
+    )  # fmt: skip
+    return out

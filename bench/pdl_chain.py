@@ -1,100 +1,61 @@
-"""Does programmatic dependent launch (PDL) shorten a chain of latency-bound kernels?
+"""The decode GEMV (dspark/kernels/gemv_triton.py) in a chain of dependent launches, against
+cuBLAS, with and without programmatic dependent launch (PDL), over tile configs.
 
 A decode step at batch 1 is ~260 dependent launches of a few microseconds each (docs/
-PERFORMANCE.md, the fourth look); most of each is the launch and the first memory round trip,
-not the bytes moved. With PDL (Hopper), kernel n+1 is launched while kernel n still runs, and
-waits at `griddepcontrol.wait` only before it reads n's output; what it does before the wait
-(here: prefetching its weight rows into L2) overlaps n.
+PERFORMANCE.md, the fourth look). This script replays one CUDA graph of `--layers` x 4 GEMVs
+shaped like SmolLM2's decoder layer (qkv 576 -> 960, o_proj 576 -> 576, gate_up 576 -> 3072,
+down 1536 -> 576), each reading its own weights (so W comes from HBM, as in the model) and the
+previous one's output (so the chain is serial), and also chains of one shape alone (to choose
+a config per shape). Variants:
 
-This script replays one CUDA graph of `--layers` x 4 GEMVs shaped like SmolLM2's decoder layer
-(qkv 576 -> 960, o_proj 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576), each reading its
-own weights (so W comes from HBM, as in the model), at T = 1 token row, in four variants:
+    cublas          F.linear on a contiguous x (what the model ran before)
+    gemv            the GEMV, plain launches (DSPARK_PDL=0)
+    gemv_pdl        the GEMV launched with PDL (its L2 prefetch of W before the wait)
 
-    cublas      F.linear (what the model runs today)
-    triton      this file's GEMV, plain launches
-    pdl         the same GEMV launched with PDL, waiting before it reads x
-    pdl_l2      pdl, and each program prefetches its W rows into L2 before the wait
+    python bench/pdl_chain.py --out pdl_chain.json                      # on the GPU
+    python bench/pdl_chain.py --rows 1,8 --block-n 1,2,4 --block-k 64,128,256 --num-warps 2,4
+    TRITON_INTERPRET=1 python bench/pdl_chain.py --smoke   # CPU: the chain runs, nothing timed
 
-    python bench/pdl_chain.py --out pdl_chain.json        # on the GPU
-    TRITON_INTERPRET=1 python bench/pdl_chain.py --smoke   # CPU: the GEMV is right, nothing timed
-
-Prints microseconds per GEMV (median replay time / GEMVs in the chain) and writes them as JSON.
+Prints microseconds per GEMV (median replay time / GEMVs in the chain) and writes the rows as
+JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one decoder layer
+from dspark.kernels.gemv_triton import GemvConfig, default_config, gemv
 
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
-):  # fmt: skip
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if L2_PREFETCH:
-        # one address per 128-byte line of this program's W rows: rows x (K / 64) lines
-        lines = tl.arange(0, BLOCK_K // 64) * 64
-        addr = w_ptr + cols[:, None] * K + lines[None, :]
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # everything above ran while the kernel before still did
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+LAYER = ["qkv", "o_proj", "gate_up", "down"]
 
 
-def gemv(x, w, out, *, pdl: bool, l2: bool, block_n: int, block_k: int, num_warps: int):
-    N, K = w.shape
-    extra = {"launch_pdl": True} if pdl else {}
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, w, out, N=N, K=K, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, L2_PREFETCH=l2,
-        num_warps=num_warps, **extra,
-    )  # fmt: skip
-
-
-def build_chain(layers: int, device, dtype):
-    """Per layer four (x, W, out) triples; each GEMV reads the previous one's output (its first K
-    values), so the chain is serial like the model's."""
+def build_chain(names: list[str], layers: int, rows: int, device, dtype):
+    """(x, W) pairs; x of each is a view of the previous output's first K columns."""
     torch.manual_seed(0)
-    bufs = []
-    x = torch.randn(1, 1536, device=device, dtype=dtype)
+    chain, out = [], torch.randn(rows, 3072, device=device, dtype=dtype)
     for _ in range(layers):
-        for n, k in SHAPES:
-            w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
-            out = torch.empty(1, max(n, 1536), device=device, dtype=dtype)
-            bufs.append((x, w, out))
-            x = out
-    return bufs
+        for name in names:
+            n, k = SHAPES[name]
+            chain.append((name, torch.randn(n, k, device=device, dtype=dtype) / k**0.5))
+    return chain, out
 
 
-def run_chain(bufs, variant: str, block_n: int, block_k: int, num_warps: int):
-    for x, w, out in bufs:
-        n, k = w.shape
-        if variant == "cublas":
-            out[:, :n] = F.linear(x[:, :k], w)
-        else:
-            gemv(x, w, out, pdl=variant.startswith("pdl"), l2=variant == "pdl_l2",
-                 block_n=block_n, block_k=block_k, num_warps=num_warps)  # fmt: skip
+def run_chain(chain, x0, variant: str, configs: dict[str, GemvConfig | None]) -> torch.Tensor:
+    x = x0
+    for name, w in chain:
+        k = w.shape[1]
+        xin = x[:, :k].contiguous() if variant == "cublas" else x[:, :k]
+        x = F.linear(xin, w) if variant == "cublas" else gemv(xin, w, config=configs.get(name))
+    return x
 
 
 def time_graph(fn, replays: int) -> float:
@@ -119,59 +80,70 @@ def time_graph(fn, replays: int) -> float:
     return statistics.median(times)
 
 
+def measure(names, layers, rows, variant, configs, replays) -> float:
+    chain, x0 = build_chain(names, layers, rows, "cuda", torch.bfloat16)
+    os.environ["DSPARK_PDL"] = "1" if variant == "gemv_pdl" else "0"
+    us = time_graph(lambda: run_chain(chain, x0, variant, configs), replays)
+    return us / len(chain)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--replays", type=int, default=50)
-    ap.add_argument("--block-n", default="4,8,16")
-    ap.add_argument("--block-k", type=int, default=256)
-    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--rows", default="1")
+    ap.add_argument("--block-n", default="1,2,4,8")
+    ap.add_argument("--block-k", default="64,128,256")
+    ap.add_argument("--num-warps", default="2,4")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="CPU interpreter: check the GEMV, time nothing")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter: the chain runs")
     args = ap.parse_args()
 
     if args.smoke:
-        bufs = build_chain(1, "cpu", torch.float32)
-        for x, w, out in bufs:
-            n, k = w.shape
-            gemv(x, w, out, pdl=False, l2=False, block_n=8, block_k=256, num_warps=4)
-            torch.testing.assert_close(out[:, :n], F.linear(x[:, :k], w), rtol=1e-4, atol=1e-4)
-        print("smoke: GEMV equals F.linear")
+        chain, x0 = build_chain(LAYER, 1, 2, "cpu", torch.float32)
+        ref = run_chain(chain, x0, "cublas", {})
+        torch.testing.assert_close(run_chain(chain, x0, "gemv", {}), ref, rtol=1e-4, atol=1e-4)
+        print("smoke: the GEMV chain equals the F.linear chain")
         return
 
-    dtype, dev = torch.bfloat16, torch.device("cuda")
-    bufs = build_chain(args.layers, dev, dtype)
-    ref = None
-    rows = []
-    for block_n in [int(b) for b in args.block_n.split(",")]:
-        for variant in ("cublas", "triton", "pdl", "pdl_l2"):
-            if variant == "cublas" and rows and any(r["variant"] == "cublas" for r in rows):
-                continue
-            fn = lambda: run_chain(bufs, variant, block_n, args.block_k, args.num_warps)  # noqa: E731
-            try:
-                us = time_graph(fn, args.replays)
-            except Exception as e:  # report and go on: a variant the toolchain cannot build
-                rows.append({"variant": variant, "block_n": block_n, "error": repr(e)[:300]})
-                print(variant, block_n, "failed:", repr(e)[:300])
-                continue
-            final = bufs[-1][2].float().clone()
-            if ref is None and variant == "cublas":
-                ref = final
-            err = None if ref is None else (final - ref).abs().max().item()
-            per = us / len(bufs)
-            rows.append({"variant": variant, "block_n": 0 if variant == "cublas" else block_n,
-                         "chain_us": us, "us_per_gemv": per, "max_abs_diff_vs_cublas": err})  # fmt: skip
-    print(f"{'variant':<8} {'block_n':>7} {'chain us':>9} {'us/GEMV':>8} {'diff':>9}")
-    for r in rows:
-        if "error" in r:
-            continue
-        print(f"{r['variant']:<8} {r['block_n']:>7} {r['chain_us']:>9.1f} {r['us_per_gemv']:>8.2f}"
-              f" {r['max_abs_diff_vs_cublas'] or 0:>9.3g}")  # fmt: skip
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    grid = [GemvConfig(bn, bk, nw) for bn, bk, nw in
+            itertools.product(ints(args.block_n), ints(args.block_k), ints(args.num_warps))]  # fmt: skip
+    rows_out = []
+
+    def record(kind, shape, rows, variant, config, us):
+        rows_out.append({"chain": kind, "shape": shape, "rows": rows, "variant": variant,
+                         "config": None if config is None else vars(config), "us_per_gemv": us})  # fmt: skip
+        cfg = "default" if config is None else f"n{config.block_n} k{config.block_k} w{config.num_warps}"
+        print(f"{kind:<6} {shape:<8} T={rows} {variant:<9} {cfg:<16} {us:6.2f} us")
+
+    for rows in ints(args.rows):
+        best = {}
+        for name in LAYER:  # one shape alone: the config sweep
+            record("shape", name, rows, "cublas", None, measure([name], 120, rows, "cublas", {}, args.replays))
+            results = []
+            for cfg in [None, *grid]:
+                for variant in ("gemv", "gemv_pdl") if cfg is None else ("gemv_pdl",):
+                    try:
+                        us = measure([name], 120, rows, variant, {name: cfg}, args.replays)
+                    except Exception as e:  # a config the compiler refuses (registers, shared memory)
+                        print(name, cfg, "failed:", repr(e)[:200])
+                        continue
+                    record("shape", name, rows, variant, cfg, us)
+                    if variant == "gemv_pdl":
+                        n, k = SHAPES[name]
+                        results.append((us, cfg or default_config(n, k, triton.next_power_of_2(rows))))
+            best[name] = min(results, key=lambda r: r[0])[1]
+        for variant, configs in (("cublas", {}), ("gemv", {}), ("gemv_pdl", {}), ("gemv_pdl", best)):
+            us = measure(LAYER, args.layers, rows, variant, configs, args.replays)
+            record("layer", "+".join(LAYER), rows, variant, configs.get("qkv") if configs else None, us)
+        print(f"T={rows} best per shape:", {k: vars(v) for k, v in best.items()})
+        rows_out.append({"rows": rows, "best": {k: vars(v) for k, v in best.items()}})
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "triton": triton.__version__, "layers": args.layers, "shapes": SHAPES}  # fmt: skip
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
 
 
 if __name__ == "__main__":

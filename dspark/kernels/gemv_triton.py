@@ -21,6 +21,8 @@ this module is imported.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -76,6 +78,17 @@ def _gemv_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # output columns a program
+    block_k: int  # the K block of one step of a program's unrolled walk
+    num_warps: int
+
+
+def default_config(N: int, K: int, block_t: int) -> GemvConfig:
+    return GemvConfig(BLOCK_N, _block_k(K, TILE_ELEMS // (block_t * BLOCK_N)), 4)
+
+
 def _block_k(K: int, cap: int) -> int:
     """The widest power-of-two block of K, at most cap, whose padding of K stays within 1/8:
     K 576 -> 128 (640, not 768 or 1,024), K 1,536 -> 512 at cap 512."""
@@ -89,6 +102,8 @@ def gemv(
     x: torch.Tensor,  # [T, K], T <= GEMV_MAX_ROWS, rows may be strided, last dim contiguous
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: GemvConfig | None = None,  # None: default_config (benchmarks sweep others)
 ) -> torch.Tensor:  # [T, N], x's dtype
     """F.linear(x, weight, bias) in one launch for a few token rows."""
     T, (N, K) = x.shape[0], weight.shape
@@ -100,14 +115,14 @@ def gemv(
     if T == 0:
         return out
     block_t = triton.next_power_of_2(T)
-    block_k = _block_k(K, TILE_ELEMS // (block_t * BLOCK_N))
+    cfg = config or default_config(N, K, block_t)
     line_elems = L2_LINE_BYTES // weight.element_size()
     lines = triton.cdiv(K, line_elems)
-    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, weight if bias is None else bias, out, T,
         x.stride(0), weight.stride(0), out.stride(0),
-        N=N, K=K, HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        LINES=lines, LINES_P2=triton.next_power_of_2(lines), LINE_ELEMS=line_elems,
-        num_warps=4, **pdl_options(x.device),
+        N=N, K=K, HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, LINES=lines, LINES_P2=triton.next_power_of_2(lines),
+        LINE_ELEMS=line_elems, num_warps=cfg.num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return out

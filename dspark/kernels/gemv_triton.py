@@ -29,9 +29,11 @@ import triton.language as tl
 
 from dspark.kernels.pdl import gdc_enter, pdl_options
 
-GEMV_MAX_ROWS = 8  # token rows a step may have for its projections to take this kernel
-BLOCK_N = 4  # output columns a program: many small programs keep many loads in flight
-TILE_ELEMS = 2048  # BLOCK_T * BLOCK_N * BLOCK_K, the product tile a program holds
+GEMV_MAX_ROWS = 8  # token rows the kernel takes
+# Rows up to which it beats cuBLAS, and so the rows at which the model's projections take it:
+# at T = 8 it took 9-31 us a call where cuBLAS took 4-7 (bench/pdl_chain.py, H200), because
+# its [T, BLOCK_N, BLOCK_K] product tile reduces one row at a time.
+GEMV_FASTER_UP_TO = 1
 L2_LINE_BYTES = 128
 
 
@@ -86,16 +88,13 @@ class GemvConfig:
 
 
 def default_config(N: int, K: int, block_t: int) -> GemvConfig:
-    return GemvConfig(BLOCK_N, _block_k(K, TILE_ELEMS // (block_t * BLOCK_N)), 4)
-
-
-def _block_k(K: int, cap: int) -> int:
-    """The widest power-of-two block of K, at most cap, whose padding of K stays within 1/8:
-    K 576 -> 128 (640, not 768 or 1,024), K 1,536 -> 512 at cap 512."""
-    block = max(16, min(cap, triton.next_power_of_2(K)))
-    while block > 16 and triton.cdiv(K, block) * block * 8 > K * 9:
-        block //= 2
-    return block
+    """From the H200 sweep at T = 1 (bench/pdl_chain.py, launched with PDL): two warps, blocks
+    of 256 along K (fewer, wider steps beat less padding: 576 -> 768 ran 2.2 us against 3.0 at
+    blocks of 128 and 4.2 at 64), 2 columns a program up to N 1,024 (qkv 2.15 us, o_proj 2.05)
+    and 4 above (gate_up 3,072: 3.09 us)."""
+    block_n = 2 if N <= 1024 else 4
+    block_k = min(triton.next_power_of_2(K), max(32, 256 // block_t))
+    return GemvConfig(block_n, block_k, 2)
 
 
 def gemv(
@@ -103,6 +102,7 @@ def gemv(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     *,
+    out: torch.Tensor | None = None,  # [T, N], rows may be strided; None: a new tensor
     config: GemvConfig | None = None,  # None: default_config (benchmarks sweep others)
 ) -> torch.Tensor:  # [T, N], x's dtype
     """F.linear(x, weight, bias) in one launch for a few token rows."""
@@ -111,7 +111,9 @@ def gemv(
     assert T <= GEMV_MAX_ROWS, f"{T} rows: the GEMV takes at most {GEMV_MAX_ROWS}"
     assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
     assert bias is None or (bias.is_contiguous() and bias.shape == (N,)), bias
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    assert out.shape == (T, N) and out.dtype == x.dtype and out.stride(1) == 1, out.shape
     if T == 0:
         return out
     block_t = triton.next_power_of_2(T)

@@ -23,8 +23,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.use_gemv and x.is_cuda and x.dim() == 2:
-            from dspark.kernels.gemv_triton import GEMV_MAX_ROWS, gemv
+            from dspark.kernels.gemv_triton import GEMV_FASTER_UP_TO, gemv
 
-            if 0 < x.shape[0] <= GEMV_MAX_ROWS and x.stride(1) == 1:
+            if 0 < x.shape[0] <= GEMV_FASTER_UP_TO and x.stride(1) == 1:
                 return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

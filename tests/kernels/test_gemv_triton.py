@@ -12,7 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.kernels.gemv_triton import GEMV_MAX_ROWS, _block_k, gemv
+from dspark.kernels.gemv_triton import (
+    GEMV_FASTER_UP_TO,
+    GEMV_MAX_ROWS,
+    GemvConfig,
+    default_config,
+    gemv,
+)
 
 GPU_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 CPU_SHAPES = [(42, 72), (8, 300)]
@@ -53,12 +59,31 @@ def test_gemv_no_rows_and_too_many_rows(device):
         gemv(torch.randn(GEMV_MAX_ROWS + 1, 16, device=device), w)
 
 
-def test_block_k_pads_k_by_at_most_an_eighth():
-    assert _block_k(576, 512) == 128  # 640: 768 or 1,024 would waste a third or more
-    assert _block_k(1536, 512) == 512
-    assert _block_k(576, 64) == 64
-    assert _block_k(48, 512) == 16
-    for k in (40, 72, 300, 576, 1536, 4096):
-        for cap in (64, 256, 512):
-            b = _block_k(k, cap)
-            assert b <= max(16, cap) and -(-k // b) * b <= k * 9 / 8 or b == 16
+@pytest.mark.parametrize("config", [GemvConfig(4, 32, 2), GemvConfig(1, 64, 4), GemvConfig(8, 16, 1)])
+def test_gemv_other_tiles(device, config):
+    """Tiles other than the default: K 72 = 32 + 32 + 8 and N 42 = 10 x 4 + 2 on the CPU."""
+    n, k = (960, 576) if device.type == "cuda" else (42, 72)
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device)
+    for rows in (1, 3):
+        x = torch.randn(rows, k, generator=g).to(device)
+        torch.testing.assert_close(gemv(x, w, config=config), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_gemv_writes_into_a_given_output(device):
+    w, x = torch.randn(8, 16, device=device), torch.randn(2, 16, device=device)
+    wide = torch.zeros(2, 24, device=device)
+    out = gemv(x, w, out=wide[:, 4:12])
+    assert out.data_ptr() == wide[:, 4:12].data_ptr()
+    torch.testing.assert_close(wide[:, 4:12], F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert wide[:, :4].abs().sum() == 0 and wide[:, 12:].abs().sum() == 0
+
+
+def test_default_config_follows_the_sweep():
+    """Two warps, 256-wide K blocks at one row (fewer as rows grow), 2 columns a program up to
+    N 1,024 and 4 above (bench/pdl_chain.py on the H200)."""
+    assert default_config(960, 576, 1) == GemvConfig(2, 256, 2)
+    assert default_config(3072, 576, 1) == GemvConfig(4, 256, 2)
+    assert default_config(576, 1536, 8) == GemvConfig(2, 32, 2)
+    assert default_config(42, 72, 1) == GemvConfig(2, 128, 2)  # never wider than K needs
+    assert GEMV_FASTER_UP_TO <= GEMV_MAX_ROWS

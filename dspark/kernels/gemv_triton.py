@@ -88,12 +88,12 @@ class GemvConfig:
 
 
 def default_config(N: int, K: int, block_t: int) -> GemvConfig:
-    """From the H200 sweep at T = 1 (bench/pdl_chain.py, launched with PDL): two warps, blocks
-    of 256 along K (fewer, wider steps beat less padding: 576 -> 768 ran 2.2 us against 3.0 at
-    blocks of 128 and 4.2 at 64), 2 columns a program up to N 1,024 (qkv 2.15 us, o_proj 2.05)
-    and 4 above (gate_up 3,072: 3.09 us)."""
-    block_n = 2 if N <= 1024 else 4
-    block_k = min(triton.next_power_of_2(K), max(32, 256 // block_t))
+    """From the H200 sweep at T = 1 (bench/pdl_chain.py, launched with PDL, one shape's chain
+    of 120): all of K in one unrolled step up to 1,024 (576 -> one block of 1,024: qkv 1.68 us
+    against 2.37 in blocks of 256; fewer, wider steps beat less padding), 4 columns a program,
+    2 where K is longer (down, K 1,536: 2.21 us), two warps."""
+    block_n = 2 if K > 1024 else 4
+    block_k = min(triton.next_power_of_2(K), max(32, 1024 // block_t))
     return GemvConfig(block_n, block_k, 2)
 
 

@@ -80,10 +80,10 @@ def test_gemv_writes_into_a_given_output(device):
 
 
 def test_default_config_follows_the_sweep():
-    """Two warps, 256-wide K blocks at one row (fewer as rows grow), 2 columns a program up to
-    N 1,024 and 4 above (bench/pdl_chain.py on the H200)."""
-    assert default_config(960, 576, 1) == GemvConfig(2, 256, 2)
-    assert default_config(3072, 576, 1) == GemvConfig(4, 256, 2)
-    assert default_config(576, 1536, 8) == GemvConfig(2, 32, 2)
-    assert default_config(42, 72, 1) == GemvConfig(2, 128, 2)  # never wider than K needs
+    """All of K in one step up to 1,024 at one row (narrower as rows grow), 4 columns a
+    program (2 where K > 1,024), two warps (bench/pdl_chain.py on the H200)."""
+    assert default_config(960, 576, 1) == GemvConfig(4, 1024, 2)
+    assert default_config(576, 1536, 1) == GemvConfig(2, 1024, 2)
+    assert default_config(576, 1536, 8) == GemvConfig(2, 128, 2)
+    assert default_config(42, 72, 1) == GemvConfig(4, 128, 2)  # never wider than K needs
     assert GEMV_FASTER_UP_TO <= GEMV_MAX_ROWS

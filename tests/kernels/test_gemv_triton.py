@@ -87,3 +87,31 @@ def test_default_config_follows_the_sweep():
     assert default_config(576, 1536, 8) == GemvConfig(2, 128, 2)
     assert default_config(42, 72, 1) == GemvConfig(4, 128, 2)  # never wider than K needs
     assert GEMV_FASTER_UP_TO <= GEMV_MAX_ROWS
+
+
+def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
+    """PDL launches need Hopper or later: never on the CPU or under the interpreter, and
+    DSPARK_PDL=0 turns them off on any device (kernels then take PDL=False, a plain launch)."""
+    from dspark.kernels.pdl import pdl_enabled, pdl_options
+
+    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("DSPARK_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("DSPARK_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl_enabled(torch.device("cuda", 0))
+
+
+def test_linear_takes_the_gemv_only_on_cuda_rows_it_beats_cublas(monkeypatch):
+    """The model's projections (layers/linear.py): F.linear on the CPU and for more rows than
+    GEMV_FASTER_UP_TO; DSPARK_GEMV=0 or the torch backend never take the GEMV."""
+    from dspark.layers.linear import Linear
+
+    assert Linear(16, 8, False, use_triton=True).use_gemv
+    assert not Linear(16, 8, False, use_triton=False).use_gemv
+    monkeypatch.setenv("DSPARK_GEMV", "0")
+    assert not Linear(16, 8, False, use_triton=True).use_gemv
+    monkeypatch.delenv("DSPARK_GEMV")
+    layer = Linear(16, 8, True, use_triton=True)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))  # CPU: F.linear

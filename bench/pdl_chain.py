@@ -56,8 +56,9 @@ def run_chain(chain, bufs, variant: str, configs: dict[str, GemvConfig | None]) 
     for i, (name, w) in enumerate(chain):
         (n, k), src, dst = w.shape, bufs[i % 2], bufs[(i + 1) % 2]
         if variant == "cublas":  # its own contiguous in and out, as the model has them
-            torch.mm(src[:, :k], w.t(), out=dst[:, :n]) if rows_contiguous(dst) else \
-                dst[:, :n].copy_(F.linear(src[:, :k], w))
+            torch.mm(src[:, :k], w.t(), out=dst[:, :n]) if rows_contiguous(dst) else dst[
+                :, :n
+            ].copy_(F.linear(src[:, :k], w))
         else:
             gemv(src[:, :k], w, out=dst[:, :n], config=configs.get(name))
     return bufs[len(chain) % 2][:, : chain[-1][1].shape[0]]
@@ -97,7 +98,9 @@ def measure(names, layers, rows, variant, configs, replays) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--rows", default="1")
@@ -118,36 +121,57 @@ def main() -> None:
         return
 
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    grid = [GemvConfig(bn, bk, nw) for bn, bk, nw in
-            itertools.product(ints(args.block_n), ints(args.block_k), ints(args.num_warps))]  # fmt: skip
+    sizes = itertools.product(ints(args.block_n), ints(args.block_k), ints(args.num_warps))
+    grid = [GemvConfig(bn, bk, nw) for bn, bk, nw in sizes]
     rows_out = []
 
     def record(kind, shape, rows, variant, config, us):
+        config_dict = None if config is None else vars(config)
         rows_out.append({"chain": kind, "shape": shape, "rows": rows, "variant": variant,
-                         "config": None if config is None else vars(config), "us_per_gemv": us})  # fmt: skip
-        cfg = "default" if config is None else f"n{config.block_n} k{config.block_k} w{config.num_warps}"
+                         "config": config_dict, "us_per_gemv": us})  # fmt: skip
+        cfg = (
+            "default"
+            if config is None
+            else f"n{config.block_n} k{config.block_k} w{config.num_warps}"
+        )
         print(f"{kind:<6} {shape:<8} T={rows} {variant:<9} {cfg:<16} {us:6.2f} us")
 
     for rows in ints(args.rows):
         best = {}
         for name in LAYER:  # one shape alone: the config sweep
-            record("shape", name, rows, "cublas", None, measure([name], 120, rows, "cublas", {}, args.replays))
+            record(
+                "shape",
+                name,
+                rows,
+                "cublas",
+                None,
+                measure([name], 120, rows, "cublas", {}, args.replays),
+            )
             results = []
             for cfg in [None, *grid]:
                 for variant in ("gemv", "gemv_pdl") if cfg is None else ("gemv_pdl",):
                     try:
                         us = measure([name], 120, rows, variant, {name: cfg}, args.replays)
-                    except Exception as e:  # a config the compiler refuses (registers, shared memory)
+                    except (
+                        Exception
+                    ) as e:  # a config the compiler refuses (registers, shared memory)
                         print(name, cfg, "failed:", repr(e)[:200])
                         continue
                     record("shape", name, rows, variant, cfg, us)
                     if variant == "gemv_pdl":
                         n, k = SHAPES[name]
-                        results.append((us, cfg or default_config(n, k, triton.next_power_of_2(rows))))
+                        results.append((us, cfg or default_config(n, k)))
             best[name] = min(results, key=lambda r: r[0])[1]
-        for variant, configs in (("cublas", {}), ("gemv", {}), ("gemv_pdl", {}), ("gemv_pdl", best)):
+        for variant, configs in (
+            ("cublas", {}),
+            ("gemv", {}),
+            ("gemv_pdl", {}),
+            ("gemv_pdl", best),
+        ):
             us = measure(LAYER, args.layers, rows, variant, configs, args.replays)
-            record("layer", "+".join(LAYER), rows, variant, configs.get("qkv") if configs else None, us)
+            record(
+                "layer", "+".join(LAYER), rows, variant, configs.get("qkv") if configs else None, us
+            )
         print(f"T={rows} best per shape:", {k: vars(v) for k, v in best.items()})
         rows_out.append({"rows": rows, "best": {k: vars(v) for k, v in best.items()}})
     if args.out:

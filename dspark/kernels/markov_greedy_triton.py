@@ -30,10 +30,30 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.skinny_gemm_triton import arrival_counters, dot_options
-
 BLOCK_V = 128  # vocabulary columns per program: 384 programs for SmolLM2's 49,152
 BLOCK_R = 16  # rows per tile (tl.dot needs at least 16)
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}  # per device, smallest first
+
+
+def arrival_counters(device: torch.device, num_tiles: int) -> torch.Tensor:  # [>= tiles] int32
+    """The device's arrival counters (the last program of a launch does the final pick), all
+    zero between launches: each launch resets the ones it used. Allocated on first use, so a
+    CUDA graph's warm-up run creates them outside the capture. A larger buffer is added when
+    one is needed and the old ones are kept: a captured graph may still point at them."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < num_tiles:
+        buffers.append(torch.zeros(max(4096, num_tiles), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+def dot_options(x: torch.Tensor) -> dict:
+    """fp32 dots in full precision (not tf32). On the CPU, Triton's interpreter computes tl.dot
+    on bf16 as raw integers, so there the tiles are upcast to float32 first."""
+    is_fp32, is_interpreted = x.dtype == torch.float32, x.device.type == "cpu"
+    return {"DOT_PRECISION": "ieee" if is_fp32 or is_interpreted else "tf32",
+            "UPCAST_DOT": is_interpreted and not is_fp32}  # fmt: skip
 
 
 def supports_rank(rank: int) -> bool:

@@ -44,7 +44,9 @@ def pdl_enabled(device: torch.device) -> bool:
         return False
     if os.environ.get("DSPARK_PDL", "1") == "0":
         return False
-    return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_supports(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def pdl_options(device: torch.device) -> dict:

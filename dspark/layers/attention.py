@@ -121,17 +121,6 @@ class Attention(nn.Module):
         )  # [T, nh, hd]
         return o.reshape(T, self.q_size)
 
-    def attend_stored(
-        self,
-        q: torch.Tensor,  # [T, q_size], rotated; this step's K/V already in the cache
-        kv_cache: torch.Tensor,  # [2, num_pages, page_size, nkv, hd]
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, q_size], before o_proj
-        """Attention alone, after a kernel that did the projection, rotary and K/V store."""
-        T = q.shape[0]
-        o = self._attend(q.view(T, self.num_heads, self.head_dim), kv_cache, attn, self.scale)
-        return o.reshape(T, self.q_size)
-
 
 def _is_decode(attn: AttentionMetadata) -> bool:
     from dspark.kernels.paged_attention_triton import is_decode

@@ -15,6 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Rows up to which the projections take the GEMV. At one row it beats cuBLAS; at T = 8 its
+# first version (a [T, BLOCK_N, BLOCK_K] product tile) took 9-31 us a call where cuBLAS took
+# 4-7 (bench/pdl_chain.py, H200, docs/PERFORMANCE.md fifteenth look); the version that takes
+# one row at a time is not yet measured there. At most gemv_triton.GEMV_MAX_ROWS.
+GEMV_FASTER_UP_TO = 1
+
 
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, use_triton: bool) -> None:
@@ -23,7 +29,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.use_gemv and x.is_cuda and x.dim() == 2:
-            from dspark.kernels.gemv_triton import GEMV_FASTER_UP_TO, gemv
+            from dspark.kernels.gemv_triton import gemv
 
             if 0 < x.shape[0] <= GEMV_FASTER_UP_TO and x.stride(1) == 1:
                 return gemv(x, self.weight, self.bias)

@@ -4,11 +4,11 @@ One forward runs any ragged mix of prefill chunks, decode tokens and verify wind
 logits only for the rows asked for (`logits_indices`) and, on request, the residual stream after
 chosen decoder layers (the DSpark drafter's context features).
 
-With the triton backend and DSPARK_SKINNY=1, a step of at most SKINNY_MAX_ROWS (16) tokens runs
-the skinny decoder layers (dspark/kernels/skinny_*_triton.py): the norms fused into the qkv and
-gate_up projections, rotary and the K/V store into qkv's epilogue, the SiLU-and-mul into
-gate_up's: 4 launches per layer besides attention, not 8. The token count is known on the host
-from the input's shape (and fixed inside a CUDA graph), so the whole step takes one path.
+With the triton backend on a GPU, a step of one token row runs the decoder layer's projections
+in the GEMV kernel (layers/linear.py, kernels/gemv_triton.py); with DSPARK_GEMV_FUSED=1 also
+the norms and SiLU-and-mul inside it (5 launches a layer, not 8). The token count is known on
+the host from the input's shape (and fixed inside a CUDA graph), so the whole step takes one
+path.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 
 from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
-from dspark.layers.linear import Linear
+from dspark.layers.linear import GEMV_FASTER_UP_TO, Linear
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
 from dspark.models.model_config import ModelConfig
@@ -57,7 +57,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add is deferred into the next norm (one fused kernel):
     takes (x, residual) with the stream = x + residual, returns the same pair after the block.
-    `skinny` (triton backend, T <= 16) runs the same block in the fused skinny kernels.
+    With DSPARK_GEMV_FUSED=1 a step of GEMV rows runs it in the GEMV with its prologues
+    (`_gemv_forward`; opt-in until measured against the unfused GEMVs on the GPU).
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
@@ -68,6 +69,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, use_triton)
         self.mlp = MLP(config, use_triton)
+        self.fused_gemv = (
+            self.mlp.gate_up_proj.use_gemv and os.environ.get("DSPARK_GEMV_FUSED") == "1"
+        )
 
     def forward(
         self,
@@ -76,10 +80,9 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
-        skinny: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if skinny:
-            return self._skinny_forward(x, residual, positions, kv_cache, attn)
+        if self.fused_gemv and x.is_cuda and 0 < x.shape[0] <= GEMV_FASTER_UP_TO:
+            return self._gemv_forward(x, residual, positions, kv_cache, attn)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -88,43 +91,29 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
-    def _skinny_forward(
+    def _gemv_forward(
         self,
-        x: torch.Tensor,  # [T, d], T <= 16
-        residual: torch.Tensor | None,  # [T, d]
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # launches: [add_rmsnorm + qkv + rotary + KV store], attention, [o_proj],
-        # [add_rmsnorm + gate_up + silu_mul], [down]
-        from dspark.kernels.skinny_gate_up_silu_triton import skinny_gate_up_silu
-        from dspark.kernels.skinny_linear_triton import skinny_linear
-
-        attn_layer, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
-        q, residual = self._skinny_qkv(x, residual, positions, kv_cache, attn)  # [T, q_size]
-        o = attn_layer.attend_stored(q, kv_cache, attn)  # [T, q_size]
-        x = skinny_linear(o, attn_layer.o_proj.weight)  # [T, d]
-        act, residual = skinny_gate_up_silu(x, residual, norm.weight, norm.eps,
-                                            mlp.gate_up_proj.weight)  # fmt: skip
-        return skinny_linear(act, mlp.down_proj.weight), residual  # [T, d], [T, d]
-
-    def _skinny_qkv(
-        self,
-        x: torch.Tensor,  # [T, d]
+        x: torch.Tensor,  # [T, d], T <= GEMV_FASTER_UP_TO
         residual: torch.Tensor | None,  # [T, d]; None in the first layer (stream = x)
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q [T, q_size], the stream [T, d]
-        from dspark.kernels.skinny_qkv_rotary_triton import skinny_qkv_rotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # launches: [add_rmsnorm + qkv], attention (+ rotary + KV store on decode), [o_proj],
+        # [add_rmsnorm + gate_up], [silu_mul + down]: 5, against 8 unfused
+        from dspark.kernels.gemv_triton import gemv_add_rmsnorm, gemv_rmsnorm, gemv_silu_mul
 
-        norm, a = self.input_layernorm, self.self_attn
-        q, new_residual = skinny_qkv_rotary(
-            x, residual, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias, positions,
-            a.rotary.inv_freq, a.num_heads, a.num_kv_heads, kv_cache, attn.slot_mapping,
-        )  # fmt: skip
-        return q, x if residual is None else new_residual
+        attn_layer, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_w, qkv_b = attn_layer.qkv_proj.weight, attn_layer.qkv_proj.bias
+        if residual is None:
+            qkv, residual = gemv_rmsnorm(x, norm1.weight, norm1.eps, qkv_w, qkv_b), x
+        else:
+            qkv, residual = gemv_add_rmsnorm(x, residual, norm1.weight, norm1.eps, qkv_w, qkv_b)
+        x = attn_layer.o_proj(attn_layer.attend(qkv, positions, kv_cache, attn))
+        gate_up, residual = gemv_add_rmsnorm(x, residual, norm2.weight, norm2.eps,
+                                             mlp.gate_up_proj.weight)  # fmt: skip
+        return gemv_silu_mul(gate_up, mlp.down_proj.weight), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,9 +129,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Off unless DSPARK_SKINNY=1: on the H200 (bench/kernels_skinny.py, docs/PERFORMANCE.md)
-        # the skinny kernels do not yet beat cuBLAS + the separate small kernels.
-        self.use_skinny = attention_backend == "triton" and os.environ.get("DSPARK_SKINNY") == "1"
 
     def forward(
         self,
@@ -157,9 +143,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, d]
         residual = None
         hidden_states = {}
-        skinny = self._is_skinny(input_ids.shape[0])
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, kv_caches[i], attn, skinny)
+            x, residual = layer(x, residual, positions, kv_caches[i], attn)
             if i in hidden_layers:
                 hidden_states[i] = x + residual  # the stream after layer i
         if logits_indices is not None:
@@ -169,13 +154,6 @@ class LlamaForCausalLM(nn.Module):
             return ModelOutput(None, hidden_states, final_hidden=h)
         logits = self.lm_head(h).float()  # [N, vocab]
         return ModelOutput(logits, hidden_states)
-
-    def _is_skinny(self, num_tokens: int) -> bool:
-        if not self.use_skinny:
-            return False
-        from dspark.kernels.skinny_gemm_triton import SKINNY_MAX_ROWS
-
-        return num_tokens <= SKINNY_MAX_ROWS
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

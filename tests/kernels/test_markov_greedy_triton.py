@@ -10,8 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.kernels.markov_greedy_triton import BLOCK_V, markov_greedy, markov_greedy_ref
-from dspark.kernels.skinny_gemm_triton import arrival_counters
+from dspark.kernels.markov_greedy_triton import (
+    BLOCK_V,
+    arrival_counters,
+    markov_greedy,
+    markov_greedy_ref,
+)
 
 SHAPES = {"cpu": (300, 16, (1, 3, 17)), "cuda": (49152, 64, (1, 16, 64, 257))}  # V, rank, rows
 K = 3

@@ -4,7 +4,10 @@ A decoder layer's projections at a small decode batch are latency-bound cuBLAS l
 kernels/gemv_triton.py does them in fewer microseconds and, launched with PDL, overlaps its
 weight fetch with the kernel before it. The row count is known on the host from x's shape (and
 fixed inside a CUDA graph), so each call takes one path; parameters and state-dict names are
-nn.Linear's. DSPARK_GEMV=0 turns the GEMV off (for A/B runs).
+nn.Linear's.
+
+For A/B runs: DSPARK_GEMV=0 turns the GEMV off; DSPARK_GEMV_ROWS=N (1 to 8) sets the rows up
+to which it is taken (default GEMV_ROWS).
 """
 
 from __future__ import annotations
@@ -18,19 +21,35 @@ from torch import nn
 # Rows up to which the projections take the GEMV. At one row it beats cuBLAS; at T = 8 its
 # first version (a [T, BLOCK_N, BLOCK_K] product tile) took 9-31 us a call where cuBLAS took
 # 4-7 (bench/pdl_chain.py, H200, docs/PERFORMANCE.md fifteenth look); the version that takes
-# one row at a time is not yet measured there. At most gemv_triton.GEMV_MAX_ROWS.
-GEMV_FASTER_UP_TO = 1
+# one row at a time is not yet measured there.
+GEMV_ROWS = 1
+GEMV_MAX_ROWS = 8  # gemv_triton.GEMV_MAX_ROWS (not imported: the CPU path needs no triton)
+
+
+def gemv_rows() -> int:
+    """The rows up to which the GEMV is taken: GEMV_ROWS, or DSPARK_GEMV_ROWS; 0 when
+    DSPARK_GEMV=0."""
+    if os.environ.get("DSPARK_GEMV", "1") == "0":
+        return 0
+    text = os.environ.get("DSPARK_GEMV_ROWS", str(GEMV_ROWS))
+    if not text.isdigit() or not 1 <= int(text) <= GEMV_MAX_ROWS:
+        raise ValueError(
+            f"DSPARK_GEMV_ROWS={text!r}: expected an integer from 1 to {GEMV_MAX_ROWS}"
+        )
+    return int(text)
 
 
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, use_triton: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.use_gemv = use_triton and os.environ.get("DSPARK_GEMV", "1") != "0"
+        self.gemv_rows = gemv_rows() if use_triton else 0
+
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and 0 < x.shape[0] <= self.gemv_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.use_gemv and x.is_cuda and x.dim() == 2:
+        if self.takes_gemv(x) and x.dim() == 2 and x.stride(1) == 1:
             from dspark.kernels.gemv_triton import gemv
 
-            if 0 < x.shape[0] <= GEMV_FASTER_UP_TO and x.stride(1) == 1:
-                return gemv(x, self.weight, self.bias)
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -22,7 +22,7 @@ from torch import nn
 
 from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
-from dspark.layers.linear import GEMV_FASTER_UP_TO, Linear
+from dspark.layers.linear import Linear
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
 from dspark.models.model_config import ModelConfig
@@ -69,9 +69,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, use_triton)
         self.mlp = MLP(config, use_triton)
-        self.fused_gemv = (
-            self.mlp.gate_up_proj.use_gemv and os.environ.get("DSPARK_GEMV_FUSED") == "1"
-        )
+        self.fused_gemv = os.environ.get("DSPARK_GEMV_FUSED") == "1"
 
     def forward(
         self,
@@ -81,7 +79,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused_gemv and x.is_cuda and 0 < x.shape[0] <= GEMV_FASTER_UP_TO:
+        if self.fused_gemv and self.mlp.gate_up_proj.takes_gemv(x):
             return self._gemv_forward(x, residual, positions, kv_cache, attn)
         if residual is None:
             h, residual = self.input_layernorm(x), x
@@ -93,7 +91,7 @@ class DecoderLayer(nn.Module):
 
     def _gemv_forward(
         self,
-        x: torch.Tensor,  # [T, d], T <= GEMV_FASTER_UP_TO
+        x: torch.Tensor,  # [T, d], T <= the GEMV's rows (layers/linear.py)
         residual: torch.Tensor | None,  # [T, d]; None in the first layer (stream = x)
         positions: torch.Tensor,
         kv_cache: torch.Tensor,

@@ -24,7 +24,7 @@ from dspark.kernels.gemv_triton import (
 )
 from dspark.kernels.rmsnorm_triton import fused_add_rmsnorm_ref, rmsnorm_ref
 from dspark.kernels.silu_mul_triton import silu_and_mul_ref
-from dspark.layers.linear import GEMV_FASTER_UP_TO
+from dspark.layers import linear
 
 GPU_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 CPU_SHAPES = [(42, 72), (8, 300)]
@@ -96,7 +96,7 @@ def test_default_config_follows_the_sweep():
     assert default_config(960, 576) == GemvConfig(4, 1024, 2)
     assert default_config(576, 1536) == GemvConfig(2, 1024, 2)
     assert default_config(42, 72) == GemvConfig(4, 128, 2)  # never wider than K needs
-    assert GEMV_FASTER_UP_TO <= GEMV_MAX_ROWS
+    assert linear.GEMV_ROWS <= linear.GEMV_MAX_ROWS == GEMV_MAX_ROWS
 
 
 def _prologue_inputs(prologue, device, dtype, rows, g):
@@ -168,15 +168,21 @@ def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
 
 
 def test_linear_takes_the_gemv_only_on_cuda_rows_it_beats_cublas(monkeypatch):
-    """The model's projections (layers/linear.py): F.linear on the CPU and for more rows than
-    GEMV_FASTER_UP_TO; DSPARK_GEMV=0 or the torch backend never take the GEMV."""
-    from dspark.layers.linear import Linear
-
-    assert Linear(16, 8, False, use_triton=True).use_gemv
-    assert not Linear(16, 8, False, use_triton=False).use_gemv
+    """The model's projections (layers/linear.py): the GEMV on CUDA up to GEMV_ROWS rows (or
+    DSPARK_GEMV_ROWS), F.linear otherwise; DSPARK_GEMV=0 or the torch backend never take it;
+    a bad DSPARK_GEMV_ROWS is refused with the allowed range."""
+    layer = linear.Linear(16, 8, True, use_triton=True)
+    assert layer.gemv_rows == linear.GEMV_ROWS
+    assert not layer.takes_gemv(torch.randn(1, 16))  # a CPU tensor
+    assert linear.Linear(16, 8, False, use_triton=False).gemv_rows == 0
+    monkeypatch.setenv("DSPARK_GEMV_ROWS", "4")
+    assert linear.Linear(16, 8, False, use_triton=True).gemv_rows == 4
     monkeypatch.setenv("DSPARK_GEMV", "0")
-    assert not Linear(16, 8, False, use_triton=True).use_gemv
-    monkeypatch.delenv("DSPARK_GEMV")
-    layer = Linear(16, 8, True, use_triton=True)
+    assert linear.Linear(16, 8, False, use_triton=True).gemv_rows == 0
+    monkeypatch.setenv("DSPARK_GEMV", "1")
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("DSPARK_GEMV_ROWS", bad)
+        with pytest.raises(ValueError, match=f"DSPARK_GEMV_ROWS='{bad}'.*1 to 8"):
+            linear.Linear(16, 8, False, use_triton=True)
     x = torch.randn(3, 16)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))  # CPU: F.linear
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))

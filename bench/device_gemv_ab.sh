@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The decode GEMV and PDL, A/B on the GPU (docs/PERFORMANCE.md, fifteenth look, "for the next
+# device session"): the kernel tests, the GEMV chain at 1-8 rows, then steady decode steps of
+# the same model in five arms (env vars of dspark/layers/linear.py, models/llama.py,
+# kernels/pdl.py), and the speculative step at G = 1 with the GEMV at 1 and 8 rows.
+#   MODEL=/tmp/rs DRAFTER=/tmp/rd bash bench/device_gemv_ab.sh      (random model and drafter)
+source bench/device_setup.sh
+mkdir -p "$OUT"
+MODEL=${MODEL:-/tmp/rs}
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv_triton.py \
+  tests/kernels/test_model_triton_backend.py > "$OUT/pytest_gemv.txt" 2>&1
+echo "kernel tests rc=$?: $(tail -1 "$OUT/pytest_gemv.txt")"
+timeout 240 python3 bench/pdl_chain.py --rows 1,2,4,8 --block-n 2,4 --block-k 256,1024 \
+  --num-warps 2 --out "$OUT/pdl_rows.json" > "$OUT/pdl_rows.txt" 2>&1
+echo "chain rc=$?"; grep "^layer" "$OUT/pdl_rows.txt"
+for arm in "cublas:DSPARK_GEMV=0 DSPARK_PDL=0" "gemv:DSPARK_GEMV=1" "fused:DSPARK_GEMV_FUSED=1" \
+           "rows8:DSPARK_GEMV_ROWS=8" "rows8_fused:DSPARK_GEMV_ROWS=8 DSPARK_GEMV_FUSED=1"; do
+  name=${arm%%:*}
+  env ${arm#*:} timeout 150 python3 bench/step_profile.py --model "$MODEL" --batch 1,4,8 \
+    --steps 50 --out "$OUT/step_$name.json" > "$OUT/step_$name.txt" 2>&1
+  echo "== $name rc=$?"; grep -A3 "step us" "$OUT/step_$name.txt" | head -4
+done
+if [ -n "${DRAFTER:-}" ]; then
+  for rows in 1 8; do
+    DSPARK_GEMV_ROWS=$rows timeout 150 python3 bench/spec_step_profile.py --model "$MODEL" \
+      --drafter "$DRAFTER" --k 7 --batch 1 --out "$OUT/spec_rows$rows.json" \
+      > "$OUT/spec_rows$rows.txt" 2>&1
+    echo "== spec G=1, GEMV up to $rows rows, rc=$?"; tail -3 "$OUT/spec_rows$rows.txt"
+  done
+fi

@@ -48,7 +48,7 @@ class Linear(nn.Linear):
         return x.is_cuda and 0 < x.shape[0] <= self.gemv_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.takes_gemv(x) and x.dim() == 2 and x.stride(1) == 1:
+        if self.takes_gemv(x) and x.dim() == 2 and x.stride(1) == self.weight.stride(1) == 1:
             from dspark.kernels.gemv_triton import gemv
 
             return gemv(x, self.weight, self.bias)

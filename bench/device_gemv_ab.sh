@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The decode GEMV and PDL, A/B on the GPU (docs/PERFORMANCE.md, fifteenth look, "for the next
-# device session"): the kernel tests, the GEMV chain at 1-8 rows, then steady decode steps of
+# The decode GEMV, PDL and attention's parts with keys, A/B on the GPU (docs/PERFORMANCE.md, fifteenth look, "for the next
+# device session"): the kernel tests (with attention's), the GEMV chain at 1-8 rows, then steady decode steps of
 # the same model in five arms (env vars of dspark/layers/linear.py, models/llama.py,
 # kernels/pdl.py), and the speculative step at G = 1 with the GEMV at 1 and 8 rows.
 #   MODEL=/tmp/rs DRAFTER=/tmp/rd bash bench/device_gemv_ab.sh      (random model and drafter)
 source bench/device_setup.sh
 mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/rs}
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv_triton.py \
-  tests/kernels/test_model_triton_backend.py > "$OUT/pytest_gemv.txt" 2>&1
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv_triton.py \
+  tests/kernels/test_model_triton_backend.py tests/kernels/test_paged_attention_triton.py \
+  > "$OUT/pytest_gemv.txt" 2>&1
 echo "kernel tests rc=$?: $(tail -1 "$OUT/pytest_gemv.txt")"
 timeout 240 python3 bench/pdl_chain.py --rows 1,2,4,8 --block-n 2,4 --block-k 256,1024 \
   --num-warps 2 --out "$OUT/pdl_rows.json" > "$OUT/pdl_rows.txt" 2>&1

@@ -16,8 +16,11 @@ log2-sum-exp, and the part that finishes last merges them, in the same launch: e
 itself in by an atomic on its block's counter, and the one that brings the count to NUM_SPLITS
 reads every part back, writes the output and resets the counter to 0 for the next launch. (A
 second merge kernel cost a dependent launch per layer: 4.8 us of a ~32 us layer at batch 1 on
-the H200.) Empty parts write lse = -inf and weigh nothing. The counters are one persistent
-buffer per device: launches that split must be stream-ordered (every caller is).
+the H200.) The parts are BLOCK_N-aligned, so a short context fills only the first few: the
+others return at once and the count is of the parts that hold keys (`_kv_range`), and a block
+whose keys fit one part writes its output directly, with no partials and no merge. The
+counters are one persistent buffer per device: launches that split must be stream-ordered
+(every caller is).
 
 A decode step (one causal query token per request) may pass its unrotated k and v (`NewKV`):
 each program then rotates its queries as it loads them, and the part whose KV range holds the
@@ -70,17 +73,21 @@ def _query_rows(cu_ptr, seq_lens_ptr, req, m_block, kv_head, GROUP, BLOCK_M, BLO
 
 @triton.jit
 def _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL):
-    # The block's last query sees keys 0 .. kv_end - 1; split s takes one BLOCK_N-aligned chunk.
-    # seq_len 100, q_len 1, BLOCK_N 16, NUM_SPLITS 3: kv_end 100, chunk 48,
+    # The block's last query sees keys 0 .. kv_end - 1; split s takes one BLOCK_N-aligned chunk,
+    # and the first `parts` splits hold keys (at least 1, so a block without keys has a part).
+    # seq_len 100, q_len 1, BLOCK_N 16, NUM_SPLITS 3: kv_end 100, chunk 48, parts 3,
     #   splits [0, 48) [48, 96) [96, 100)
+    # seq_len 150, q_len 1, BLOCK_N 64, NUM_SPLITS 16: chunk 64, parts 3,
+    #   splits [0, 64) [64, 128) [128, 150), splits 3..15 empty
     # Non-causal (a drafter block attending to itself both ways): every query sees all keys.
     if CAUSAL:
         kv_end = seq_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)
     else:
         kv_end = seq_len
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    parts = tl.maximum(tl.cdiv(kv_end, tl.maximum(chunk, 1)), 1)
     lo = split * chunk
-    return lo, tl.minimum(lo + chunk, kv_end)
+    return lo, tl.minimum(lo + chunk, kv_end), parts
 
 
 @triton.jit
@@ -168,7 +175,10 @@ def _paged_attention_kernel(
     if not CAUSAL:  # every query may see every key of its request
         q_pos = tl.zeros_like(q_pos) + seq_len - 1
     dims = tl.arange(0, HEAD_DIM)
-    lo, hi = _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL)
+    lo, hi, parts = _kv_range(q_len, seq_len, m_block, split, BLOCK_M, BLOCK_N, NUM_SPLITS,
+                              CAUSAL)  # fmt: skip
+    if split >= parts:  # no keys here: the block's parts neither wait for nor read this one
+        return
     if ROTARY:  # decode: rotate q here, and the part holding the new key stores it first
         pos = tl.load(positions_ptr + token, mask=valid, other=0)
         q_off = token * s_qt + head * s_qh  # [rows]
@@ -188,15 +198,17 @@ def _paged_attention_kernel(
     has_keys = l_i > 0.0  # every valid row sees key 0, so only an empty split has none
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]
+    out_idx = token[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
     if NUM_SPLITS == 1:
-        out_idx = token[:, None] * s_ot + head[:, None] * s_oh + dims[None, :]
+        tl.store(out_ptr + out_idx, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    elif parts == 1:  # all the block's keys in this part: its output is final
         tl.store(out_ptr + out_idx, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
     else:
         part = (token * num_heads + head) * NUM_SPLITS + split  # [rows] into [T, nh, NUM_SPLITS]
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=valid)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=valid[:, None])
-        # Count this part in; the last of the block's NUM_SPLITS parts merges. The barrier puts
+        # Count this part in; the last of the block's `parts` parts merges. The barrier puts
         # every thread's stores before the atomic, whose release publishes them device-wide.
         # Counter of block (req, m_block, kv_head), in launch-grid order:
         #   (req * num_m_blocks + program_id(1)) * num_kv_heads + kv_head
@@ -204,18 +216,19 @@ def _paged_attention_kernel(
         counter = counter_ptr + (req * tl.num_programs(1) + tl.program_id(1)) * num_kv_heads
         tl.debug_barrier()
         arrived = tl.atomic_add(counter + kv_head, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
+        if arrived == parts - 1:
             tl.store(counter + kv_head, 0)  # ready for the next launch (stream-ordered)
             _merge_splits(
                 out_ptr, part_out_ptr, part_lse_ptr, token, head, valid, num_heads, s_ot, s_oh,
-                HEAD_DIM, NUM_SPLITS, SPLITS_P2,
+                parts, HEAD_DIM, NUM_SPLITS, SPLITS_P2,
             )  # fmt: skip
 
 
 @triton.jit
 def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, token, head, valid, num_heads, s_ot, s_oh,
-                  HEAD_DIM, NUM_SPLITS, SPLITS_P2):  # fmt: skip
-    """out = sum_s 2^lse_s o_s / sum_s 2^lse_s for the program's packed rows.
+                  parts, HEAD_DIM, NUM_SPLITS, SPLITS_P2):  # fmt: skip
+    """out = sum_s 2^lse_s o_s / sum_s 2^lse_s over the block's first `parts` splits (the ones
+    this launch wrote: the others' slots hold an earlier launch's values, or none).
 
     All log-sum-exps are loaded in one [rows, splits] tile and the split loop is unrolled, so
     the partial-output loads are independent and issue together. The loads bypass L1 (".cg"):
@@ -224,7 +237,7 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, token, head, valid, num_h
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_P2)
     part0 = (token * num_heads + head) * NUM_SPLITS  # [R]
-    lse_mask = valid[:, None] & (splits[None, :] < NUM_SPLITS)
+    lse_mask = valid[:, None] & (splits[None, :] < parts)
     lse = tl.load(part_lse_ptr + part0[:, None] + splits[None, :], mask=lse_mask,
                   other=float("-inf"), cache_modifier=".cg")  # [R, S]  # fmt: skip
     m = tl.max(lse, axis=1)
@@ -236,7 +249,7 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, token, head, valid, num_h
         w = tl.sum(tl.where(splits[None, :] == split, weight, 0.0), axis=1)  # column `split`
         o = tl.load(
             part_out_ptr + (part0 + split)[:, None] * HEAD_DIM + dims[None, :],
-            mask=valid[:, None],
+            mask=valid[:, None] & (split < parts),  # unwritten slots may hold NaN
             other=0.0,
             cache_modifier=".cg",
         )

@@ -156,6 +156,24 @@ def test_kv_splits_match_reference(device: torch.device, case: str, num_kv_split
     run_and_check(*batch, num_kv_splits=num_kv_splits)
 
 
+def test_parts_without_keys_are_never_read(device: torch.device, monkeypatch):
+    """With BLOCK_N-aligned parts a short context fills only the first few of a 5-way split
+    (decode_page_edges: one part each; long_context: several): the others return at once and
+    the merge reads only the parts this launch wrote. Their slots here hold NaN, as stale or
+    fresh memory may, and no output is NaN."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    for case in ("decode_page_edges", "long_context", "windows"):
+        q_lens, seq_lens = CASES[device.type][case]
+        batch = make_batch(q_lens, seq_lens, HEADS[device.type]["gqa3"], 4, device)
+        run_and_check(*batch, num_kv_splits=5)
+
+
 def test_split_counters_left_zero_for_the_next_launch(device: torch.device):
     # the part that merges resets its block's counter: launch after launch, every merge is
     # right and the counters end at 0 (a stale count would make a wrong part merge early)

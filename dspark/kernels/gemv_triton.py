@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.pdl import gdc_enter, pdl_options
+from dspark.kernels.rmsnorm_triton import weighted_normed
+from dspark.kernels.silu_mul_triton import silu_times_up
 
 GEMV_MAX_ROWS = 8  # token rows the kernel takes (the model's projections: layers/linear.py)
 PROLOGUES = ("none", "rmsnorm", "add_rmsnorm", "silu_mul")
@@ -85,9 +87,7 @@ def _input_block(x_ptr, res_ptr, norm_w_ptr, row, ks, k_mask, s_x, s_res, rstd,
     if PROLOGUE == "silu_mul":
         gate = tl.load(x_ptr + row * s_x + ks, mask=k_mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * s_x + K + ks, mask=k_mask, other=0.0).to(tl.float32)
-        # IEEE division, as silu_mul_triton.py (plain `/` is approximate on NVIDIA)
-        silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
-        return (silu * up).to(dtype).to(tl.float32)
+        return silu_times_up(gate, up, dtype).to(dtype).to(tl.float32)
     x = tl.load(x_ptr + row * s_x + ks, mask=k_mask, other=0.0)
     if PROLOGUE == "add_rmsnorm":
         res = tl.load(res_ptr + row * s_res + ks, mask=k_mask, other=0.0)
@@ -95,7 +95,7 @@ def _input_block(x_ptr, res_ptr, norm_w_ptr, row, ks, k_mask, s_x, s_res, rstd,
     x = x.to(tl.float32)
     if PROLOGUE == "rmsnorm" or PROLOGUE == "add_rmsnorm":
         w = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x = weighted_normed(x, rstd, w, dtype).to(dtype).to(tl.float32)
     return x
 
 

@@ -43,12 +43,18 @@ def fused_add_rmsnorm_ref(
 
 
 @triton.jit
+def weighted_normed(x, rstd, w, X_DTYPE: tl.constexpr):
+    # x, w float32 (x holding x-dtype values): the normed values are rounded to x's dtype before
+    # the weight multiplies them, as `weight * x32.to(dtype)` does. Also the GEMV's prologue.
+    return w * (x * rstd).to(X_DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _scale_normed(x, w, eps, D: tl.constexpr, X_DTYPE: tl.constexpr):
     # x: [BLOCK] float32 holding x-dtype values, zero past D; w: [BLOCK] float32.
-    # Sum then divide, as torch's mean does; the normed row is rounded to x's dtype before the
-    # weight multiplies it, as `weight * x32.to(dtype)` does.
+    # Sum then divide, as torch's mean does.
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    return w * (x * rstd).to(X_DTYPE).to(tl.float32)
+    return weighted_normed(x, rstd, w, X_DTYPE)
 
 
 @triton.jit

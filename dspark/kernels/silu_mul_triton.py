@@ -30,6 +30,15 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I
 
 
 @triton.jit
+def silu_times_up(gate, up, DTYPE: tl.constexpr):
+    # gate, up float32: silu(gate) rounded to DTYPE, times up (float32; the caller rounds).
+    # IEEE division (plain `/` is approximate on NVIDIA); exp is Triton's fast exp2-based one.
+    # Also the GEMV's prologue.
+    silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(DTYPE).to(tl.float32)
+    return silu * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, s_in, s_out,
     INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -42,9 +51,7 @@ def _silu_and_mul_kernel(
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + INTER, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    # IEEE division (plain `/` is approximate on NVIDIA); exp is Triton's fast exp2-based one.
-    silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * s_out + col, (silu * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * s_out + col, silu_times_up(gate, up, dtype).to(dtype), mask=mask)
 
 
 def silu_and_mul(

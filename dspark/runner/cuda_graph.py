@@ -46,9 +46,21 @@ def capture_stream() -> torch.cuda.Stream:
     share that workspace, so freeing one engine's graphs can pull it from under another's
     capture or replay. That is the likely cause of CUBLAS_STATUS_EXECUTION_FAILED in the
     capture of a later engine, which failed `test_captured_trimmed_cells_equal_the_eager_step`
-    in 7 of 8 processes on the H200 (docs/PERFORMANCE.md, fourteenth look; not yet rerun with
-    this change). A stream per graph set keeps each set's workspace its own."""
+    in 7 of 8 processes on the H200 (docs/PERFORMANCE.md, fourteenth look). A stream per graph
+    set keeps each set's workspace its own; with it that error did not recur (fifteenth look).
+    """
     return torch.cuda.Stream()
+
+
+def captured(run: Callable, args: tuple, pool, stream: torch.cuda.Stream):
+    """(graph, output): run(*args) once eagerly (compiles kernels, settles the allocator), then
+    captured into `pool` on `stream`. Called inside `no_garbage_collection()`."""
+    run(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = run(*args)
+    return graph, output
 
 
 @contextlib.contextmanager
@@ -106,28 +118,22 @@ class DecodeGraphs:
         stream = capture_stream()
         tails = (self.tail_tokens, 0) if self.tail_tokens else (0,)
         with no_garbage_collection():
-            self._capture_all(forward, pool, stream, tails)
+            for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
+                for tail in tails:
+                    if tail:
+                        layout = prepare_capture(self.buffers, g, 1, tail, GRAPH_TAIL_ROWS)
+                    else:
+                        layout = decode_layout(g)
+                        self.buffers.write_pad_rows(0, 0, g)
+                        self.buffers.np("logits_indices")[:g] = range(g)
+                    self.buffers.upload(layout)
+                    self._graphs[g, tail], self._outputs[g, tail] = captured(
+                        forward, (layout,), pool, stream
+                    )
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs: %s%s", len(self._graphs), self.sizes,
                     f", with and without a tail of {self.tail_tokens} prefill tokens"
                     if self.tail_tokens else "")  # fmt: skip
-
-    def _capture_all(self, forward, pool, stream, tails: tuple[int, ...]) -> None:
-        for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
-            for tail in tails:
-                if tail:
-                    layout = prepare_capture(self.buffers, g, 1, tail, GRAPH_TAIL_ROWS)
-                else:
-                    layout = decode_layout(g)
-                    self.buffers.write_pad_rows(0, 0, g)
-                    self.buffers.np("logits_indices")[:g] = range(g)
-                self.buffers.upload(layout)
-                forward(layout)  # warm-up: compiles kernels, settles the allocator
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._outputs[g, tail] = forward(layout)
-                self._graphs[g, tail] = graph
 
     def replay(self, size: int, tail: int = 0) -> torch.Tensor:  # [G (+ R with a tail), vocab]
         self.buffers.check_pointers()

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.runner.cuda_graph import capture_stream, no_garbage_collection
+from dspark.runner.cuda_graph import capture_stream, captured, no_garbage_collection
 from dspark.runner.input_buffers import StepLayout
 from dspark.spec.spec_buffers import FILTERED, GREEDY, TEMPERATURE, SamplingMode
 from dspark.spec.spec_decoder import SpecStepOutput
@@ -108,12 +108,9 @@ class SpecGraphs:
                 for key in self._keys(g):
                     _, tail, v, mode = key
                     prepare(g, tail)
-                    step(g, tail, v, mode)  # warm-up: compiles kernels, settles the allocator
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._outputs[key] = step(g, tail, v, mode)
-                    self._graphs[key] = graph
+                    self._graphs[key], self._outputs[key] = captured(
+                        step, (g, tail, v, mode), pool, stream
+                    )
         torch.cuda.synchronize()
         logger.info("captured %d speculative CUDA graphs: sizes %s x %d sampling modes, mixed "
                     "steps with tails of %s tokens, trimmed cells %s", len(self._graphs),

@@ -8,6 +8,8 @@
 #     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
 #
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments".
+# SPREAD (e.g. 0.5): seeded lengths in 256 * [1 - S, 1 + S], the same in both engines, so requests
+# end at different steps instead of a whole level's at once (unset: every request 256 tokens).
 # OFFLINE_ARMS (a `dspark bench --arms` object) gives the offline engines: a served arm is
 # compared with the offline arm of its own name, else with the first one; without it, one
 # offline arm of the default engine. Of each server's log only its last stats lines (steps
@@ -24,7 +26,7 @@ python3 -c "import fastapi, uvicorn, httpx" || exit 1
 LEVELS=${LEVELS:-1,64,256}
 MODEL=${MODEL:-default}
 COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
-        --output-len 256)
+        --output-len 256 ${SPREAD:+--output-len-spread "$SPREAD"})
 
 # A throwaway run first (WARMUP=0 skips it): the first engine process of a device call ran
 # 20-30% slower at C = 256 than later ones in the same call (docs/PERFORMANCE.md, fourteenth

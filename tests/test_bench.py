@@ -351,7 +351,7 @@ def test_waves_keep_c_requests_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
 def test_output_len_spread_gives_seeded_lengths_the_same_for_every_arm(tiny_llama_dir, tmp_path):
     """--output-len-spread 0.5: lengths in [output_len / 2, 3 output_len / 2], from the seed;
     a closed loop's level emits exactly their sum; out of range or with the HF peer refused."""
-    from dspark.benchmarks.offline import output_lengths
+    from dspark.benchmarks.prompts import output_lengths
 
     lengths = output_lengths(200, 100, 0.5, seed=3)
     assert lengths == output_lengths(200, 100, 0.5, seed=3) != output_lengths(200, 100, 0.5, 4)

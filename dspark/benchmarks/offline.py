@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import shlex
 import statistics
 import sys
@@ -65,6 +64,7 @@ from dspark.benchmarks.prompts import (
     SOURCES,
     default_prompts_dir,
     load_prompts,
+    output_lengths,
     parse_sources,
 )
 from dspark.benchmarks.report import (
@@ -336,18 +336,6 @@ def check_lengths(config: BenchConfig, max_model_len: int) -> None:
             f"{config.output_len_spread}) exceeds max_model_len {max_model_len}; lower "
             f"--max-prompt-len to at most {max_model_len - longest}"
         )
-
-
-def output_lengths(n: int, output_len: int, spread: float, seed: int) -> list[int]:
-    """n requests' lengths: output_len * (1 - spread + 2 spread u), u uniform from the seed;
-    spread 0: all output_len.
-
-      output_len 100, spread 0.5: lengths in [50, 150] (rounded), mean ~100
-    """
-    if not spread:
-        return [output_len] * n
-    rng = random.Random(seed)
-    return [max(1, round(output_len * (1 - spread + 2 * spread * rng.random()))) for _ in range(n)]
 
 
 def run_dspark_once(

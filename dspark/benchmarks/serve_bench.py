@@ -29,7 +29,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dspark.benchmarks.prompts import PROMPT_SPLITS, SOURCES, default_prompts_dir, load_prompts
+from dspark.benchmarks.prompts import (
+    PROMPT_SPLITS,
+    SOURCES,
+    default_prompts_dir,
+    load_prompts,
+    output_lengths,
+)
 from dspark.benchmarks.report import git_state
 from dspark.benchmarks.serve_client import ConnectionPool, RequestRecord, stream_request
 from dspark.benchmarks.serve_report import format_table, plot_results, summarize
@@ -64,6 +70,13 @@ def add_serve_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="cap in --request-rate mode")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per level")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.0,
+        help="seeded max_tokens in output-len * [1 - S, 1 + S], as `dspark bench`'s option: the "
+        "same lengths for the same --num-prompts and --seed, so requests end at different steps",
+    )
     p.add_argument(
         "--no-ignore-eos",
         action="store_true",
@@ -110,10 +123,10 @@ def _levels(args: argparse.Namespace) -> tuple[str, list[dict]]:
     ]
 
 
-def _payload(args, model: str, conversation: list[dict]) -> dict:
+def _payload(args, model: str, conversation: list[dict], max_tokens: int) -> dict:
     body = {
         "model": model,
-        "max_tokens": args.output_len,
+        "max_tokens": max_tokens,
         "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -194,8 +207,11 @@ async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
             args.seed,
             args.prompt_split,
         )
+        lengths = output_lengths(
+            args.num_prompts, args.output_len, args.output_len_spread, args.seed
+        )
         payloads = [
-            _payload(args, model, conversations[i % len(conversations)])
+            _payload(args, model, conversations[i % len(conversations)], lengths[i])
             for i in range(args.num_prompts)
         ]
         path = f"/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
@@ -228,6 +244,7 @@ async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
         "model": model,
         "endpoint": args.endpoint,
         "output_len": args.output_len,
+        "output_len_spread": args.output_len_spread,
         "num_prompts": args.num_prompts,
         "ignore_eos": not args.no_ignore_eos,
         "slos_ms": slos,
@@ -315,6 +332,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("dspark bench serve needs httpx: pip install 'dspark[serve]'") from None
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")
+    if not 0.0 <= args.output_len_spread < 1.0:
+        raise ValueError(f"--output-len-spread must be in [0, 1), got {args.output_len_spread}")
     _levels(args)  # refuse bad levels before starting anything
     if args.base_url is not None:
         results = asyncio.run(run_bench(args, args.base_url.rstrip("/")))

@@ -22,6 +22,8 @@ def test_bench_serve_is_a_mode_of_bench():
     with pytest.raises(SystemExit):  # one mode at a time
         parser.parse_args(["bench", "serve", "--concurrency", "2", "--request-rate", "3"])
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--concurrency", "0"]) == 2
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1",
+                 "--output-len-spread", "1.5"]) == 2  # fmt: skip
 
 
 def _run(tmp_path, *args: str) -> dict:
@@ -49,11 +51,17 @@ def test_concurrency_levels_against_the_speculative_server(spec_server, tmp_path
 
 
 def test_poisson_rates_on_the_completions_endpoint(spec_server, tmp_path):
+    from dspark.benchmarks.prompts import output_lengths
+
     results = _run(tmp_path, "--base-url", spec_server.url, "--api-key", API_KEY, "--endpoint",
-                   "completions", "--request-rate", "40,inf", "--slo-tpot-ms", "0.001")  # fmt: skip
+                   "completions", "--request-rate", "40,inf", "--slo-tpot-ms", "0.001",
+                   "--output-len-spread", "0.5")  # fmt: skip
     assert [lv["label"] for lv in results["levels"]] == ["40/s", "inf/s"]
+    lengths = output_lengths(6, 6, 0.5, seed=0)  # the offline bench's lengths, e.g. [5, 8, ...]
+    assert len(set(lengths)) > 1 and results["output_len_spread"] == 0.5
     for level in results["levels"]:
         assert level["summary"]["num_completed"] == 6
+        assert level["summary"]["output_tokens"] == sum(lengths)
         assert level["summary"]["goodput_requests_per_s"] == 0  # nobody meets 1 us per token
 
 

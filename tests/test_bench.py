@@ -409,3 +409,20 @@ def test_git_state_names_the_commit_given_in_the_environment(monkeypatch):
     assert git_state()["git_commit"] != "abc1234"
     monkeypatch.setenv("DSPARK_GIT_COMMIT", "abc1234")
     assert git_state() == {"git_commit": "abc1234", "git_dirty": None}
+
+
+def test_a_levels_speculation_is_the_metrics_delta_with_the_policys_end_state():
+    from dspark.benchmarks.offline import _spec_delta
+
+    before = {"num_drafts": 10, "num_draft_tokens": 70, "num_accepted_tokens": 15,
+              "steps": {"spec_graph_steps": 10}, "drafting_policy": {"steps_drafting": 10}}
+    after = {"num_drafts": 30, "num_draft_tokens": 210, "num_accepted_tokens": 45,
+             "steps": {"spec_graph_steps": 25, "graph_steps": 4},
+             "drafting_policy": {"steps_drafting": 25, "steps_not_drafting": 4},
+             "survival_correction": 0.9, "realised_cost_ratios": {"G=64 V=512 greedy": 1.4}}
+    d = _spec_delta(before, after)  # fmt: skip
+    assert d["num_drafts"] == 20 and d["mean_acceptance_length"] == 1 + 30 / 20
+    assert d["steps"] == {"spec_graph_steps": 15, "graph_steps": 4}
+    assert d["drafting_policy"] == {"steps_drafting": 15, "steps_not_drafting": 4}
+    assert d["survival_correction"] == 0.9
+    assert d["realised_cost_ratios"] == {"G=64 V=512 greedy": 1.4}

@@ -449,7 +449,9 @@ def _spec_delta(before: dict, after: dict) -> dict:
             ]
         d["num_survival_windows"] = windows
     d["scheduling"] = after.get("scheduling")  # policy or fixed K, and why
-    for key in ("survival_correction", "survival_persistence"):  # the policy's, at the end
+    # the policy's state at the end of the level: its survival corrections and each cell's
+    # realised / table step-time ratio ("G=64 V=512 greedy": 1.4)
+    for key in ("survival_correction", "survival_persistence", "realised_cost_ratios"):
         if key in after:
             d[key] = after[key]
     for key in ("steps", "fallbacks"):  # this level's steps by path, eager ones by reason

@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add is deferred into the next norm (one fused kernel):
     takes (x, residual) with the stream = x + residual, returns the same pair after the block.
     With DSPARK_GEMV_FUSED=1 a step of GEMV rows runs it in the GEMV with its prologues
-    (`_gemv_forward`; opt-in until measured against the unfused GEMVs on the GPU).
+    (`_gemv_forward`; opt-in: on the H200 it made a batch-1 step slower, 698 against 670 us).
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 # Rows up to which the projections take the GEMV. At one row it beats cuBLAS (a random-weight
-# SmolLM2 step at batch 1: 670 us against 867). Up to 8 rows it loses: a step at batch 8 took
-# 1,474 us against 1,001, and the speculative step at G = 1 (8-token windows) 1,790 against
-# 1,292 (bench/device_gemv_ab.sh, H200, docs/PERFORMANCE.md sixteenth look).
+# SmolLM2 step at batch 1: 670 us against 867). Up to 8 rows its version that loaded W again
+# for every row lost: a step at batch 8 took 1,474 us against 1,001, and the speculative step
+# at G = 1 (8-token windows) 1,790 against 1,292 (bench/device_gemv_ab.sh, H200,
+# docs/PERFORMANCE.md sixteenth look). Since, 2-8 rows share each W tile in registers; not yet
+# measured, so the default stays 1.
 GEMV_ROWS = 1
 GEMV_MAX_ROWS = 8  # gemv_triton.GEMV_MAX_ROWS (not imported: the CPU path needs no triton)
 

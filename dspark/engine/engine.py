@@ -57,6 +57,7 @@ from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import CompletionOutput, DeltaOutput, FinalInfo, RequestOutput
 from dspark.request import FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
+from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
@@ -158,6 +159,8 @@ class LLMEngine:
             trimmed_widths=config.spec().trimmed_widths if self.spec else (),
             sync_planning=bool(self.spec) and config.spec().scheduler == "sync",
         )
+        if self.device.type == "cuda":  # a step's Triton compiles, counted and logged
+            COMPILE_WATCH.install()
         if self.runner.spec_runner is not None:  # prefill beside windows keeps their graph
             self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
         self.scheduler.decode_mixed_limits = self.runner.decode_mixed_limits  # beside decodes
@@ -322,9 +325,10 @@ class LLMEngine:
         m["steps"] = {k: stats[k] for k in ("spec_graph_steps", "spec_graph_steps_mixed",
                       "spec_graph_steps_trimmed", "eager_spec_steps", "spec_steps_trimmed_eager",
                       "graph_steps", "eager_steps")}  # fmt: skip
-        # plain steps beside them: the eager ones by reason, those that admitted prefills
+        # plain steps beside them: the eager ones by reason, those that admitted prefills;
+        # Triton compiles that steps met (kernels/compile_watch.py)
         m["steps"].update({k: n for k, n in stats.items()
-                           if k.startswith(("eager_steps_", "mixed_decode_steps"))})  # fmt: skip
+                           if k.startswith(("eager_steps_", "mixed_decode_steps", "triton_"))})  # fmt: skip
         m["async_spec_steps"] = {
             "launched_ahead": stats["spec_steps_launched_ahead"],
             "continuation_windows": stats["continuation_windows"],
@@ -430,6 +434,15 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | DeltaOutput]:
+        # a Triton compile in this step counts on this engine (kernels/compile_watch.py)
+        watch = COMPILE_WATCH
+        outer, watch.stats = watch.stats, self.runner.stats
+        try:
+            return self._step()
+        finally:
+            watch.stats = outer
+
+    def _step(self) -> list[RequestOutput | DeltaOutput]:
         if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
             self._decide_drafting()
         drafting = self.spec is not None and self.scheduler.drafting

@@ -7,7 +7,8 @@
 #   MODEL=/tmp/rs PROMPTS_DIR=.dsm LEVELS=1,64,256 bash bench/device_serve_ab.sh \
 #     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
 #
-# MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments".
+# MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments",
+# whose leading VAR=value words are set in that server's environment ("burst32|DSPARK_BURST_REQUESTS=32").
 # SPREAD (e.g. 0.5): seeded lengths in 256 * [1 - S, 1 + S], the same in both engines, so requests
 # end at different steps instead of a whole level's at once (unset: every request 256 tokens).
 # OFFLINE_ARMS (a `dspark bench --arms` object) gives the offline engines: a served arm is
@@ -54,9 +55,13 @@ port=8200
 for arm in "$@"; do
   name=${arm%%|*}
   read -r -a extra <<< "${arm#*|}"
+  arm_env=()  # leading VAR=value words: the server's environment (e.g. DSPARK_BURST_REQUESTS=32)
+  while [ ${#extra[@]} -gt 0 ] && [[ ${extra[0]} =~ ^[A-Z_][A-Z0-9_]*= ]]; do
+    arm_env+=("${extra[0]}"); extra=("${extra[@]:1}")
+  done
   port=$((port + 1))
   log=/tmp/serve_${name}.log
-  ${SERVER_CPUS:+taskset -c "$SERVER_CPUS"} python3 -m dspark.cli serve "$MODEL" --port "$port" \
+  ${SERVER_CPUS:+taskset -c "$SERVER_CPUS"} env "${arm_env[@]}" python3 -m dspark.cli serve "$MODEL" --port "$port" \
     --max-num-seqs 256 --disable-access-log "${extra[@]}" > "$log" 2>&1 &
   pid=$!
   wait_healthy "$port" "$pid" || echo "server $name did not come up"

@@ -185,3 +185,24 @@ def test_mixed_decode_graphs_replay_equals_eager(tiny_vocab_dir, temperature):
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
     assert stats["graph_steps_mixed"] > 0 and stats["graph_steps"] > 0, dict(stats)
     assert runs[True] == runs[False]
+
+
+def test_a_burst_threshold_from_the_environment(tiny_vocab_dir, monkeypatch):
+    """DSPARK_BURST_REQUESTS=8: six waiting requests beside a decode row are no burst, so the
+    step keeps the captured tail's caps; a bad value is refused with the variable named."""
+    from dspark.engine.scheduler import burst_requests_from_env
+
+    monkeypatch.setenv("DSPARK_BURST_REQUESTS", "8")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False).engine
+    assert engine.scheduler.burst_requests == 8
+    engine.add_request("a", [2, 3, 4], params)
+    engine.step()
+    for i, prompt in enumerate(PROMPTS[1:7]):
+        engine.add_request(f"new{i}", prompt, params)
+    tail = [r.num_tokens for r in engine.scheduler.schedule().rows[1:]]
+    assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+    for bad in ("0", "many"):
+        monkeypatch.setenv("DSPARK_BURST_REQUESTS", bad)
+        with pytest.raises(ValueError, match="DSPARK_BURST_REQUESTS"):
+            burst_requests_from_env()

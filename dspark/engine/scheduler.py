@@ -27,6 +27,14 @@ update() does not depend on the rows' order. A burst (more requests waiting for 
 the tail has rows) is admitted uncapped, in one eager step: capped, most of it would wait for
 seats it could have for many steps, which costs more than one step's host time.
 
+That threshold is measured for whole waves. A served engine at 256 in flight met 15 such eager
+steps in a level (docs/PERFORMANCE.md, sixteenth look), from bursts of a few to a few tens of
+requests. For those the cap may cost less. An eager step holds every running row for its host
+time, about 10 ms, or ~5 steps of 256 rows on the H200. Capped, B requests enter ~2.5 a step
+and lose about B^2 / 5 seat-steps, which stays under 5 x 256 up to B ~ 80.
+`DSPARK_BURST_REQUESTS=N` (N >= 1) makes a burst more than N waiting requests, for A/B runs;
+unset, the tail's rows.
+
 Speculative steps scheduled ahead (async scheduling of drafting steps): a window row emits a
 number of tokens only verification knows, so between advance and update its request has
 `num_windows_in_flight` = 1 and its token_ids and num_computed_tokens stop at the window's
@@ -41,6 +49,7 @@ N is updated before N+1, so update() of a continuation reads where the request s
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -102,6 +111,17 @@ class ScheduledRow(NamedTuple):
 
 
 _new_row = tuple.__new__
+BURST_ENV = "DSPARK_BURST_REQUESTS"
+
+
+def burst_requests_from_env() -> int | None:
+    """DSPARK_BURST_REQUESTS as an int >= 1, or None when unset."""
+    text = os.environ.get(BURST_ENV)
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{BURST_ENV}={text!r}: expected an integer >= 1 (waiting requests)")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -165,6 +185,9 @@ class Scheduler:
         # captured mixed steps); None: no cap
         self.mixed_limits: tuple[int, int] | None = None
         self.decode_mixed_limits: tuple[int, int] | None = None
+        # waiting requests above which admission beside a head is a burst (uncapped, eager);
+        # None: a mixed step's tail rows (the module docstring)
+        self.burst_requests = burst_requests_from_env()
 
     def add(self, request: Request) -> None:
         max_tokens = request.sampling_params.max_tokens
@@ -273,9 +296,10 @@ class Scheduler:
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed)
 
     def _is_burst(self, limits: tuple[int, int]) -> bool:
-        """More requests wait for a free seat than a mixed step's tail has rows."""
+        """More requests wait for a free seat than a mixed step's tail has rows (or than
+        burst_requests)."""
         seats = self.max_num_seqs - len(self.running)
-        return min(len(self.waiting), seats) > limits[0]
+        return min(len(self.waiting), seats) > (self.burst_requests or limits[0])
 
     def ahead_blocker(self, max_rows: int) -> str | None:
         """Why the next step may not be scheduled while the in-flight step's windows are

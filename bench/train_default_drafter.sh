@@ -3,6 +3,8 @@
 #
 #   MINUTES=9 bash bench/train_default_drafter.sh      # run it again until it prints "all done"
 #   TRAIN_MINUTES=16 INIT_FROM=dspark/drafters/smollm2_135m_instruct MINUTES=9 bash ...  # further
+#   DFLASH_STEPS=7484 INIT_FROM=... TOTAL_STEPS=3000 ...  # the ablation at the shipped drafter's
+#                                   total steps, from scratch, beside DSpark trained further
 #
 # Every call does what is left within MINUTES: regenerate the data, train DSpark (its step count
 # sized to TRAIN_MINUTES of solo GPU time) and, beside it on the same GPU as soon as that count is
@@ -37,9 +39,10 @@ steps_of_dspark() {  # the step count the DSpark run fixed (from its log), empty
 [ -f "$WORK/dspark/data/regenerate.json" ] || { echo "regenerate not done yet"; exit 0; }
 
 if [ ! -f "$WORK/dspark/train/train.json" ] || [ ! -f "$WORK/dflash/train/train.json" ]; then
-  "${DSPARK[@]}" --stage train --train-minutes "$TRAIN_MINUTES" --max-minutes "$(left)" &
+  "${DSPARK[@]}" --stage train --train-minutes "$TRAIN_MINUTES" --total-steps "${TOTAL_STEPS:-0}" \
+    --max-minutes "$(left)" &
   main=$!
-  steps=$(steps_of_dspark)
+  steps=${DFLASH_STEPS:-$(steps_of_dspark)}
   while [ -z "$steps" ] && kill -0 $main 2>/dev/null; do sleep 2; steps=$(steps_of_dspark); done
   if [ -n "$steps" ]; then
     "${DFLASH[@]}" --stage train --total-steps "$steps" --max-minutes "$(left)" &

@@ -6,7 +6,8 @@
 #
 #   TEMPERATURE=0 bash bench/device_issue6_sweep.sh        # then TEMPERATURE=1.0
 #
-# LEVELS (default 1,2,4,8,16,32,64,128,256,512), REPEATS (1), COST_TABLE (a path for the
+# LEVELS (default 1,2,4,8,16,32,64,128,256,512), REPEATS (3: each level's median; a speculative
+# arm's first run of a level can be much slower than its next ones, PERFORMANCE.md sixteenth look), COST_TABLE (a path for the
 # scheduled arm; default: the table shipped beside the drafter, if its fingerprint matches),
 # TRIMMED_TABLE (a table profiled with trimmed_widths TRIMMED_WIDTHS, default [2,3,4]: adds the
 # arm "trimmed", the policy with those cells), ARMS_JSON (a whole `dspark bench --arms` object).
@@ -25,7 +26,7 @@ ARMS=${ARMS_JSON:-$ARMS}
 name=issue6_sweep_t${T}
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
   --concurrency "${LEVELS:-1,2,4,8,16,32,64,128,256,512}" \
-  --output-len 256 --output-len-spread 0.5 --waves 4 --repeats "${REPEATS:-1}" \
+  --output-len 256 --output-len-spread 0.5 --waves 4 --repeats "${REPEATS:-3}" \
   --temperature "$T" --arms "$ARMS" --out "$OUT/$name.json" 2>&1 | grep -v "^INFO" \
   > "$OUT/$name.txt"
 python3 bench/arm_steps.py "$OUT/$name.json" > "$OUT/${name}_steps.txt"

@@ -36,8 +36,10 @@ if [ "${WARMUP:-1}" = 1 ]; then
   python3 -m dspark.cli bench --model "$MODEL" "${COMMON[@]}" --concurrency 256 --waves 1 \
     --no-plot --out /tmp/warmup.json > /dev/null 2>&1
 fi
+# three repeats, their median: a speculative engine's first run of a level can be much slower
+# than its next ones (docs/PERFORMANCE.md, sixteenth look)
 ${ENGINE_CPUS:+taskset -c "$ENGINE_CPUS"} python3 -m dspark.cli bench --model "$MODEL" \
-  "${COMMON[@]}" --concurrency "$LEVELS" --waves 4 --repeats "${OFFLINE_REPEATS:-1}" \
+  "${COMMON[@]}" --concurrency "$LEVELS" --waves 4 --repeats "${OFFLINE_REPEATS:-3}" \
   ${OFFLINE_ARMS:+--arms "$OFFLINE_ARMS"} --no-plot --out "$OUT/offline.json" > /dev/null 2>&1 \
   || echo "offline bench failed"
 

@@ -7,6 +7,7 @@
 #   MODEL=/tmp/rs PROMPTS_DIR=.dsm LEVELS=1,64,256 bash bench/device_serve_ab.sh \
 #     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
 #
+# Each served level runs one untimed wave of C requests first (SERVE_WARMUP=0 skips it).
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments",
 # whose leading VAR=value words are set in that server's environment ("burst32|DSPARK_BURST_REQUESTS=32").
 # SPREAD (e.g. 0.5): seeded lengths in 256 * [1 - S, 1 + S], the same in both engines, so requests
@@ -73,6 +74,11 @@ for arm in "$@"; do
   fi
   for c in ${LEVELS//,/ }; do
     n=$((4 * c))
+    if [ "${SERVE_WARMUP:-1}" = 1 ]; then  # one untimed wave first (the slow first run above)
+      timeout 60 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
+        "${COMMON[@]}" --concurrency "$c" --num-prompts "$c" --no-plot \
+        --out "/tmp/serve_${name}_c${c}_warm.json" > /dev/null 2>&1
+    fi
     server0=$(cpu_s "$pid") engine0=$(cpu_s $engine_pids) start=$(date +%s.%N)
     TIMEFORMAT="%U %S"  # bash's `time`: the client's user and system CPU seconds
     { time ${CLIENT_CPUS:+taskset -c "$CLIENT_CPUS"} timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \

@@ -7,7 +7,7 @@
 # The server also traces each stream (DSPARK_REQUEST_TRACE) and the client keeps its records
 # (--save-requests): bench/request_phases.py prints where a request's time went.
 #
-#   C=256 bash bench/device_serve_profile.sh [serve arguments...]
+#   C=256 bash bench/device_serve_profile.sh [serve arguments...]     (SPREAD=0.5: spread lengths)
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
@@ -28,7 +28,7 @@ python3 -m dspark.cli serve "$MODEL" --port 8290 \
 pid=$!
 wait_healthy 8290 "$pid" || echo "the server did not come up"
 python3 -m dspark.cli bench serve --base-url http://127.0.0.1:8290 --prompts-dir "$PROMPTS" \
-  --sources gsm8k,alpaca,vicuna --output-len 256 --concurrency "$C" --num-prompts $((4 * C)) \
+  --sources gsm8k,alpaca,vicuna --output-len 256 ${SPREAD:+--output-len-spread "$SPREAD"} --concurrency "$C" --num-prompts $((4 * C)) \
   --no-plot --save-requests --out "$OUT/served.json" 2>&1 | tail -2
 curl -s http://127.0.0.1:8290/metrics | python3 -c "
 import sys

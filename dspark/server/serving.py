@@ -236,6 +236,7 @@ async def stream_response(
     `trace` (DSPARK_REQUEST_TRACE): the request's timestamps so far, completed here and
     written by `tracer` when the stream ends."""
     writer = StreamWriter(prep, model)
+    last = ""  # the last choices' event, sent with the usage and [DONE] in one write
     try:
         try:
             async for batch in stream.updates():
@@ -246,16 +247,18 @@ async def stream_response(
                 choices = [c for c in choices if c is not None]
                 if trace is not None:
                     _trace_batch(trace, batch, bool(choices))
-                if choices:
+                if choices and stream.is_done:
+                    last = writer.sse(choices)
+                elif choices:
                     yield writer.sse(choices)
         except Exception as e:  # noqa: BLE001 - this request fails alone; others go on
             logger.exception("request %s failed while streaming", prep.request_id)
             stream.close()
-            for text in writer.failed(f"{type(e).__name__}: {e}"):
-                yield text
-        if prep.include_usage:
-            yield writer.usage_chunk()
-        yield "data: [DONE]\n\n"
+            last += "".join(writer.failed(f"{type(e).__name__}: {e}"))
+        # each yield is one write through h11 and the socket (some 30-50 us of the event
+        # loop's time): the stream's end goes out as one
+        usage_chunk = writer.usage_chunk() if prep.include_usage else ""
+        yield f"{last}{usage_chunk}data: [DONE]\n\n"
         if trace is not None:
             trace["last_chunk"] = time.monotonic()
             tracer.write(trace)

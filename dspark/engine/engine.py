@@ -50,6 +50,7 @@ from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
 from dspark.engine.scheduler import Scheduler
 from dspark.engine.stats_log import StatsLogger
+from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
@@ -57,7 +58,6 @@ from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import CompletionOutput, DeltaOutput, FinalInfo, RequestOutput
 from dspark.request import FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
-from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
@@ -327,8 +327,8 @@ class LLMEngine:
                       "graph_steps", "eager_steps")}  # fmt: skip
         # plain steps beside them: the eager ones by reason, those that admitted prefills;
         # Triton compiles that steps met (kernels/compile_watch.py)
-        m["steps"].update({k: n for k, n in stats.items()
-                           if k.startswith(("eager_steps_", "mixed_decode_steps", "triton_"))})  # fmt: skip
+        prefixes = ("eager_steps_", "mixed_decode_steps", "triton_")
+        m["steps"].update({k: n for k, n in stats.items() if k.startswith(prefixes)})
         m["async_spec_steps"] = {
             "launched_ahead": stats["spec_steps_launched_ahead"],
             "continuation_windows": stats["continuation_windows"],

@@ -209,7 +209,7 @@ class StreamWriter:
         cursor.is_started, cursor.is_ended, cursor.final = True, final is not None, final
         return chunk
 
-    def failed(self, reason: str) -> list[str]:
+    def failed(self, reason: str) -> str:
         """Every unfinished choice ends with finish_reason "error", then an error event."""
         indices = range(len(self.prep.subs))
         choices = [
@@ -218,7 +218,7 @@ class StreamWriter:
             if not self.cursors.get(i, _Cursor()).is_ended
         ]
         error = error_body(500, reason, code="request_failed")
-        return [self.sse(choices), f"data: {json.dumps(error)}\n\n"]
+        return f"{self.sse(choices)}data: {json.dumps(error)}\n\n"
 
     def usage_chunk(self) -> str:
         finals = [c.final for c in self.cursors.values() if c.final is not None]
@@ -254,7 +254,7 @@ async def stream_response(
         except Exception as e:  # noqa: BLE001 - this request fails alone; others go on
             logger.exception("request %s failed while streaming", prep.request_id)
             stream.close()
-            last += "".join(writer.failed(f"{type(e).__name__}: {e}"))
+            last += writer.failed(f"{type(e).__name__}: {e}")
         # each yield is one write through h11 and the socket (some 30-50 us of the event
         # loop's time): the stream's end goes out as one
         usage_chunk = writer.usage_chunk() if prep.include_usage else ""

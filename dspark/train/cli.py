@@ -162,6 +162,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from dspark.llm import LLM
     from dspark.train.calibrate import calibrate_drafter, format_ece_table
     from dspark.train.data import held_out_texts, load_file_prompts, read_prompts
+    from dspark.train.rollouts import full_block_spec
 
     if args.data_dir is not None:
         prompts = read_prompts(args.data_dir)
@@ -170,7 +171,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     held_out = held_out_texts(prompts, "calib")
     texts = [t for rows in held_out.values() for t in rows[: args.prompts_per_source]]
     llm = LLM(args.target, dtype=args.dtype, device=args.device,
-              speculative_config={"method": "dspark", "model": str(args.drafter)},
+              speculative_config=full_block_spec(args.drafter),
               **_engine_kwargs(args))  # fmt: skip
     report = calibrate_drafter(llm, args.drafter, texts, args.temperature, args.max_tokens,
                                args.seed, not args.no_progress,

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 from dspark.llm import LLM
 from dspark.train.calibrate import ece_per_position, load_calibration
-from dspark.train.rollouts import ConfidenceRecorder, record_confidences, rollout
+from dspark.train.rollouts import (
+    ConfidenceRecorder,
+    record_confidences,
+    require_full_blocks,
+    rollout,
+)
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -59,9 +64,7 @@ def evaluate_drafter(
     progress: bool = True,
 ) -> dict:  # fmt: skip
     """{"T=<t>": {source: acceptance, "macro_tau": mean over sources, "ece": ...}}."""
-    spec = llm.engine.spec
-    if spec is None:
-        raise ValueError("evaluate needs an LLM with speculative_config")
+    spec = require_full_blocks(llm, "evaluate")
     has_conf = spec.drafter.confidence is not None
     results: dict[str, dict] = {}
     for temperature in config.temperatures:

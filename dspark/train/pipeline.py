@@ -56,6 +56,7 @@ from dspark.train.data import REGENERATE_DONE_FILE, held_out_texts, read_prompts
 from dspark.train.dataset import load_sequences
 from dspark.train.evaluate import EvalConfig, compare, evaluate_drafter, format_results
 from dspark.train.regenerate import RegenerateConfig, regenerate
+from dspark.train.rollouts import full_block_spec
 from dspark.train.trainer import TRAIN_DONE_FILE, TrainConfig, Trainer, build_drafter
 
 logger = logging.getLogger(__name__)
@@ -174,10 +175,7 @@ def _log_run(work_dir: Path, stage: str, seconds: float, device: torch.device, d
 def _llm(config: PipelineConfig, speculative: bool = False) -> LLM:
     kwargs = dict(config.engine)
     if speculative:  # full-block verification (the confidence recorder observes every step)
-        kwargs["speculative_config"] = {
-            "method": "dspark", "model": str(config.drafter_dir),
-            "num_speculative_tokens": config.train.draft_len,
-        }  # fmt: skip
+        kwargs["speculative_config"] = full_block_spec(config.drafter_dir, config.train.draft_len)
     return LLM(config.target, dtype=config.dtype, device=config.device, **kwargs)
 
 

@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -62,17 +63,41 @@ class ConfidenceRecorder:
         return logits, labels.float()
 
 
+def full_block_spec(drafter: str | Path, draft_len: int | None = None) -> dict:
+    """The speculative_config of calibration and evaluation: every step drafts and verifies the
+    whole block. Scheduling is off, so a cost table beside the drafter (a shipped drafter has
+    one) cannot turn drafting off for some steps and bias tau and the labels."""
+    spec = {"method": "dspark", "model": str(drafter), "scheduling": False}
+    if draft_len is not None:
+        spec["num_speculative_tokens"] = draft_len
+    return spec
+
+
+def require_full_blocks(llm: LLM, purpose: str) -> SpecDecoder:
+    """The engine's SpecDecoder, checked to verify the full block at every step."""
+    spec: SpecDecoder | None = llm.engine.spec
+    if spec is None:
+        raise ValueError(f"{purpose} needs an LLM with speculative_config")
+    if spec.num_verify != spec.draft_len:
+        raise ValueError(
+            f"{purpose} needs full-block verification: num_speculative_tokens is "
+            f"{spec.num_verify}, the drafter drafts {spec.draft_len}"
+        )
+    if llm.engine.policy is not None:
+        raise ValueError(
+            f"{purpose} needs full-block verification, but the engine decides drafting per "
+            f"step ({llm.engine.scheduling_status}): build it with speculative_config "
+            f'"scheduling": false (full_block_spec)'
+        )
+    return spec
+
+
 @contextlib.contextmanager
 def record_confidences(llm: LLM) -> Iterator[ConfidenceRecorder]:
     """Record every full-block verify step the engine runs inside the `with` block."""
-    spec: SpecDecoder | None = llm.engine.spec
-    if spec is None or spec.drafter.confidence is None:
-        raise ValueError("recording confidences needs speculation with a confidence head")
-    if spec.num_verify != spec.draft_len:
-        raise ValueError(
-            f"calibration labels need full-block verification: num_speculative_tokens is "
-            f"{spec.num_verify}, the drafter drafts {spec.draft_len}"
-        )
+    spec = require_full_blocks(llm, "calibration")
+    if spec.drafter.confidence is None:
+        raise ValueError("recording confidences needs a drafter with a confidence head")
     recorder = ConfidenceRecorder(spec.draft_len)
     spec.observers.append(recorder)
     try:

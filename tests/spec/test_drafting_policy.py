@@ -413,3 +413,38 @@ def test_a_batch_that_samples_is_priced_by_the_sampled_cells():
     assert greedy_only.decide(["r0"], sampled=True).drafting
     assert greedy_only.counters["sampled_priced_by_greedy_cells"] == 1
     assert _policy(CostTable({}, dict(TABLE.cells), {1: sampled[1]})).sampled_table is None
+
+
+def test_calibration_and_evaluation_verify_full_blocks_beside_a_shipped_table(
+    tiny_vocab_dir, drafter, tmp_path
+):
+    """A drafter shipped with a cost table for this engine schedules drafting by default; the
+    train package's rollouts must not, or plain steps would drop out of tau and the labels."""
+    import shutil
+
+    from dspark.train.evaluate import EvalConfig, evaluate_drafter
+    from dspark.train.rollouts import full_block_spec, record_confidences
+
+    own = tmp_path / "drafter"
+    shutil.copytree(drafter, own)
+    probe = LLM(str(tiny_vocab_dir), speculative_config=full_block_spec(own), **KW)
+    (own / "cost_tables").mkdir()
+    window = probe.engine.spec.draft_len + 1
+    cells = {g: {g: 1e-3, g * window: 5e-3} for g in (1, 2, 4)}
+    table = CostTable(probe.engine.cost_fingerprint(), cells).to_json()
+    (own / "cost_tables" / "this_engine.json").write_text(table)
+    scheduled = LLM(str(tiny_vocab_dir), speculative_config={"model": str(own)}, **KW)
+    assert scheduled.engine.policy is not None
+    with pytest.raises(ValueError, match=r"calibration needs full-block verification.*drafting "
+                       r"policy, cost table .*this_engine.json"):  # fmt: skip
+        with record_confidences(scheduled):
+            pass
+    with pytest.raises(ValueError, match="evaluate needs full-block verification"):
+        evaluate_drafter(scheduled, {"a": ["hi"]}, EvalConfig(max_tokens=4), str(own), False)
+    full = LLM(str(tiny_vocab_dir), speculative_config=full_block_spec(own), **KW)
+    assert full.engine.policy is None
+    with record_confidences(full) as recorder:
+        full.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                      use_tqdm=False)  # fmt: skip
+    steps = full.get_metrics()["num_drafts"]
+    assert steps > 0 and recorder.blocks()[0].shape[0] + recorder.num_censored == steps

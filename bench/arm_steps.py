@@ -1,10 +1,20 @@
-"""Print each arm's steps by path and eager fallbacks per level from a `dspark bench` JSON.
+"""Print each arm's steps by path and eager fallbacks per level from a `dspark bench` JSON, and
+per repeat its throughput with the GPU's SM clock and temperature before and after it (where
+the bench could read them: dspark/benchmarks/gpu_state.py).
 
 python bench/arm_steps.py bench/results/.../bench_arms_waves.json
 """
 
 import json
 import sys
+
+
+def clocks(state):
+    """ "1980 MHz 41 C" for one reading, "-" where there was none."""
+    if not state:
+        return "-"
+    return f"{state.get('sm_clock_mhz')} MHz {state.get('temperature_c')} C"
+
 
 for path in sys.argv[1:]:
     d = json.load(open(path))
@@ -15,3 +25,8 @@ for path in sys.argv[1:]:
             print(f"{arm:>12} C={c:<4} {tps:>9.0f} tok/s"
                   f"  tau {s.get('mean_acceptance_length') or 0:.2f}  steps {s.get('steps', {})}"
                   f"  fallbacks {s.get('fallbacks', {})}")  # fmt: skip
+            states = level.get("gpu_state_runs") or []
+            for i, (run, state) in enumerate(zip(level["output_tokens_per_s_runs"], states)):
+                if state and (state.get("before") or state.get("after")):
+                    print(f"{'':>12} repeat {i}: {run:>9.0f} tok/s, GPU "
+                          f"{clocks(state.get('before'))} -> {clocks(state.get('after'))}")

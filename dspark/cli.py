@@ -89,8 +89,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
+    from dspark.benchmarks.gpu_state import describe, read_gpu_state
     from dspark.llm import LLM
     from dspark.spec.cost_table import flatness_reason
     from dspark.spec.profile import format_table, profile_cost_table
@@ -108,8 +110,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
         batches = (
             graphs.sizes if graphs else [1 << i for i in range(args.max_num_seqs.bit_length())]
         )
+    device = llm.engine.device
+    before = read_gpu_state(device)
     table = profile_cost_table(llm, batches, steps=args.steps, warmup=args.warmup,
                                rounds=args.rounds, sampled=not args.greedy_only)  # fmt: skip
+    after = read_gpu_state(device)
+    if before is not None or after is not None:
+        # a table read on a GPU whose clocks are held down by heat or power reads high
+        print(f"GPU before: {describe(before)}\nGPU after:  {describe(after)}", file=sys.stderr)
+        table = replace(table, measured={"gpu_state_before": before, "gpu_state_after": after})
     print(format_table(table, llm.engine.spec.num_verify))
     why = flatness_reason(table)
     if why:

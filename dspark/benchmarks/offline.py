@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.benchmarks.gpu_state import read_gpu_state
 from dspark.benchmarks.hf_peer import (
     CACHE_IMPLEMENTATIONS,
     HFPeerConfig,
@@ -431,6 +432,8 @@ def summarize_level(prompts: list[list[int]], runs: list[dict], concurrency: int
         "ttft_ms": percentiles_ms([t for r in runs for t in r["ttft"]]),
         "tpot_ms": percentiles_ms([t for r in runs for t in r["tpot"]]),
         "num_preemptions": sum(r["preemptions"] for r in runs),
+        # per repeat, the GPU's clocks before and after it (None where nvidia-smi cannot say)
+        "gpu_state_runs": [r.get("gpu_state") for r in runs],
     }
 
 
@@ -501,9 +504,11 @@ def run_level(
                              config.seed)  # fmt: skip
     for _ in range(config.repeats):
         for name, llm in llms.items():
-            runs[name].append(
-                run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)
-            )
+            device = llm.engine.device
+            before_run = read_gpu_state(device)  # clocks and heat, outside the timed window
+            run = run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)
+            run["gpu_state"] = {"before": before_run, "after": read_gpu_state(device)}
+            runs[name].append(run)
     levels = {}
     c = concurrency or len(prompts)
     for name, llm in llms.items():

@@ -51,6 +51,9 @@ class CostTable:
     fingerprint: dict
     cells: dict[int, dict[int, float]]  # G -> V -> seconds per step, greedy requests
     sampled_cells: dict[int, dict[int, float]] | None = None  # the same, at temperature 1
+    # how the cells were measured (the GPU's clocks before and after: gpu_state.py); a record
+    # for people, never authenticated or used by the engine
+    measured: dict | None = None
 
     def step_seconds(self, g: int, v: int) -> float | None:
         """The measured time of cell (G, V), or None if it was not measured."""
@@ -70,6 +73,8 @@ class CostTable:
         raw = {"fingerprint": self.fingerprint, "cells": encode(self.cells)}
         if self.sampled_cells is not None:
             raw["sampled_cells"] = encode(self.sampled_cells)
+        if self.measured is not None:
+            raw["measured"] = self.measured
         return json.dumps(raw, indent=1)
 
 
@@ -162,7 +167,7 @@ def parse_table(text: str) -> CostTable:
         raise ValueError(f"malformed cost table: {type(e).__name__}: {e}") from None
     if not isinstance(fingerprint, dict):
         raise ValueError("malformed cost table: fingerprint is not an object")
-    return CostTable(fingerprint, parsed, sampled)
+    return CostTable(fingerprint, parsed, sampled, raw.get("measured"))
 
 
 def load_cost_table(path: str | Path, live: dict) -> tuple[CostTable | None, str | None]:

@@ -26,7 +26,8 @@ for path in sys.argv[1:]:
                   f"  tau {s.get('mean_acceptance_length') or 0:.2f}  steps {s.get('steps', {})}"
                   f"  fallbacks {s.get('fallbacks', {})}")  # fmt: skip
             states = level.get("gpu_state_runs") or []
-            for i, (run, state) in enumerate(zip(level["output_tokens_per_s_runs"], states)):
+            runs = level["output_tokens_per_s_runs"]
+            for i, (run, state) in enumerate(zip(runs, states, strict=False)):  # older: none
                 if state and (state.get("before") or state.get("after")):
                     print(f"{'':>12} repeat {i}: {run:>9.0f} tok/s, GPU "
                           f"{clocks(state.get('before'))} -> {clocks(state.get('after'))}")

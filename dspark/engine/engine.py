@@ -265,6 +265,7 @@ class LLMEngine:
             table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
             unobserved=spec_config.unobserved,
             fit_persistence=spec_config.persistence,
+            min_dwell_steps=spec_config.dwell_steps,
             trimmed_widths=self.runner.spec_runner.trimmed_widths,
             realised_costs=RealisedCosts() if spec_config.realised_costs else None,
         )  # fmt: skip

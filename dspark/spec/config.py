@@ -3,7 +3,7 @@
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
-     "persistence": true, "scheduler": "lagged"}
+     "persistence": true, "scheduler": "lagged", "dwell_steps": 8}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -37,6 +37,11 @@ the full block, or the policy's trimmed cell filled on the device, DSPARK.md 6.3
 "sync" (Algorithm 1 with early stop on the host, from the step's own survivals, each length
 priced by the cost table's cells: spec/planner.py; a second host sync per drafting step, so it
 runs eagerly, without CUDA graphs: a reference and a fallback).
+"dwell_steps" (default 8) is how many plain steps the policy keeps drafting off once it turned
+it off, one of its two guards against flapping (drafting_policy.py). At concurrency 1 on the H200
+the policy drafted 1,119 of 1,703 steps against fixed K = 7's every step, at 0.91x its
+throughput (docs/PERFORMANCE.md, seventeenth look): 56 periods off, about 10 plain steps each.
+It is a key so that a benchmark's arms can compare values side by side.
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
@@ -51,7 +56,7 @@ from typing import Any
 METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
         "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
-        "persistence", "scheduler")  # fmt: skip
+        "persistence", "scheduler", "dwell_steps")  # fmt: skip
 SCHEDULERS = ("lagged", "sync")
 UNOBSERVED = ("confident", "population")
 
@@ -72,6 +77,7 @@ class SpecConfig:
     realised_costs: bool = True  # scale the table by realised step times (realised_costs.py)
     persistence: bool = True  # fit how far a row's own survivals predict its next block
     scheduler: str = "lagged"  # who chooses verify lengths (SCHEDULERS; module docstring)
+    dwell_steps: int = 8  # plain steps drafting stays off once the policy turned it off
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -122,13 +128,18 @@ class SpecConfig:
         realised = _flag(d, "realised_costs", True)
         persistence = _flag(d, "persistence", True)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
+        dwell = d.get("dwell_steps", 8)
+        if isinstance(dwell, bool) or not isinstance(dwell, int) or not 0 <= dwell <= 10_000:
+            raise ValueError(
+                f'speculative_config "dwell_steps" must be an integer in [0, 10000], got {dwell!r}'
+            )
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
                    min_gain=float(gain), scheduling=scheduling, unobserved=unobserved,
                    mixed_prefill_tokens=mixed,
                    trimmed_widths=tuple(sorted(set(widths))),
                    realised_costs=realised, persistence=persistence,
-                   scheduler=scheduler)  # fmt: skip
+                   scheduler=scheduler, dwell_steps=dwell)  # fmt: skip
 
 
 def _flag(d: dict[str, Any], key: str, default: bool) -> bool:

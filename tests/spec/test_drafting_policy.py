@@ -319,6 +319,24 @@ def test_engine_fits_persistence_unless_told_not_to(tiny_vocab_dir, drafter, tmp
         LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, persistence="no"), **KW)
 
 
+def test_the_dwell_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    assert probe.engine.config.spec().dwell_steps == 8  # the default
+    costly = _write_table(tmp_path / "costly.json", probe, 1e-3, 5e-3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    counters = {}
+    for dwell in (0, 8):
+        spec = _spec(drafter, cost_table=str(costly), dwell_steps=dwell)
+        llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+        assert llm.engine.policy.min_dwell_steps == dwell
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        counters[dwell] = llm.get_metrics()["drafting_policy"]
+    assert counters[8]["decision_dwell"] >= 7 and "decision_dwell" not in counters[0]
+    for bad in (-1, 1.5, True, 10_001):
+        with pytest.raises(ValueError, match=r'"dwell_steps" must be an integer in \[0, 10000\]'):
+            LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, dwell_steps=bad), **KW)
+
+
 def test_speculation_metrics_add_up(tiny_vocab_dir, drafter):
     llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
     llm.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)

@@ -92,7 +92,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from dspark.benchmarks.gpu_state import describe, read_gpu_state
+    from dspark.benchmarks.gpu_state import describe, held_down, read_gpu_state
     from dspark.llm import LLM
     from dspark.spec.cost_table import flatness_reason
     from dspark.spec.profile import format_table, profile_cost_table
@@ -118,6 +118,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if before is not None or after is not None:
         # a table read on a GPU whose clocks are held down by heat or power reads high
         print(f"GPU before: {describe(before)}\nGPU after:  {describe(after)}", file=sys.stderr)
+        reasons = sorted(set(held_down(before) + held_down(after)))
+        if reasons:
+            print(
+                f"dspark profile: the GPU's clocks were held down ({', '.join(reasons)}): its "
+                f"cells may read high; let the GPU cool and profile again",
+                file=sys.stderr,
+            )
         table = replace(table, measured={"gpu_state_before": before, "gpu_state_after": after})
     print(format_table(table, llm.engine.spec.num_verify))
     why = flatness_reason(table)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.benchmarks.gpu_state import describe, parse_query_line, read_gpu_state
+from dspark.benchmarks.gpu_state import describe, held_down, parse_query_line, read_gpu_state
 from dspark.spec.cost_table import CostTable, parse_table
 
 
@@ -21,6 +21,9 @@ def test_a_held_down_gpu_names_its_reasons():
     state = parse_query_line("1755, 1980, 3201, 83, 689.10, 0x0000000000000024")
     assert state["clock_event_reasons"] == ["sw_power_cap", "sw_thermal_slowdown"]
     assert describe(state).endswith("reasons: sw_power_cap, sw_thermal_slowdown")
+    assert held_down(state) == ["sw_power_cap", "sw_thermal_slowdown"]
+    assert held_down(parse_query_line("210, 1980, 3201, 30, 70, 0x1")) == []  # idle is not
+    assert held_down(None) == []
     # a bit NVML did not define when this was written is kept, in hex
     assert parse_query_line("1, 2, 3, 4, 5, 0x1001")["clock_event_reasons"] == [
         "gpu_idle", "0x1000"

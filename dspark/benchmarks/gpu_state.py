@@ -115,6 +115,18 @@ def read_gpu_state(device: torch.device | str) -> dict | None:
     return None
 
 
+# reasons that hold the clocks below what the GPU would otherwise run at under load (idle,
+# application clocks and sync boost are not a measurement's concern)
+HELD_DOWN = ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+             "hw_power_brake_slowdown")  # fmt: skip
+
+
+def held_down(state: dict | None) -> list[str]:
+    """The reasons in `state` that held the clocks down (empty when none or unknown)."""
+    reasons = (state or {}).get("clock_event_reasons") or []
+    return [r for r in reasons if r in HELD_DOWN]
+
+
 def describe(state: dict | None) -> str:
     """One line for a log: "SM 1980 / 1980 MHz, 41 C, 118.5 W, reasons: none"."""
     if state is None:

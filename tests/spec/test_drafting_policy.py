@@ -332,6 +332,15 @@ def test_the_dwell_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_p
         llm.generate(PROMPTS, params, use_tqdm=False)
         counters[dwell] = llm.get_metrics()["drafting_policy"]
     assert counters[8]["decision_dwell"] >= 7 and "decision_dwell" not in counters[0]
+    # without a dwell, near break-even, drafting turns off and on again within a request: the
+    # drafter's context after each plain stretch must still give the target's greedy tokens
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS, params, use_tqdm=False)
+    edge = _write_table(tmp_path / "edge.json", probe, 1e-3, 1.2e-3)
+    spec = _spec(drafter, cost_table=str(edge), dwell_steps=0, min_gain=0.0)
+    flapping = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    got = flapping.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert flapping.get_metrics()["drafting_policy"]["drafting_switches"] >= 4
     for bad in (-1, 1.5, True, 10_001):
         with pytest.raises(ValueError, match=r'"dwell_steps" must be an integer in \[0, 10000\]'):
             LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, dwell_steps=bad), **KW)

@@ -89,6 +89,8 @@ def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
     """Two panels over the levels: output tokens/s (and goodput); TTFT, TPOT, ITL median/p99."""
     from matplotlib.figure import Figure
 
+    from dspark.benchmarks.plot import save_png
+
     results = json.loads(Path(json_path).read_text())
     levels = results["levels"]
     xs = list(range(len(levels)))  # evenly spaced, labelled with the levels (a rate may be inf)
@@ -124,7 +126,4 @@ def plot_results(json_path: str | Path, png_path: str | Path) -> Path:
         f"{results.get('git_commit') or 'no commit'})",
         fontsize=9,
     )
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=120)
-    return png_path
+    return save_png(fig, Path(png_path), dpi=120)

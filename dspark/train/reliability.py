@@ -36,6 +36,8 @@ def plot_reliability(report: dict, path: Path) -> Path:
     """One panel per section (sampled, greedy), one line per position; needs "reliability"."""
     from matplotlib.figure import Figure
 
+    from dspark.benchmarks.plot import save_png
+
     sections = [("sampled", report)] + (
         [("greedy", report["greedy"])] if "greedy" in report else []
     )
@@ -58,5 +60,4 @@ def plot_reliability(report: dict, path: Path) -> Path:
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return save_png(fig, Path(path), dpi=110)

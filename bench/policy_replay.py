@@ -46,6 +46,8 @@ from dspark.benchmarks.prompts import default_prompts_dir, load_prompts
 from dspark.models.loader import default_model_path
 from dspark.spec.cost_table import CostTable, full_block_tokens, parse_table
 
+MAX_MODEL_LEN = 1024  # the benchmark's prompts and 256 tokens fit
+
 
 def tables(gpu: CostTable, fingerprint: dict, draft_len: int, folder: Path) -> dict[str, Path]:
     """The GPU table's cells under this engine's fingerprint, and the never / always drafting
@@ -94,8 +96,6 @@ def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
         "policy": dict(m.get("drafting_policy", {})), "cpu_seconds": time.perf_counter() - start,
     }  # fmt: skip
 
-
-MAX_MODEL_LEN = 1024
 
 
 def main() -> int:

@@ -25,6 +25,8 @@ for path in sys.argv[1:]:
             print(f"{arm:>12} C={c:<4} {tps:>9.0f} tok/s"
                   f"  tau {s.get('mean_acceptance_length') or 0:.2f}  steps {s.get('steps', {})}"
                   f"  fallbacks {s.get('fallbacks', {})}")  # fmt: skip
+            if s.get("async_spec_steps"):
+                print(f"{'':>12} async spec steps {s['async_spec_steps']}")
             states = level.get("gpu_state_runs") or []
             runs = level["output_tokens_per_s_runs"]
             for i, (run, state) in enumerate(zip(runs, states, strict=False)):  # older: none

@@ -428,3 +428,10 @@ def test_a_levels_speculation_is_the_metrics_delta_with_the_policys_end_state():
     assert d["drafting_policy"] == {"steps_drafting": 15, "steps_not_drafting": 4}
     assert d["survival_correction"] == 0.9
     assert d["realised_cost_ratios"] == {"G=64 V=512 greedy": 1.4}
+    assert "async_spec_steps" not in d  # an engine that does not report them
+    before["async_spec_steps"] = {"launched_ahead": 5, "not_ahead": {"after_plain_step": 2}}
+    after["async_spec_steps"] = {"launched_ahead": 12, "continuation_windows": 3,
+                                 "not_ahead": {"after_plain_step": 2, "drafting_off": 1}}
+    assert _spec_delta(before, after)["async_spec_steps"] == {
+        "launched_ahead": 7, "not_ahead": {"drafting_off": 1}
+    }  # fmt: skip

@@ -460,6 +460,14 @@ def _spec_delta(before: dict, after: dict) -> dict:
     for key in ("steps", "fallbacks"):  # this level's steps by path, eager ones by reason
         b, a = before.get(key, {}), after.get(key, {})
         d[key] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}
+    if "async_spec_steps" in after:  # drafting steps launched ahead, and why others were not
+        b, a = before.get("async_spec_steps", {}), after["async_spec_steps"]
+        d["async_spec_steps"] = {
+            "launched_ahead": a["launched_ahead"] - b.get("launched_ahead", 0),
+            "not_ahead": {k: n - b.get("not_ahead", {}).get(k, 0)
+                          for k, n in a["not_ahead"].items()
+                          if n - b.get("not_ahead", {}).get(k, 0)},
+        }  # fmt: skip
     if "drafting_policy" in after:  # steps with and without drafting at this level
         b, a = before.get("drafting_policy", {}), after["drafting_policy"]
         d["drafting_policy"] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}

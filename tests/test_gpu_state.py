@@ -61,3 +61,33 @@ def test_a_cost_table_keeps_how_it_was_measured():
     again = parse_table(table.to_json())
     assert again == table and again.measured == measured
     assert "measured" not in CostTable(fingerprint, {1: {1: 1e-3}}).to_json()
+
+
+def test_nvidia_smi_is_asked_by_uuid_then_index_and_either_reasons_field(tmp_path, monkeypatch):
+    """The reader's fallbacks, against a stand-in nvidia-smi on PATH that knows the GPU only by
+    index and only the reasons field's older name (what an older driver answers)."""
+    import types
+
+    calls = tmp_path / "calls.txt"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"""#!/bin/sh
+echo "$1 $4" >> {calls}
+[ "$4" = "0" ] || {{ echo "No devices were found" >&2; exit 6; }}
+case "$1" in *clocks_event_reasons*) echo "Field is not a valid field" >&2; exit 2;; esac
+echo "1755, 1980, 3201, 83, 689.10, 0x0000000000000024"
+""")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(uuid="8f2c-11"))  # fmt: skip
+    state = read_gpu_state("cuda")
+    assert state["sm_clock_mhz"] == 1755 and state["temperature_c"] == 83
+    asked = [line.split() for line in calls.read_text().splitlines()]
+    assert [(q.rsplit(",", 1)[1], i) for q, i in asked] == [
+        ("clocks_event_reasons.active", "GPU-8f2c-11"),
+        ("clocks_throttle_reasons.active", "GPU-8f2c-11"),
+        ("clocks_event_reasons.active", "0"),
+        ("clocks_throttle_reasons.active", "0"),
+    ]  # fmt: skip

@@ -79,14 +79,16 @@ def parse_query_line(line: str) -> dict:
     return state
 
 
-def _device_id(device: torch.device) -> str:
-    """nvidia-smi's -i for this CUDA device: its UUID (CUDA_VISIBLE_DEVICES may renumber)."""
+def _device_ids(device: torch.device) -> list[str]:
+    """nvidia-smi's -i for this CUDA device: its UUID (CUDA_VISIBLE_DEVICES may renumber), then
+    its index (right when nothing renumbers), for a driver that reads the UUID otherwise."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    ids = []
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    if uuid is None:
-        return str(index)
-    text = str(uuid)
-    return text if text.startswith("GPU-") else f"GPU-{text}"
+    if uuid is not None:
+        text = str(uuid)
+        ids.append(text if text.startswith("GPU-") else f"GPU-{text}")
+    return ids + [str(index)]
 
 
 def read_gpu_state(device: torch.device | str) -> dict | None:
@@ -97,21 +99,23 @@ def read_gpu_state(device: torch.device | str) -> dict | None:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
-    gpu = _device_id(device)
-    for reasons in REASON_FIELDS:
-        cmd = [smi, f"--query-gpu={QUERY},{reasons}", "--format=csv,noheader,nounits", "-i", gpu]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            logger.debug("gpu state: %s failed: %s", smi, e)
-            return None
-        if done.returncode == 0 and done.stdout.strip():
+    for gpu in _device_ids(device):
+        for reasons in REASON_FIELDS:
+            query = f"--query-gpu={QUERY},{reasons}"
+            cmd = [smi, query, "--format=csv,noheader,nounits", "-i", gpu]
             try:
-                return parse_query_line(done.stdout.strip().splitlines()[0])
-            except ValueError as e:
-                logger.debug("gpu state: %s", e)
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                logger.debug("gpu state: %s failed: %s", smi, e)
                 return None
-    logger.debug("gpu state: nvidia-smi answered %s: %s", done.returncode, done.stderr.strip())
+            if done.returncode == 0 and done.stdout.strip():
+                try:
+                    return parse_query_line(done.stdout.strip().splitlines()[0])
+                except ValueError as e:
+                    logger.debug("gpu state: %s", e)
+                    return None
+            logger.debug("gpu state: nvidia-smi -i %s answered %s: %s", gpu, done.returncode,
+                         done.stderr.strip())  # fmt: skip
     return None
 
 

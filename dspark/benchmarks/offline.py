@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.benchmarks.gpu_state import read_gpu_state
+from dspark.benchmarks.gpu_state import held_down, read_gpu_state
 from dspark.benchmarks.hf_peer import (
     CACHE_IMPLEMENTATIONS,
     HFPeerConfig,
@@ -516,6 +516,13 @@ def run_level(
             before_run = read_gpu_state(device)  # clocks and heat, outside the timed window
             run = run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)
             run["gpu_state"] = {"before": before_run, "after": read_gpu_state(device)}
+            held = sorted(set(held_down(before_run) + held_down(run["gpu_state"]["after"])))
+            if held:  # a repeat that ran on held-down clocks reads slow: say so beside it
+                print(
+                    f"{name} C={concurrency or len(prompts)} repeat {len(runs[name])}: the "
+                    f"GPU's clocks were held down ({', '.join(held)})",
+                    file=sys.stderr,
+                )
             runs[name].append(run)
     levels = {}
     c = concurrency or len(prompts)

@@ -118,7 +118,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if before is not None or after is not None:
         # a table read on a GPU whose clocks are held down by heat or power reads high
         print(f"GPU before: {describe(before)}\nGPU after:  {describe(after)}", file=sys.stderr)
-        reasons = sorted(set(held_down(before) + held_down(after)))
+        reasons = held_down(before, after)
         if reasons:
             print(
                 f"dspark profile: the GPU's clocks were held down ({', '.join(reasons)}): its "

@@ -51,6 +51,8 @@ REASON_BITS = {
     0x100: "display_clock_setting",
 }
 TIMEOUT_S = 5.0
+# (nvidia-smi, device index) -> the (-i, reasons field) that answered
+_ANSWERED: dict[tuple[str, int | None], tuple[str, str]] = {}
 
 
 def parse_query_line(line: str) -> dict:
@@ -92,30 +94,33 @@ def _device_ids(device: torch.device) -> list[str]:
 
 
 def read_gpu_state(device: torch.device | str) -> dict | None:
-    """The GPU's state now, or None where it cannot be read (logged once at debug level)."""
+    """The GPU's state now, or None where it cannot be read (logged at debug level)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
-    for gpu in _device_ids(device):
-        for reasons in REASON_FIELDS:
-            query = f"--query-gpu={QUERY},{reasons}"
-            cmd = [smi, query, "--format=csv,noheader,nounits", "-i", gpu]
+    key = (smi, device.index)
+    tried = [(gpu, reasons) for gpu in _device_ids(device) for reasons in REASON_FIELDS]
+    if key in _ANSWERED:  # the -i and field that answered last time first (a bench reads often)
+        tried.insert(0, _ANSWERED[key])
+    for gpu, reasons in tried:
+        cmd = [smi, f"--query-gpu={QUERY},{reasons}", "--format=csv,noheader,nounits", "-i", gpu]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            logger.debug("gpu state: %s failed: %s", smi, e)
+            return None
+        if done.returncode == 0 and done.stdout.strip():
+            _ANSWERED[key] = (gpu, reasons)
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                logger.debug("gpu state: %s failed: %s", smi, e)
+                return parse_query_line(done.stdout.strip().splitlines()[0])
+            except ValueError as e:
+                logger.debug("gpu state: %s", e)
                 return None
-            if done.returncode == 0 and done.stdout.strip():
-                try:
-                    return parse_query_line(done.stdout.strip().splitlines()[0])
-                except ValueError as e:
-                    logger.debug("gpu state: %s", e)
-                    return None
-            logger.debug("gpu state: nvidia-smi -i %s answered %s: %s", gpu, done.returncode,
-                         done.stderr.strip())  # fmt: skip
+        logger.debug("gpu state: nvidia-smi -i %s answered %s: %s", gpu, done.returncode,
+                     done.stderr.strip())  # fmt: skip
     return None
 
 
@@ -125,10 +130,11 @@ HELD_DOWN = ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_s
              "hw_power_brake_slowdown")  # fmt: skip
 
 
-def held_down(state: dict | None) -> list[str]:
-    """The reasons in `state` that held the clocks down (empty when none or unknown)."""
-    reasons = (state or {}).get("clock_event_reasons") or []
-    return [r for r in reasons if r in HELD_DOWN]
+def held_down(*states: dict | None) -> list[str]:
+    """The reasons in any of `states` (before and after a measurement) that held the clocks
+    down, sorted, each once (empty when none or unknown)."""
+    reasons = {r for state in states for r in (state or {}).get("clock_event_reasons") or []}
+    return sorted(reasons & set(HELD_DOWN))
 
 
 def describe(state: dict | None) -> str:

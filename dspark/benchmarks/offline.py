@@ -462,12 +462,12 @@ def _spec_delta(before: dict, after: dict) -> dict:
         d[key] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}
     if "async_spec_steps" in after:  # drafting steps launched ahead, and why others were not
         b, a = before.get("async_spec_steps", {}), after["async_spec_steps"]
+        not_before = b.get("not_ahead", {})
+        not_ahead = {k: n - not_before.get(k, 0) for k, n in a["not_ahead"].items()}
         d["async_spec_steps"] = {
             "launched_ahead": a["launched_ahead"] - b.get("launched_ahead", 0),
-            "not_ahead": {k: n - b.get("not_ahead", {}).get(k, 0)
-                          for k, n in a["not_ahead"].items()
-                          if n - b.get("not_ahead", {}).get(k, 0)},
-        }  # fmt: skip
+            "not_ahead": {k: n for k, n in not_ahead.items() if n},
+        }
     if "drafting_policy" in after:  # steps with and without drafting at this level
         b, a = before.get("drafting_policy", {}), after["drafting_policy"]
         d["drafting_policy"] = {k: a[k] - b.get(k, 0) for k in a if a[k] - b.get(k, 0)}
@@ -516,7 +516,7 @@ def run_level(
             before_run = read_gpu_state(device)  # clocks and heat, outside the timed window
             run = run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)
             run["gpu_state"] = {"before": before_run, "after": read_gpu_state(device)}
-            held = sorted(set(held_down(before_run) + held_down(run["gpu_state"]["after"])))
+            held = held_down(before_run, run["gpu_state"]["after"])
             if held:  # a repeat that ran on held-down clocks reads slow: say so beside it
                 print(
                     f"{name} C={concurrency or len(prompts)} repeat {len(runs[name])}: the "

@@ -38,10 +38,8 @@ the full block, or the policy's trimmed cell filled on the device, DSPARK.md 6.3
 priced by the cost table's cells: spec/planner.py; a second host sync per drafting step, so it
 runs eagerly, without CUDA graphs: a reference and a fallback).
 "dwell_steps" (default 8) is how many plain steps the policy keeps drafting off once it turned
-it off, one of its two guards against flapping (drafting_policy.py). At concurrency 1 on the H200
-the policy drafted 1,119 of 1,703 steps against fixed K = 7's every step, at 0.91x its
-throughput (docs/PERFORMANCE.md, seventeenth look): 56 periods off, about 10 plain steps each.
-It is a key so that a benchmark's arms can compare values side by side.
+it off, one of its two guards against flapping (drafting_policy.py); a key so that a
+benchmark's arms can compare values side by side (docs/PERFORMANCE.md, seventeenth look).
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).

@@ -201,7 +201,7 @@ def engine_stream(
     """The engine alone, no HTTP, as the server drives it: outputs "delta" (a DeltaOutput
     per running request per step, incremental detokenization), C requests added at once as
     in the offline bench, the same prompts; output tokens/s per level."""
-    from dspark.benchmarks.offline import cycle, truncate
+    from dspark.benchmarks.offline_prompts import cycle, truncate
     from dspark.benchmarks.prompts import default_prompts_dir, load_prompts
     from dspark.config import EngineConfig
     from dspark.engine.engine import LLMEngine

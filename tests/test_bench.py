@@ -12,13 +12,9 @@ import pytest
 import torch
 
 from dspark.benchmarks.hf_peer import HFPeerConfig, left_pad, run_hf_sweep
-from dspark.benchmarks.offline import (
-    BenchConfig,
-    add_bench_parser,
-    parse_arms,
-    parse_concurrency,
-    truncate,
-)
+from dspark.benchmarks.offline import add_bench_parser
+from dspark.benchmarks.offline_config import BenchConfig, parse_arms, parse_concurrency
+from dspark.benchmarks.offline_prompts import truncate
 from dspark.benchmarks.prompts import (
     SOURCES,
     default_prompts_dir,
@@ -316,7 +312,7 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_an_arm_sets_its_own_engine_options():
-    from dspark.benchmarks.offline import split_arm
+    from dspark.benchmarks.offline_config import split_arm
 
     ahead = {"method": "dspark", "engine": {"async_spec_steps": True}}
     assert split_arm(ahead) == ({"method": "dspark"}, {"async_spec_steps": True})
@@ -414,7 +410,7 @@ def test_git_state_names_the_commit_given_in_the_environment(monkeypatch):
 
 
 def test_a_levels_speculation_is_the_metrics_delta_with_the_policys_end_state():
-    from dspark.benchmarks.offline import _spec_delta
+    from dspark.benchmarks.offline_level import _spec_delta
 
     before = {"num_drafts": 10, "num_draft_tokens": 70, "num_accepted_tokens": 15,
               "steps": {"spec_graph_steps": 10}, "drafting_policy": {"steps_drafting": 10}}

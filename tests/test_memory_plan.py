@@ -7,8 +7,8 @@ from pathlib import Path
 
 import dspark.drafters
 from dspark.config import EngineConfig
-from dspark.engine.engine import _verified_positions
 from dspark.engine.memory import SAMPLER_BUFFERS, sampler_bytes
+from dspark.engine.spec_setup import verified_positions
 
 
 def test_the_sampler_reserve_counts_every_verified_position():
@@ -21,5 +21,5 @@ def test_the_sampler_reserve_counts_every_verified_position():
 
 def test_verified_positions_come_from_the_drafter_block():
     shipped = Path(dspark.drafters.__file__).parent / "smollm2_135m_instruct"
-    assert _verified_positions(shipped) == 7 + 1
-    assert _verified_positions(None) == 1
+    assert verified_positions(shipped) == 7 + 1
+    assert verified_positions(None) == 1

@@ -190,7 +190,7 @@ def test_mixed_decode_graphs_replay_equals_eager(tiny_vocab_dir, temperature):
 def test_a_burst_threshold_from_the_environment(tiny_vocab_dir, monkeypatch):
     """DSPARK_BURST_REQUESTS=8: six waiting requests beside a decode row are no burst, so the
     step keeps the captured tail's caps; a bad value is refused with the variable named."""
-    from dspark.engine.scheduler import burst_requests_from_env
+    from dspark.engine.burst import burst_requests_from_env
 
     monkeypatch.setenv("DSPARK_BURST_REQUESTS", "8")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

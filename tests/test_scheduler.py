@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dspark.engine.kv_cache import SCRATCH_PAGE, PageAllocator
-from dspark.engine.scheduler import SampledTokens, Scheduler
+from dspark.engine.scheduler import Scheduler
+from dspark.engine.step_plan import SampledTokens
 from dspark.request import FinishReason, Request, RequestStatus
 from dspark.sampling_params import SamplingParams
 

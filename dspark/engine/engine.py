@@ -21,7 +21,7 @@ out K + 1 wide (uniform windows: on with speculative CUDA graphs): a drafting st
 launched behind a drafting step N still in flight. Its rows are windows of two kinds: a
 continuation, whose anchor is the last token its request's window in N emits, at position
 anchor_pos + num_accepted + 1, both known only on the device (the runner writes them into
-N+1's inputs there, spec_runner.write_continuations), or a request whose anchor is on the host.
+N+1's inputs there, runner/continuations.py), or a request whose anchor is on the host.
 The host reserves pages for the most N can emit. Anything the host needs N's count for finishes
 N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a plain step in
 flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens;
@@ -36,71 +36,38 @@ results, and the in-flight step is finished before it is scheduled.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from pathlib import Path
 
 from dspark.config import EngineConfig
-from dspark.drafters import SHIPPED, shipped_drafter
 from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
+from dspark.engine.reporting import report
 from dspark.engine.scheduler import Scheduler
+from dspark.engine.spec_metrics import spec_metrics
+from dspark.engine.spec_setup import (
+    build_policy,
+    build_spec,
+    drafter_layers,
+    resolve_drafter,
+    verified_positions,
+)
 from dspark.engine.stats_log import StatsLogger
 from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
-from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
-from dspark.outputs import CompletionOutput, DeltaOutput, FinalInfo, RequestOutput
+from dspark.outputs import DeltaOutput, RequestOutput
 from dspark.request import FinishReason, Request
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
-from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
-from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table, make_fingerprint
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.realised_costs import RealisedCosts
-from dspark.spec.spec_decoder import SpecDecoder
+from dspark.spec.cost_table import make_fingerprint
 
 logger = logging.getLogger(__name__)
-
-
-def _drafter_dir(config: EngineConfig, source: ModelSource) -> tuple[Path | None, str | None]:
-    """The configured drafter's directory and the target's weights hash (both None without
-    speculation): speculative_config's "model", else the drafter shipped for these weights."""
-    spec = config.spec()
-    if spec is None:
-        return None, None
-    target_hash = checkpoint_hash(source)
-    path = Path(spec.model) if spec.model else shipped_drafter(target_hash)
-    if path is None:
-        raise ValueError(
-            f'speculative_config has no "model" and no drafter ships for {source.path} '
-            f"(weights hash {target_hash}; shipped: {sorted(SHIPPED)}): pass the directory "
-            'of a DSpark drafter trained for it as "model" (dspark train makes one)'
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a DSpark drafter (no config.json)")
-    return path, target_hash
-
-
-def _drafter_config(drafter_dir: Path | None) -> dict:
-    """The drafter's config.json ({} without a drafter)."""
-    return {} if drafter_dir is None else json.loads((drafter_dir / "config.json").read_text())
-
-
-def _drafter_layers(drafter_dir: Path | None) -> int:
-    """Layers of the drafter (its KV shares the target's pages), 0 without one."""
-    return int(_drafter_config(drafter_dir).get("num_layers", 0))
-
-
-def _verified_positions(drafter_dir: Path | None) -> int:
-    """Positions a row's step samples or verifies at most: the drafter's block + 1, else 1."""
-    return int(_drafter_config(drafter_dir).get("draft_len", 0)) + 1
 
 
 class LLMEngine:
@@ -117,17 +84,20 @@ class LLMEngine:
             model_config, weights, self.dtype, self.device, backend
         )
         del weights
-        drafter_dir, target_hash = _drafter_dir(config, source)
+        drafter_dir, target_hash = resolve_drafter(config, source)
         self.kv_plan = plan_kv(
-            config, self.model, self.dtype, self.device, _drafter_layers(drafter_dir),
-            _verified_positions(drafter_dir),
+            config, self.model, self.dtype, self.device, drafter_layers(drafter_dir),
+            verified_positions(drafter_dir),
         )  # fmt: skip
         self.max_model_len = self.kv_plan.max_model_len
         kv_caches = allocate_kv_caches(
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
         )
         self.allocator = PageAllocator(self.kv_plan.num_pages)
-        self.spec = self._build_spec(drafter_dir, target_hash, backend)
+        self.spec = build_spec(
+            config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
+            drafter_dir, target_hash, backend,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.allocator,
             config.page_size,
@@ -166,7 +136,9 @@ class LLMEngine:
         self.scheduler.decode_mixed_limits = self.runner.decode_mixed_limits  # beside decodes
         self._drafter_dir, self._target_hash = drafter_dir, target_hash
         self.stats_log = StatsLogger(config.log_stats_interval_s)
-        self.policy, self.scheduling_status = self._build_policy()
+        self.policy, self.scheduling_status = build_policy(
+            config, self.spec, self.runner.spec_runner, drafter_dir, self.cost_fingerprint
+        )
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids
@@ -193,47 +165,6 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _build_spec(
-        self, path: Path | None, target_hash: str | None, backend: str
-    ) -> SpecDecoder | None:
-        if path is None:
-            return None
-        spec_config = self.config.spec()
-        drafter = DSparkDrafter.load(path, self.model, target_hash, backend)
-        draft_len = drafter.config.draft_len
-        k = spec_config.num_speculative_tokens or draft_len
-        if k > draft_len:
-            raise ValueError(
-                f"num_speculative_tokens {k} exceeds the drafter's draft_len {draft_len} "
-                f"({path}); allowed 1..{draft_len}"
-            )
-        wide = [w for w in spec_config.trimmed_widths if w > k]
-        if wide:
-            raise ValueError(f"trimmed_widths {wide} exceed num_speculative_tokens {k}: a trimmed "
-                             f"cell verifies 2..{k} tokens per row on average")  # fmt: skip
-        temperatures = greedy_temperatures = None
-        if drafter.config.use_confidence:
-            temperatures = load_calibration(path, draft_len)
-            greedy_temperatures = load_calibration(path, draft_len, greedy=True)
-            if temperatures is None:
-                logger.warning("speculation: %s has no %s: its confidences are used "
-                               "uncalibrated (T = 1)", path, CALIBRATION_FILE)  # fmt: skip
-            elif greedy_temperatures is None:
-                logger.info("speculation: %s has no greedy calibration: greedy requests use "
-                            "the sampled fit", CALIBRATION_FILE)  # fmt: skip
-        kv = allocate_kv_caches(
-            self.model_config, self.kv_plan.num_pages, self.config.page_size, self.dtype,
-            self.device, num_layers=drafter.config.num_layers,
-        )  # fmt: skip
-        spec = SpecDecoder(drafter, kv, self.config.page_size, self.device, num_verify=k,
-                           max_rows=self.config.max_num_seqs,
-                           confidence_temperatures=temperatures,
-                           greedy_confidence_temperatures=greedy_temperatures)  # fmt: skip
-        logger.info("speculation: DSpark drafter %s%s, K = %d verified of %d drafted%s", path,
-                    "" if spec_config.model else " (shipped for this target)", k, draft_len,
-                    ", STS-calibrated confidence" if temperatures else "")  # fmt: skip
-        return spec
-
     def cost_fingerprint(self) -> dict:
         """What a cost table measured on this engine must record (DSPARK.md 7)."""
         spec_runner = self.runner.spec_runner
@@ -244,100 +175,10 @@ class LLMEngine:
             graphs.sizes if graphs else [], self.config.page_size, spec_runner.trimmed_widths,
         )  # fmt: skip
 
-    def _build_policy(self) -> tuple[DraftingPolicy | None, str]:
-        """The drafting policy when speculation has a cost table and a confidence head, and how
-        the engine decides drafting (for get_metrics() and the bench's arms); a table that does
-        not authenticate fails closed to drafting every step (fixed K), with the reason logged
-        and counted."""
-        spec_config = self.config.spec()
-        if self.spec is None or not spec_config.scheduling:
-            return None, "fixed K: scheduling off"
-        path = spec_config.cost_table or self._shipped_cost_table()
-        if path is None:
-            return None, "fixed K: no cost table for this engine's fingerprint"
-        spec = self.spec
-        if not spec.drafter.config.use_confidence:
-            reason = "the drafter has no confidence head"
-            table = None
-        else:
-            table, reason = load_cost_table(path, self.cost_fingerprint())
-        policy = DraftingPolicy(
-            table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
-            unobserved=spec_config.unobserved,
-            fit_persistence=spec_config.persistence,
-            min_dwell_steps=spec_config.dwell_steps,
-            trimmed_widths=self.runner.spec_runner.trimmed_widths,
-            realised_costs=RealisedCosts() if spec_config.realised_costs else None,
-        )  # fmt: skip
-        if table is None or policy.table is None:
-            reason = reason or "it has no G with both a plain and a full-block cell"
-            logger.warning("speculation: cost table %s not used (%s): every step drafts the full "
-                           "block (fixed K)", path, reason)  # fmt: skip
-            policy.counters[f"cost_table_refused: {reason}"] += 1
-            return policy, f"fixed K: cost table {path} refused ({reason})"
-        logger.info("speculation: drafting decided per step from cost table %s (G %s)",
-                    path, policy.sizes)  # fmt: skip
-        self.runner.spec_runner.confidence_sinks.append(policy.observe)
-        self.runner.spec_runner.step_prices = policy.priced_cells  # (the sync planner's)
-        return policy, f"drafting policy, cost table {path}"
-
-    def _shipped_cost_table(self) -> Path | None:
-        """A table in the drafter's cost_tables/ measured on an engine like this one (its
-        fingerprint equal to the live one), or None: then every step drafts (fixed K), and the
-        log says how to measure a table."""
-        tables = sorted((self._drafter_dir / COST_TABLES_DIR).glob("*.json"))
-        live = self.cost_fingerprint()
-        for path in tables:
-            if load_cost_table(path, live)[0] is not None:
-                return path
-        logger.info("speculation: no cost table for this engine (%d in %s, none with its "
-                    "fingerprint): every step drafts the full block (fixed K); measure one with "
-                    "`dspark profile --out TABLE` and pass it as speculative_config's "
-                    '"cost_table"', len(tables), self._drafter_dir / COST_TABLES_DIR)  # fmt: skip
-        return None
-
     def get_metrics(self) -> dict:
-        """Speculative counters with vLLM's definitions (empty without speculation)."""
-        if self.spec is None:
-            return {}
-        m = dict(self.spec.metrics)
-        drafts = m.get("num_drafts", 0)
-        m["mean_acceptance_length"] = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else 0
-        m["num_accepted_tokens_per_pos"] = list(self.spec.accepted_per_position)
-        m["verify_len_counts"] = list(self.spec.verify_len_counts)
-        m["predicted_survival_per_pos"] = list(self.spec.predicted_survival)
-        m["realised_survival_per_pos"] = list(self.spec.realised_survival)
-        m["drafting"] = int(self.scheduler.drafting)
-        m["scheduling"] = self.scheduling_status
-        stats = self.runner.stats
-        fallbacks = {k.removeprefix("eager_spec_steps_"): n for k, n in stats.items()
-                     if k.startswith("eager_spec_steps_")}  # fmt: skip
-        fallbacks.update({k: n for k, n in stats.items() if k.startswith("trimmed_fallback_")})
-        if self.policy is not None:
-            m["drafting_policy"] = dict(self.policy.counters)
-            m["survival_correction"] = self.policy.correction  # realised / predicted drafts
-            m["survival_persistence"] = self.policy.persistence  # 1: own estimates in full
-            if self.policy.realised_costs is not None:  # realised / table step time per cell
-                m["realised_cost_ratios"] = self.policy.realised_costs.as_dict()
-            if self.policy.counters["decision_no_table"]:
-                fallbacks["no_cost_table"] = self.policy.counters["decision_no_table"]
-        m["fallbacks"] = fallbacks
-        # steps by path: captured speculative (mixed among them), eager speculative, plain
-        m["steps"] = {k: stats[k] for k in ("spec_graph_steps", "spec_graph_steps_mixed",
-                      "spec_graph_steps_trimmed", "eager_spec_steps", "spec_steps_trimmed_eager",
-                      "graph_steps", "eager_steps")}  # fmt: skip
-        # plain steps beside them: the eager ones by reason, those that admitted prefills;
-        # Triton compiles that steps met (kernels/compile_watch.py)
-        prefixes = ("eager_steps_", "mixed_decode_steps", "triton_")
-        m["steps"].update({k: n for k, n in stats.items() if k.startswith(prefixes)})
-        m["async_spec_steps"] = {
-            "launched_ahead": stats["spec_steps_launched_ahead"],
-            "continuation_windows": stats["continuation_windows"],
-            "windows_deferred": self.scheduler.num_windows_deferred,
-            "not_ahead": {k.removeprefix("spec_steps_not_ahead_"): n for k, n in stats.items()
-                          if k.startswith("spec_steps_not_ahead_")},
-        }  # fmt: skip
-        return m
+        """Speculative counters with vLLM's definitions (engine/spec_metrics.py)."""
+        return spec_metrics(self.spec, self.policy, self.scheduler, self.runner.stats,
+                            self.scheduling_status)  # fmt: skip
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -557,55 +398,6 @@ class LLMEngine:
         return [self._report(r) for r in done]
 
     def _report(self, req: Request) -> RequestOutput | DeltaOutput:
-        detok = self._detokenizers[req.request_id]
-        if req.is_finished:
-            if req.sampling_params.output_kind != "delta_tokens":  # (that text is never read)
-                detok.flush()
-            if self.policy is not None:
-                self.policy.forget(req.request_id)
-            self._requests.pop(req.request_id, None)
-            self._detokenizers.pop(req.request_id, None)
-        cursor = self._cursors.get(req.request_id)
-        if cursor is None:
-            return self._output(req, detok)
-        final = None
-        if req.is_finished:
-            del self._cursors[req.request_id]
-            cumulative = None
-            if req.sampling_params.logprobs is not None:
-                cumulative = sum(lp.logprob for lp in req.logprobs)
-            num_output = len(req.output_token_ids)
-            final = FinalInfo(req.finish_reason.value, req.stop_reason, req.num_prompt_tokens,
-                              num_output, cumulative, self._metrics(req))  # fmt: skip
-        return cursor.advance(req, detok, final)
-
-    def _output(self, req: Request, detok: Detokenizer) -> RequestOutput:
-        logprobs = None
-        cumulative = None
-        if req.sampling_params.logprobs is not None:
-            logprobs = [{**lp.top, lp.token_id: lp.logprob} for lp in req.logprobs]
-            cumulative = sum(lp.logprob for lp in req.logprobs)
-        completion = CompletionOutput(
-            index=0,
-            text=detok.text,
-            token_ids=req.output_token_ids,
-            cumulative_logprob=cumulative,
-            logprobs=logprobs,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.is_finished, self._metrics(req))  # fmt: skip
-
-    def _metrics(self, req: Request) -> dict[str, float]:
-        metrics = {"arrival_time": req.arrival_time, "added_time": req.added_time,
-                   "num_preemptions": req.num_preemptions}  # fmt: skip
-        if self.spec is not None:
-            metrics["num_drafts"] = req.num_drafts
-            metrics["num_draft_tokens"] = req.num_draft_tokens
-            metrics["num_accepted_tokens"] = req.num_accepted_tokens
-        if req.first_token_time is not None:
-            metrics["first_token_time"] = req.first_token_time
-        if req.finished_time is not None:
-            metrics["finished_time"] = req.finished_time
-        return metrics
+        """req's output now (engine/reporting.py); a finished request is forgotten."""
+        return report(req, self._requests, self._detokenizers, self._cursors, self.policy,
+                      self.spec is not None)  # fmt: skip

@@ -25,15 +25,8 @@ A plain step does the same with its decode rows as the head when the runner has 
 decode steps (`decode_mixed_limits`).
 update() does not depend on the rows' order. A burst (more requests waiting for a free seat than
 the tail has rows) is admitted uncapped, in one eager step: capped, most of it would wait for
-seats it could have for many steps, which costs more than one step's host time.
-
-That threshold is measured for whole waves. A served engine at 256 in flight met 15 such eager
-steps in a level (docs/PERFORMANCE.md, sixteenth look), from bursts of a few to a few tens of
-requests. For those the cap may cost less. An eager step holds every running row for its host
-time, about 10 ms, or ~5 steps of 256 rows on the H200. Capped, B requests enter ~2.5 a step
-and lose about B^2 / 5 seat-steps, which stays under 5 x 256 up to B ~ 80.
-`DSPARK_BURST_REQUESTS=N` (N >= 1) makes a burst more than N waiting requests, for A/B runs;
-unset, the tail's rows.
+seats it could have for many steps, which costs more than one step's host time (the threshold,
+its measurement and its A/B knob: engine/burst.py).
 
 Speculative steps scheduled ahead (async scheduling of drafting steps): a window row emits a
 number of tokens only verification knows, so between advance and update its request has
@@ -49,105 +42,15 @@ N is updated before N+1, so update() of a continuation reads where the request s
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import NamedTuple
 
+from dspark.engine.burst import burst_requests_from_env
 from dspark.engine.kv_cache import PageAllocator, pages_for
-from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, TokenLogprobs
-
-
-def _is_head(row: ScheduledRow, drafting: bool) -> bool:
-    """Does the row lead a mixed step: a window (empty ones too) in a drafting step, a row of
-    one token that samples in a plain one?"""
-    if drafting:
-        return bool(row.num_draft or row.empty_window)
-    return row.num_tokens == 1 and row.do_sample
-
-
-class ScheduledRow(NamedTuple):
-    """One request's share of a step: tokens [start, start + num_tokens) of its token_ids.
-
-    (A NamedTuple, like SampledTokens: immutable, and built several hundred times per step at
-    high batch, where a frozen dataclass's __init__ costs 4x as much.)
-    """
-
-    request: Request
-    start: int
-    num_tokens: int  # tokens fed to the target: a prefill chunk, or 1 + num_draft
-    do_sample: bool  # the chunk reaches the last known token: its logits give the next one
-    num_draft: int = 0  # drafted positions verified this step (verify_len; 0: no window)
-    # the anchor is what this request's in-flight window emits last, on the device; `start` is
-    # then the latest position it can have (the host's upper bound, what staging writes)
-    is_continuation: bool = False
-    # a plain decode row of a drafting request whose next token is its last (max_tokens leaves
-    # no room for a draft): the runner may verify it as a window of verify length 0 (the anchor
-    # alone, its draft ignored) so that a step of windows keeps its graph. It stays a plain
-    # row here: one KV slot reserved, a placeholder advanced, one token updated.
-    empty_window: bool = False
-
-    @classmethod
-    def of(cls, request: Request, num_tokens: int) -> ScheduledRow:
-        start = request.num_computed_tokens
-        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
-
-    @classmethod
-    def window(cls, request: Request, num_draft: int) -> ScheduledRow:
-        """[anchor, num_draft drafts]: the drafts are made on the device during the step."""
-        return cls(request, request.num_computed_tokens, 1 + num_draft, True, num_draft)
-
-    @classmethod
-    def continuation(cls, request: Request, num_draft: int, max_verify: int) -> ScheduledRow:
-        """A window behind the request's in-flight one (anchor at num_computed_tokens, at most
-        max_verify drafts): its anchor lands 1 .. max_verify + 1 positions further on."""
-        start = request.num_computed_tokens + 1 + max_verify
-        return cls(request, start, 1 + num_draft, True, num_draft, is_continuation=True)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
+from dspark.engine.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head
+from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 
 _new_row = tuple.__new__
-BURST_ENV = "DSPARK_BURST_REQUESTS"
-
-
-def burst_requests_from_env() -> int | None:
-    """DSPARK_BURST_REQUESTS as an int >= 1, or None when unset."""
-    text = os.environ.get(BURST_ENV)
-    if text is None:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{BURST_ENV}={text!r}: expected an integer >= 1 (waiting requests)")
-    return int(text)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    rows: tuple[ScheduledRow, ...]
-    num_preempted: int = 0
-    # every row one token that samples (no windows, no prefill): a decode graph's step
-    is_decode: bool = False
-    # (G, V) of the trimmed cell the drafting policy chose for this step's windows (their
-    # verify lengths are then chosen on the device, spec/ragged.py); None: the full block
-    trimmed_cell: tuple[int, int] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.rows
-
-
-class SampledTokens(NamedTuple):
-    """What one row emitted this step: one token, or accepted drafts + a recovered/bonus one."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class Scheduler:
@@ -288,7 +191,7 @@ class Scheduler:
             num_tail += 1
             tail_tokens_left -= n
         if reorder:  # the head, then the tail: the mixed step's layout (stable)
-            head = [_is_head(r, drafting) for r in rows]
+            head = [is_head(r, drafting) for r in rows]
             rows = [r for r, h in zip(rows, head, strict=True) if h] + [
                 r for r, h in zip(rows, head, strict=True) if not h
             ]

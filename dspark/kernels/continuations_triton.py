@@ -1,5 +1,5 @@
 """Triton write of continuation windows' anchor-derived inputs: the one-launch twin of
-`dspark.runner.spec_runner.write_continuations` (two dozen small torch ops, each a launch and
+`dspark.runner.continuations.write_continuations` (two dozen small torch ops, each a launch and
 several microseconds of host time, on every step launched ahead).
 
 Program c handles continuation c: window row r = rows[c], whose anchor is the previous step's

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.engine.scheduler import StepPlan
+from dspark.engine.step_plan import StepPlan
 from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.runner.spec_graphs import trimmed_layout
 from dspark.spec.planner import plan_sync

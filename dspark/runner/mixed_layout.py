@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dspark.engine.kv_cache import SCRATCH_PAGE
-from dspark.engine.scheduler import ScheduledRow
+from dspark.engine.step_plan import ScheduledRow
 from dspark.request import PENDING_TOKEN
 from dspark.runner.input_buffers import NO_OWNER, InputBuffers, StepLayout
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dspark.engine.kv_cache import pages_for
-from dspark.engine.scheduler import SampledTokens, StepPlan
+from dspark.engine.step_plan import SampledTokens, StepPlan
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, Request, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs

@@ -21,11 +21,7 @@ A step of such windows may instead have its verify lengths chosen after drafting
 cell (G, V) the drafting policy chose, or the synchronous scheduler's plan
 (runner/chosen_lengths.py).
 
-A step of such windows can have a step launched behind it before its results reach the host
-(async scheduling of drafting steps): a continuation row's anchor is the last token its
-request's window emitted, so after each such step the runner keeps every window's next anchor
-(position and token) on the device, and the next step writes them into its inputs there
-(`write_continuations`) before its graph replays or its eager step runs.
+A step launched behind one gets its continuation anchors on the device (runner/continuations.py).
 """
 
 from __future__ import annotations
@@ -38,9 +34,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dspark.engine.scheduler import SampledTokens, StepPlan
+from dspark.engine.step_plan import SampledTokens, StepPlan
 from dspark.request import TokenLogprobs
 from dspark.runner.chosen_lengths import planned_step, trimmed_target, trimmed_tokens
+from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
     InputBuffers,
@@ -57,72 +54,11 @@ from dspark.runner.mixed_layout import (
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import top_logprobs
 from dspark.spec.ragged import TrimmedCell
-from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
+from dspark.spec.spec_buffers import SamplingMode, WindowRow
 from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
 
 if TYPE_CHECKING:
     from dspark.runner.model_runner import InFlightStep
-
-
-def next_anchors(
-    anchor_pos: torch.Tensor,  # [R] the windows' anchor positions
-    tokens: torch.Tensor,  # [R, K + 1] emitted: accepted drafts, then the recovered/bonus token
-    num_accepted: torch.Tensor,  # [R]
-) -> tuple[torch.Tensor, torch.Tensor]:  # [R] positions, [R] tokens
-    """Where each window leaves its request: the position and token of its next anchor (the
-    recovered or bonus token, one past the accepted drafts). Device ops only, no host sync.
-
-      K = 3, anchor_pos [9, 4], num_accepted [2, 0], tokens [[a b c .], [e . . .]]
-      next_pos = anchor_pos + num_accepted + 1 = [12, 5]
-      next_tok = tokens[j, num_accepted[j]]    = [c, e]
-    """
-    next_pos = anchor_pos + num_accepted + 1
-    next_tok = tokens.gather(1, num_accepted[:, None])[:, 0]
-    return next_pos, next_tok
-
-
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """KV slot of each position [C, n] in its row's pages (block_table [C, W])."""
-    pages = block_table.gather(1, positions // page_size).long()
-    return pages * page_size + positions % page_size
-
-
-def write_continuations(
-    buffers: InputBuffers,
-    spec_buffers: SpecBuffers,
-    rows: torch.Tensor,  # [C] window rows of the step (the step is all windows)
-    anchor_pos: torch.Tensor,  # [C] each row's anchor position
-    anchors: torch.Tensor,  # [C] each row's anchor token
-    width: int,  # K + 1: window row i has tokens i * width .. (i + 1) * width - 1
-) -> None:
-    """Everything staging derives from a window's anchor, written on the device for windows
-    whose anchor came out of the previous step's verification (capturable ops, no host sync):
-    the anchor token, the window's positions, KV slots and length, and the drafter block's
-    anchor, positions, slots and length (SpecBuffers.write's anchor-derived fields).
-
-      width 4, draft_len 3, page_size 4, rows [1], anchor_pos [1], block_table[1] = [7, 2, ..]
-      input_ids[4] = anchor             positions[4:8] = [1 2 3 4]
-      slot_mapping[4:8] = [29 30 31 8]  seq_lens[1] = 5      (page 7 offsets 1..3, page 2 offset 0)
-      anchor_pos[1] = 1  block_positions[3:6] = [1 2 3]  block_slots[3:6] = [29 30 31]
-      block_seq_lens[1] = 4
-    """
-    b, sb, ps, K = buffers, spec_buffers, spec_buffers.page_size, spec_buffers.K
-    dev = rows.device
-    table = b.block_table[rows]  # [C, max_pages]
-    first = rows * width  # [C] the anchors' token indices
-    window_pos = anchor_pos[:, None] + torch.arange(width, device=dev)  # [C, width]
-    window_tok = first[:, None] + torch.arange(width, device=dev)  # [C, width]
-    b.input_ids[first] = anchors
-    b.positions[window_tok] = window_pos
-    b.slot_mapping[window_tok] = _slots(table, window_pos, ps)
-    b.seq_lens[rows] = (anchor_pos + width).to(b.seq_lens.dtype)
-    block_pos = anchor_pos[:, None] + torch.arange(K, device=dev)  # [C, K]
-    block_slot = rows[:, None] * K + torch.arange(K, device=dev)  # [C, K] index into the block
-    sb.anchors[rows] = anchors
-    sb.anchor_pos[rows] = anchor_pos
-    sb.block_positions[block_slot] = block_pos
-    sb.block_slots[block_slot] = _slots(table, block_pos, ps)
-    sb.block_seq_lens[rows] = (anchor_pos + K).to(sb.block_seq_lens.dtype)
 
 
 class SpecRunner:

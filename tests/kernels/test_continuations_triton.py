@@ -1,5 +1,5 @@
 """The continuation-window kernel writes exactly what the torch reference writes
-(spec_runner.write_continuations): the reference's worked example, and random windows over
+(continuations.write_continuations): the reference's worked example, and random windows over
 page boundaries with rows out of order, and windows narrower than the drafter's block (fixed K
 below the block: num_speculative_tokens 1 verifies windows of 2 while the block drafts 7)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from dspark.kernels.continuations_triton import write_continuations_triton
+from dspark.runner.continuations import write_continuations
 from dspark.runner.input_buffers import InputBuffers
-from dspark.runner.spec_runner import write_continuations
 from dspark.spec.spec_buffers import SpecBuffers
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens")

@@ -9,8 +9,8 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.input_buffers import InputBuffers
-from dspark.runner.spec_runner import next_anchors, write_continuations
 from dspark.spec.spec_buffers import SpecBuffers
 from tests.helpers import assert_same_logprobs
 from tests.tiny_models import make_tiny_drafter
@@ -156,7 +156,8 @@ def test_scheduler_continuation_rows_and_deferral():
     continuation whose start is the latest anchor (6 + 3 = 9) and pages for 7 + 3 + 3 = 13
     tokens; its update reads where the request stands after the in-flight window's update."""
     from dspark.engine.kv_cache import PageAllocator
-    from dspark.engine.scheduler import SampledTokens, Scheduler
+    from dspark.engine.scheduler import Scheduler
+    from dspark.engine.step_plan import SampledTokens
     from dspark.request import Request
 
     s = Scheduler(PageAllocator(16), 4, 4, 64, 64, draft_len=3, max_verify=2)
@@ -215,7 +216,8 @@ def _prefilled(params: list[SamplingParams]):
     """A scheduler (page size 4, draft_len 3) whose requests of 3-token prompts have each
     emitted one token."""
     from dspark.engine.kv_cache import PageAllocator
-    from dspark.engine.scheduler import SampledTokens, Scheduler
+    from dspark.engine.scheduler import Scheduler
+    from dspark.engine.step_plan import SampledTokens
     from dspark.request import Request
 
     s = Scheduler(PageAllocator(32), 4, 8, 64, 64, draft_len=3)

@@ -273,7 +273,7 @@ def test_a_table_of_another_engine_fails_closed(tiny_vocab_dir, drafter, tmp_pat
     raw = json.loads(path.read_text())
     raw["fingerprint"]["gpu"] = "NVIDIA H200"
     path.write_text(json.dumps(raw))
-    with caplog.at_level(logging.WARNING, logger="dspark.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="dspark.engine.spec_setup"):
         llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(path)),
                   **KW)  # fmt: skip
     assert "fingerprint mismatch on gpu" in caplog.text and "fixed K" in caplog.text
@@ -395,7 +395,7 @@ def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(
     other = json.loads(_write_table(tmp_path / "other.json", probe, 1e-3, 5e-3).read_text())
     other["fingerprint"]["gpu"] = "NVIDIA H200"
     (own / "cost_tables" / "a_h200.json").write_text(json.dumps(other))
-    with caplog.at_level(logging.INFO, logger="dspark.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="dspark.engine.spec_setup"):
         llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(own), **KW)
     assert llm.engine.policy is None and "no cost table for this engine (1 in" in caplog.text
     _write_table(own / "cost_tables" / "b_this_engine.json", probe, 1e-3, 5e-3)

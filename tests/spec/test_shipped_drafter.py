@@ -53,7 +53,7 @@ def test_no_shipped_drafter_for_another_target(tiny_vocab_dir):
 def test_uncalibrated_drafter_is_logged(tiny_vocab_dir, tmp_path, caplog):
     """A drafter without calibration.json runs with T = 1 and says so."""
     drafter = make_tiny_drafter(tiny_vocab_dir, tmp_path / "d", taps=(0,))
-    with caplog.at_level(logging.WARNING, logger="dspark.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="dspark.engine.spec_setup"):
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=16,
                   speculative_config={"model": str(drafter)})  # fmt: skip
     assert "its confidences are used uncalibrated" in caplog.text

@@ -1,0 +1,62 @@
+"""The engine's speculative counters (LLMEngine.get_metrics()): acceptance with vLLM's
+definitions, the drafting policy's state, fallbacks by reason, steps by path and the steps
+launched ahead (async drafting steps). The server exports them (server/metrics.py), the bench
+records their increments per level.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from dspark.engine.scheduler import Scheduler
+from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.spec.spec_decoder import SpecDecoder
+
+
+def spec_metrics(
+    spec: SpecDecoder | None,
+    policy: DraftingPolicy | None,
+    scheduler: Scheduler,
+    stats: Counter,  # the runner's step counters
+    scheduling_status: str,
+) -> dict:
+    """Speculative counters with vLLM's definitions (empty without speculation)."""
+    if spec is None:
+        return {}
+    m = dict(spec.metrics)
+    drafts = m.get("num_drafts", 0)
+    m["mean_acceptance_length"] = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else 0
+    m["num_accepted_tokens_per_pos"] = list(spec.accepted_per_position)
+    m["verify_len_counts"] = list(spec.verify_len_counts)
+    m["predicted_survival_per_pos"] = list(spec.predicted_survival)
+    m["realised_survival_per_pos"] = list(spec.realised_survival)
+    m["drafting"] = int(scheduler.drafting)
+    m["scheduling"] = scheduling_status
+    fallbacks = {k.removeprefix("eager_spec_steps_"): n for k, n in stats.items()
+                 if k.startswith("eager_spec_steps_")}  # fmt: skip
+    fallbacks.update({k: n for k, n in stats.items() if k.startswith("trimmed_fallback_")})
+    if policy is not None:
+        m["drafting_policy"] = dict(policy.counters)
+        m["survival_correction"] = policy.correction  # realised / predicted drafts
+        m["survival_persistence"] = policy.persistence  # 1: own estimates in full
+        if policy.realised_costs is not None:  # realised / table step time per cell
+            m["realised_cost_ratios"] = policy.realised_costs.as_dict()
+        if policy.counters["decision_no_table"]:
+            fallbacks["no_cost_table"] = policy.counters["decision_no_table"]
+    m["fallbacks"] = fallbacks
+    # steps by path: captured speculative (mixed among them), eager speculative, plain
+    m["steps"] = {k: stats[k] for k in ("spec_graph_steps", "spec_graph_steps_mixed",
+                  "spec_graph_steps_trimmed", "eager_spec_steps", "spec_steps_trimmed_eager",
+                  "graph_steps", "eager_steps")}  # fmt: skip
+    # plain steps beside them: the eager ones by reason, those that admitted prefills;
+    # Triton compiles that steps met (kernels/compile_watch.py)
+    prefixes = ("eager_steps_", "mixed_decode_steps", "triton_")
+    m["steps"].update({k: n for k, n in stats.items() if k.startswith(prefixes)})
+    m["async_spec_steps"] = {
+        "launched_ahead": stats["spec_steps_launched_ahead"],
+        "continuation_windows": stats["continuation_windows"],
+        "windows_deferred": scheduler.num_windows_deferred,
+        "not_ahead": {k.removeprefix("spec_steps_not_ahead_"): n for k, n in stats.items()
+                      if k.startswith("spec_steps_not_ahead_")},
+    }  # fmt: skip
+    return m

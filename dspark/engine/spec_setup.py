@@ -1,0 +1,176 @@
+"""Speculation set-up: the drafter for these weights, the speculative decoder over it, and the
+drafting policy with its cost table (the engine builds them once, engine.py).
+
+Without speculation (no speculative_config) the drafter is None, the KV plan has no drafter
+layers and one position per row, and there is neither decoder nor policy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.drafters import SHIPPED, shipped_drafter
+from dspark.engine.kv_cache import allocate_kv_caches
+from dspark.models.dspark_drafter import DSparkDrafter
+from dspark.models.llama import LlamaForCausalLM
+from dspark.models.loader import ModelSource, checkpoint_hash
+from dspark.models.model_config import ModelConfig
+from dspark.runner.spec_runner import SpecRunner
+from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
+from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table
+from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.spec.realised_costs import RealisedCosts
+from dspark.spec.spec_decoder import SpecDecoder
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_drafter(config: EngineConfig, source: ModelSource) -> tuple[Path | None, str | None]:
+    """The configured drafter's directory and the target's weights hash (both None without
+    speculation): speculative_config's "model", else the drafter shipped for these weights."""
+    spec = config.spec()
+    if spec is None:
+        return None, None
+    target_hash = checkpoint_hash(source)
+    path = Path(spec.model) if spec.model else shipped_drafter(target_hash)
+    if path is None:
+        raise ValueError(
+            f'speculative_config has no "model" and no drafter ships for {source.path} '
+            f"(weights hash {target_hash}; shipped: {sorted(SHIPPED)}): pass the directory "
+            'of a DSpark drafter trained for it as "model" (dspark train makes one)'
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a DSpark drafter (no config.json)")
+    return path, target_hash
+
+
+def _drafter_config(drafter_dir: Path | None) -> dict:
+    """The drafter's config.json ({} without a drafter)."""
+    return {} if drafter_dir is None else json.loads((drafter_dir / "config.json").read_text())
+
+
+def drafter_layers(drafter_dir: Path | None) -> int:
+    """Layers of the drafter (its KV shares the target's pages), 0 without one."""
+    return int(_drafter_config(drafter_dir).get("num_layers", 0))
+
+
+def verified_positions(drafter_dir: Path | None) -> int:
+    """Positions a row's step samples or verifies at most: the drafter's block + 1, else 1."""
+    return int(_drafter_config(drafter_dir).get("draft_len", 0)) + 1
+
+
+def build_spec(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    model_config: ModelConfig,
+    num_pages: int,  # the KV plan's: the drafter's context cache shares the target's pages
+    dtype: torch.dtype,
+    device: torch.device,
+    path: Path | None,
+    target_hash: str | None,
+    backend: str,
+) -> SpecDecoder | None:
+    """The speculative decoder over the drafter at `path` (None without one), K checked
+    against its draft_len and its confidence calibration loaded."""
+    if path is None:
+        return None
+    spec_config = config.spec()
+    drafter = DSparkDrafter.load(path, model, target_hash, backend)
+    draft_len = drafter.config.draft_len
+    k = spec_config.num_speculative_tokens or draft_len
+    if k > draft_len:
+        raise ValueError(
+            f"num_speculative_tokens {k} exceeds the drafter's draft_len {draft_len} "
+            f"({path}); allowed 1..{draft_len}"
+        )
+    wide = [w for w in spec_config.trimmed_widths if w > k]
+    if wide:
+        raise ValueError(f"trimmed_widths {wide} exceed num_speculative_tokens {k}: a trimmed "
+                         f"cell verifies 2..{k} tokens per row on average")  # fmt: skip
+    temperatures = greedy_temperatures = None
+    if drafter.config.use_confidence:
+        temperatures = load_calibration(path, draft_len)
+        greedy_temperatures = load_calibration(path, draft_len, greedy=True)
+        if temperatures is None:
+            logger.warning("speculation: %s has no %s: its confidences are used "
+                           "uncalibrated (T = 1)", path, CALIBRATION_FILE)  # fmt: skip
+        elif greedy_temperatures is None:
+            logger.info("speculation: %s has no greedy calibration: greedy requests use "
+                        "the sampled fit", CALIBRATION_FILE)  # fmt: skip
+    kv = allocate_kv_caches(
+        model_config, num_pages, config.page_size, dtype, device,
+        num_layers=drafter.config.num_layers,
+    )  # fmt: skip
+    spec = SpecDecoder(drafter, kv, config.page_size, device, num_verify=k,
+                       max_rows=config.max_num_seqs,
+                       confidence_temperatures=temperatures,
+                       greedy_confidence_temperatures=greedy_temperatures)  # fmt: skip
+    logger.info("speculation: DSpark drafter %s%s, K = %d verified of %d drafted%s", path,
+                "" if spec_config.model else " (shipped for this target)", k, draft_len,
+                ", STS-calibrated confidence" if temperatures else "")  # fmt: skip
+    return spec
+
+
+def build_policy(
+    config: EngineConfig,
+    spec: SpecDecoder | None,
+    spec_runner: SpecRunner | None,
+    drafter_dir: Path | None,
+    fingerprint: Callable[[], dict],  # the live engine's (LLMEngine.cost_fingerprint)
+) -> tuple[DraftingPolicy | None, str]:
+    """The drafting policy when speculation has a cost table and a confidence head, and how
+    the engine decides drafting (for get_metrics() and the bench's arms); a table that does
+    not authenticate fails closed to drafting every step (fixed K), with the reason logged
+    and counted."""
+    spec_config = config.spec()
+    if spec is None or not spec_config.scheduling:
+        return None, "fixed K: scheduling off"
+    path = spec_config.cost_table or shipped_cost_table(drafter_dir, fingerprint)
+    if path is None:
+        return None, "fixed K: no cost table for this engine's fingerprint"
+    if not spec.drafter.config.use_confidence:
+        reason = "the drafter has no confidence head"
+        table = None
+    else:
+        table, reason = load_cost_table(path, fingerprint())
+    policy = DraftingPolicy(
+        table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
+        unobserved=spec_config.unobserved,
+        fit_persistence=spec_config.persistence,
+        min_dwell_steps=spec_config.dwell_steps,
+        trimmed_widths=spec_runner.trimmed_widths,
+        realised_costs=RealisedCosts() if spec_config.realised_costs else None,
+    )  # fmt: skip
+    if table is None or policy.table is None:
+        reason = reason or "it has no G with both a plain and a full-block cell"
+        logger.warning("speculation: cost table %s not used (%s): every step drafts the full "
+                       "block (fixed K)", path, reason)  # fmt: skip
+        policy.counters[f"cost_table_refused: {reason}"] += 1
+        return policy, f"fixed K: cost table {path} refused ({reason})"
+    logger.info("speculation: drafting decided per step from cost table %s (G %s)",
+                path, policy.sizes)  # fmt: skip
+    spec_runner.confidence_sinks.append(policy.observe)
+    spec_runner.step_prices = policy.priced_cells  # (the sync planner's)
+    return policy, f"drafting policy, cost table {path}"
+
+
+def shipped_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> Path | None:
+    """A table in the drafter's cost_tables/ measured on an engine like this one (its
+    fingerprint equal to the live one), or None: then every step drafts (fixed K), and the
+    log says how to measure a table."""
+    tables = sorted((drafter_dir / COST_TABLES_DIR).glob("*.json"))
+    live = fingerprint()
+    for path in tables:
+        if load_cost_table(path, live)[0] is not None:
+            return path
+    logger.info("speculation: no cost table for this engine (%d in %s, none with its "
+                "fingerprint): every step drafts the full block (fixed K); measure one with "
+                "`dspark profile --out TABLE` and pass it as speculative_config's "
+                '"cost_table"', len(tables), drafter_dir / COST_TABLES_DIR)  # fmt: skip
+    return None

@@ -1,0 +1,92 @@
+"""The step plan: what the scheduler hands the runner, and what the runner hands back.
+
+`Scheduler.schedule()` (engine/scheduler.py) returns a frozen StepPlan, one ScheduledRow per
+request that runs; the runner reads it without mutating requests and returns one SampledTokens
+(or None) per row, which `Scheduler.update()` writes into the requests. A mixed step puts its
+head rows first (`is_head`: windows, or decode rows in a plain step), the layout the runner's
+captured mixed steps replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from dspark.request import Request, TokenLogprobs
+
+
+class ScheduledRow(NamedTuple):
+    """One request's share of a step: tokens [start, start + num_tokens) of its token_ids.
+
+    (A NamedTuple, like SampledTokens: immutable, and built several hundred times per step at
+    high batch, where a frozen dataclass's __init__ costs 4x as much.)
+    """
+
+    request: Request
+    start: int
+    num_tokens: int  # tokens fed to the target: a prefill chunk, or 1 + num_draft
+    do_sample: bool  # the chunk reaches the last known token: its logits give the next one
+    num_draft: int = 0  # drafted positions verified this step (verify_len; 0: no window)
+    # the anchor is what this request's in-flight window emits last, on the device; `start` is
+    # then the latest position it can have (the host's upper bound, what staging writes)
+    is_continuation: bool = False
+    # a plain decode row of a drafting request whose next token is its last (max_tokens leaves
+    # no room for a draft): the runner may verify it as a window of verify length 0 (the anchor
+    # alone, its draft ignored) so that a step of windows keeps its graph. It stays a plain
+    # row here: one KV slot reserved, a placeholder advanced, one token updated.
+    empty_window: bool = False
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> ScheduledRow:
+        start = request.num_computed_tokens
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+
+    @classmethod
+    def window(cls, request: Request, num_draft: int) -> ScheduledRow:
+        """[anchor, num_draft drafts]: the drafts are made on the device during the step."""
+        return cls(request, request.num_computed_tokens, 1 + num_draft, True, num_draft)
+
+    @classmethod
+    def continuation(cls, request: Request, num_draft: int, max_verify: int) -> ScheduledRow:
+        """A window behind the request's in-flight one (anchor at num_computed_tokens, at most
+        max_verify drafts): its anchor lands 1 .. max_verify + 1 positions further on."""
+        start = request.num_computed_tokens + 1 + max_verify
+        return cls(request, start, 1 + num_draft, True, num_draft, is_continuation=True)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+def is_head(row: ScheduledRow, drafting: bool) -> bool:
+    """Does the row lead a mixed step: a window (empty ones too) in a drafting step, a row of
+    one token that samples in a plain one?"""
+    if drafting:
+        return bool(row.num_draft or row.empty_window)
+    return row.num_tokens == 1 and row.do_sample
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: tuple[ScheduledRow, ...]
+    num_preempted: int = 0
+    # every row one token that samples (no windows, no prefill): a decode graph's step
+    is_decode: bool = False
+    # (G, V) of the trimmed cell the drafting policy chose for this step's windows (their
+    # verify lengths are then chosen on the device, spec/ragged.py); None: the full block
+    trimmed_cell: tuple[int, int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+class SampledTokens(NamedTuple):
+    """What one row emitted this step: one token, or accepted drafts + a recovered/bonus one."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None

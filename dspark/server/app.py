@@ -24,8 +24,7 @@ from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 import dspark
 from dspark.server.body_limit import BodyLimitMiddleware
@@ -33,6 +32,7 @@ from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
 from dspark.server.engine_process import SERVER_PROFILE_ENV, report_profile
 from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.event_stream import EventStreamResponse
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from dspark.server.request_trace import SCOPE_KEY, StampMiddleware, tracer_from_env
@@ -163,16 +163,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth) -> None:
             raise
         model = state.config.served_model_name
         if prep.stream:
-
-            async def close() -> None:  # async: on the loop (a sync task would take a thread)
-                stream.close()
-
-            return StreamingResponse(
-                stream_response(prep, stream, model, trace, state.tracer),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-                background=BackgroundTask(close),
-            )
+            events = stream_response(prep, stream, model, trace, state.tracer)
+            return EventStreamResponse(events, stream.close, SSE_HEADERS)
         result = await full_response(prep, stream, request, model)
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
 

@@ -25,7 +25,7 @@ that arrives before its stream is due waits in the slot until the due time.
 
 `close()` is the one exit path (normal end, client gone, server error): it asks the engine to
 abort every choice that has not finished, so a disconnected client's pages are freed at the
-engine's next iteration.
+engine's next iteration, and it ends a consumer waiting in `updates()`.
 """
 
 from __future__ import annotations
@@ -157,6 +157,8 @@ class RequestStream:
         loop = self._loop = asyncio.get_running_loop()
         while not self.is_done:
             await self._ready(loop)
+            if self._closed:  # (the client left: close() woke the wait)
+                return
             gained, self._gained, self._has_last = self._gained, {}, False
             batch = {index: joined(updates) for index, updates in gained.items()}
             if self._decoders is not None:
@@ -187,6 +189,8 @@ class RequestStream:
     async def _ready(self, loop: asyncio.AbstractEventLoop) -> None:
         """Until the slots hold an update that may go now."""
         while not (self._gained and (self._has_last or loop.time() >= self._due)):
+            if self._closed:
+                return
             self._waiter = loop.create_future()
             if self._gained:  # held until due (put arms the timer for later arrivals)
                 self._timer = loop.call_at(self._due, self._wake)
@@ -207,6 +211,7 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
+        self._wake()  # a consumer waiting in updates() ends
         if self._pacer is not None:
             self._pacer.close()
         unfinished = [rid for i, rid in enumerate(self.request_ids) if i not in self._ended]

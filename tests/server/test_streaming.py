@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from dspark.outputs import DeltaOutput, FinalInfo
+from dspark.server.event_stream import EventStreamResponse
 from dspark.server.request_stream import COST_WEIGHT, EngineFailed, RequestStream, StreamPacer
 from dspark.server.responses import ChatFormat, CompletionFormat, Delta, envelope, to_json
 from dspark.server.serving import Prepared, StreamWriter
@@ -115,6 +116,83 @@ def test_closing_aborts_only_the_unfinished_choices():
 
     assert asyncio.run(scenario()) == 0
     assert aborted == ["b"]
+
+
+def test_closing_ends_a_consumer_waiting_for_updates():
+    """The client left while its stream waited for the engine: close() (the response's
+    disconnect watcher) aborts the choice and the consumer's loop ends at once."""
+    aborted = []
+
+    async def scenario():
+        stream = RequestStream(["a"], abort=aborted.extend)
+        taken = []
+
+        async def consume():
+            async for batch in stream.updates():
+                taken.append(batch)
+
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.01)  # waiting: nothing arrived
+        stream.close()
+        await asyncio.wait_for(consumer, 1.0)
+        stream.put(0, _out("late"), asyncio.get_running_loop().time())  # dropped
+        return taken
+
+    assert asyncio.run(scenario()) == []
+    assert aborted == ["a"]
+
+
+@pytest.mark.parametrize("client_leaves", [False, True])
+def test_an_event_stream_response_sends_every_event_or_closes_when_the_client_leaves(
+    client_leaves,
+):
+    """EventStreamResponse at the ASGI level: headers, one body message per event and the end;
+    or, once receive() says the client left, on_close runs while the body still waits."""
+    sent, closed, receive_calls = [], [], []
+
+    async def scenario():
+        left = asyncio.Event()
+
+        async def receive():
+            receive_calls.append(1)
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        stream = RequestStream(["a"], abort=lambda ids: None)
+
+        async def events():
+            async for batch in stream.updates():
+                yield batch[0].text
+
+        def on_close():
+            closed.append(1)
+            stream.close()
+
+        response = EventStreamResponse(events(), on_close, {"X-Test": "1"})
+        task = asyncio.ensure_future(response({"type": "http"}, receive, send))
+        loop = asyncio.get_running_loop()
+        stream.put(0, _out("data: a\n\n"), loop.time())
+        await asyncio.sleep(0.01)
+        if client_leaves:
+            left.set()  # the body waits for the engine: the watcher ends it
+        else:
+            stream.put(0, _out("data: b\n\n", finished=True), loop.time())
+        await asyncio.wait_for(task, 1.0)
+
+    asyncio.run(scenario())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    headers = dict(sent[0]["headers"])
+    assert headers[b"content-type"].startswith(b"text/event-stream")
+    assert headers[b"x-test"] == b"1" and b"content-length" not in headers
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    if client_leaves:
+        assert bodies == [(b"data: a\n\n", True), (b"", False)]
+    else:
+        assert bodies == [(b"data: a\n\n", True), (b"data: b\n\n", True), (b"", False)]
+    assert closed and len(receive_calls) == 1
 
 
 # ---- chunk text -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ time.perf_counter_ns around the engine's own functions, and the medians printed 
 microseconds:
 
   schedule   Scheduler.schedule + advance
-  stage      ModelRunner._stage (positions, slots, block tables, seq lens, padding) + upload
+  stage      StepStager.stage (positions, slots, block tables, seq lens, padding) + upload
   sample     the sampling set-up around the forward's logits (stop-token bans, greedy check,
              sampling tensors), argmax / sampling included
   forward    the model (not host work; on the GPU a graph replay)
@@ -115,7 +115,7 @@ def _instrument(llm: LLM, timer: PhaseTimer) -> None:
     e, r = llm.engine, llm.engine.runner
     timer.wrap(e.scheduler, "schedule", "schedule")
     timer.wrap(e.scheduler, "advance", "schedule")
-    timer.wrap(r, "_stage", "stage")
+    timer.wrap(r.stager, "stage", "stage")
     timer.wrap(r.buffers, "upload", "stage")
     timer.wrap(r, "launch", "launch_rest", minus=("stage", "sample", "forward"))
     if hasattr(r, "can_feed"):

@@ -126,7 +126,7 @@ def profile_decode(llm: LLM, batches: list[int], prompt_len: int, steps: int) ->
     rows = []
     for g in batches:
         step_us = _steady(llm, g, prompt_len, steps)
-        graph_us = _cuda_time_us(lambda g=g: runner.graphs.replay(g))
+        graph_us = _cuda_time_us(lambda g=g: runner.stager.graphs.replay(g))
         rows.append({"batch": g, "decode_step_us": step_us, "decode_graph_us": graph_us})
         _drain(llm)
         print(f"decode G={g}: step {step_us:.0f} us, graph {graph_us:.0f} us")

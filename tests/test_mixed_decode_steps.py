@@ -52,8 +52,8 @@ def _llm(tiny_vocab_dir, padded: bool, max_num_seqs: int = 4, async_scheduling=T
               async_scheduling=async_scheduling)  # fmt: skip
     if padded:
         runner = llm.engine.runner
-        runner.graph_sizes = SIZES
-        runner.graphs = EagerDecodeGraphs(runner, SIZES, TAIL)
+        runner.stager.graph_sizes = SIZES
+        runner.stager.graphs = EagerDecodeGraphs(runner, SIZES, TAIL)
         llm.engine.scheduler.decode_mixed_limits = runner.decode_mixed_limits
     return llm
 
@@ -81,7 +81,7 @@ def test_padded_mixed_decode_steps_equal_eager_steps(tiny_vocab_dir, params):
     llm = _llm(tiny_vocab_dir, padded=True)
     padded = _generate(llm, params)
     _assert_same_outputs(padded, eager)
-    stats, replays = llm.engine.runner.stats, llm.engine.runner.graphs.replays
+    stats, replays = llm.engine.runner.stats, llm.engine.runner.stager.graphs.replays
     assert stats["mixed_decode_steps"] > 0 and replays["mixed"] == stats["graph_steps_mixed"]
     assert replays["decode"] > 0
     assert not any(k.startswith("eager_steps_mixed_") for k in stats), dict(stats)

@@ -16,6 +16,7 @@ from dspark.request import Request
 from dspark.runner.input_buffers import NO_OWNER, InputBuffers
 from dspark.runner.model_runner import ModelRunner
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
+from dspark.runner.staging import StepStager
 from dspark.sample.sampling_rows import SamplingRows
 
 VOCAB = 50
@@ -104,15 +105,15 @@ def test_a_row_moving_up_is_copied_not_rewritten():
     assert buffers.block_row_owner[3] == NO_OWNER
 
 
-class CheckedRunner(ModelRunner):
+class CheckedStager(StepStager):
     """Stages every step twice: as the engine does (persistent rows by their changes, decode
     steps by numpy), then every row rebuilt from the requests by the row-by-row path, and
     asserts the two wrote the same inputs."""
 
     num_checked = 0
 
-    def _stage(self, plan):
-        staged = super()._stage(plan)
+    def stage(self, plan):
+        staged = super().stage(plan)
         got = self._snapshot(staged)
         self.batch.invalidate()  # the reference: every block-table and sampling row rewritten
         ref = self._stage_rows(plan, staged.reqs, self.batch.sync(staged.reqs))
@@ -121,7 +122,7 @@ class CheckedRunner(ModelRunner):
         for key in got:
             assert np.array_equal(got[key], want[key]), key
         assert staged.layout == ref.layout and staged.graph_size == ref.graph_size
-        CheckedRunner.num_checked += plan.is_decode
+        CheckedStager.num_checked += plan.is_decode
         return staged
 
     def _snapshot(self, staged) -> dict:
@@ -132,7 +133,7 @@ class CheckedRunner(ModelRunner):
             ("seq_lens", r), ("block_table", r), ("logits_indices", lay.num_logits),
             ("feed_dst", lay.num_fed), ("feed_src", lay.num_fed))}  # fmt: skip
         rows = staged.sampled_rows
-        out |= {f: getattr(self.sampling_rows, f)[rows].copy() for f in FIELDS}
+        out |= {f: getattr(self.batch.sampling, f)[rows].copy() for f in FIELDS}
         out |= {"sampled_rows": rows, "sampled_ends": staged.sampled_ends}
         return out
 
@@ -154,14 +155,16 @@ def test_engine_staging_equals_the_row_by_row_rebuild(tiny_llama_dir, tiny_llm, 
     want = LLM(str(tiny_llama_dir), **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(tiny_llama_dir), **kw)
     e = llm.engine
-    e.runner = CheckedRunner(e.model, e.runner.kv_caches, e.config.page_size,
-                             e.config.max_num_batched_tokens, e.config.max_num_seqs,
-                             e.max_model_len, e.device, graph_sizes=[1, 2, 4, 6],
-                             capture_graphs=False)  # fmt: skip
-    CheckedRunner.num_checked = 0
+    e.runner = r = ModelRunner(e.model, e.runner.kv_caches, e.config.page_size,
+                               e.config.max_num_batched_tokens, e.config.max_num_seqs,
+                               e.max_model_len, e.device, graph_sizes=[1, 2, 4, 6],
+                               capture_graphs=False)  # fmt: skip
+    # (no captured graphs, no speculation: the runner's stager holds nothing more)
+    r.stager = CheckedStager(r.buffers, r.batch, r.page_size, r.stats, r.stager.graph_sizes)
+    CheckedStager.num_checked = 0
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert e.scheduler.num_preemptions > 0
-    assert CheckedRunner.num_checked > 20
+    assert CheckedStager.num_checked > 20
     counts = e.runner.batch.counts
     assert counts["rows_moved"] and counts["rows_written"] and counts["rows_grown"]

@@ -10,7 +10,7 @@ chunks of up to P tokens in all (requests admitted while the others decode). It 
 of a mixed speculative step with windows one token wide (runner/mixed_layout.py), and its
 logits are [G + R, vocab]: the decode rows', then one per tail row. A step of prefill chunks
 alone that fits the tail replays the (1, P) graph with a pad decode row
-(ModelRunner._mixed_decode_graph).
+(StepStager._mixed_decode_graph, runner/staging.py).
 """
 
 from __future__ import annotations

@@ -87,12 +87,13 @@ def test_numpy_window_staging_equals_the_row_by_row_path(tiny_vocab_dir, drafter
                   "num_speculative_tokens": 3}, **kw)  # fmt: skip
         runner = llm.engine.runner
         runner.spec_runner.uniform_windows = True
-        fast, checked = runner._stage_windows, []
+        stager = runner.stager
+        fast, checked = stager._stage_windows, []
 
         def staged_twice(plan, reqs, serials, width, runner=runner, fast=fast, checked=checked):
             got = fast(plan, reqs, serials, width)
             got_inputs = _inputs(runner, got)
-            want = runner._stage_rows(plan, reqs, serials, width)
+            want = runner.stager._stage_rows(plan, reqs, serials, width)
             assert (got.layout, got.graph_size, got.window_rows) == (
                 want.layout, want.graph_size, want.window_rows)  # fmt: skip
             assert got.sampled_rows.size == want.sampled_rows.size == 0
@@ -101,7 +102,7 @@ def test_numpy_window_staging_equals_the_row_by_row_path(tiny_vocab_dir, drafter
             checked.append(any(r.is_continuation for r in plan.rows))
             return got
 
-        runner._stage_windows = staged_twice
+        stager._stage_windows = staged_twice
         llm.generate(PROMPTS, params, use_tqdm=False)
         assert len(checked) > 10 and runner.stats["empty_windows"] > 0
         assert any(checked) == async_spec  # continuations only when launched ahead

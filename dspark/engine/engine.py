@@ -66,6 +66,7 @@ from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.cost_table import make_fingerprint
+from dspark.spec.realised_costs import StepPeriods
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +154,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self.async_spec_steps = config.async_spec_steps
         self._in_flight: InFlightStep | None = None
-        self._last_decision = None  # the policy's last choice and when (realised step costs)
-        self._last_decision_time = 0.0
+        self._step_periods = StepPeriods()  # which step periods are realised costs
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -302,10 +302,9 @@ class LLMEngine:
 
     def _decide_drafting(self) -> None:
         """The drafting policy's choice for the step about to be scheduled; the period since
-        the last choice (one step of the pipeline) is the realised cost of that one's cell."""
+        the last choice (one step of the pipeline) is the realised cost of that one's cell,
+        when the step before it ran the same cell (spec/realised_costs.py, StepPeriods)."""
         now = time.perf_counter()
-        if self._last_decision is not None:
-            self.policy.record_step(self._last_decision, now - self._last_decision_time)
         reqs = self.scheduler.running
         running = [r.request_id for r in reqs]
         sampled = any(r.sampling_params.temperature > 0 for r in reqs)
@@ -314,8 +313,9 @@ class LLMEngine:
         self.scheduler.trimmed_cell = decision.trimmed_cell
         # (a step with waiting or prefilling requests is not the steady cell the table prices:
         # it is, and that is what realised costs are for; an idle engine teaches nothing)
-        self._last_decision = decision if running else None
-        self._last_decision_time = now
+        counted = self._step_periods.decided(decision, now, bool(running))
+        if counted is not None:
+            self.policy.record_step(*counted)
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

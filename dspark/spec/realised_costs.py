@@ -20,6 +20,20 @@ slower host makes every step dearer), else priced by the table alone.
   priced: plain 2.42 ms, full 8.3 ms  ->  full / plain 3.4 instead of 2.36
 
 Everything it uses happened before the step being decided (the lagged scheduler's rule, 6.3).
+
+Which periods count (StepPeriods). Under async scheduling a call to step() launches step k and
+then waits for step k - 1, so the period from decision k to decision k + 1 ends when step k - 1
+completes: it is cell k's cost only when step k - 1 ran the same cell. At a switch (drafting on
+or off, another G) the period holds the other cell's step and the pipeline's flush, so it
+counts for neither cell:
+
+    decisions   plain  plain  FULL  FULL  FULL  plain  plain  FULL  plain  plain
+    recorded      -     yes    no    yes   yes    no    yes    no     no    yes
+
+An isolated drafting step (a probe) therefore teaches nothing: before, its period carried the
+plain step in flight before it, so the full block read cheap, and the plain step after it the
+probe's own time. (Run synchronously, a period is its own step's: the rule then only drops the
+first step after each switch.)
 """
 
 from __future__ import annotations
@@ -62,3 +76,25 @@ class RealisedCosts:
         for (g, v, sampled), (total, weight, _) in sorted(self._ratios.items()):
             out[f"G={g} V={v} {'sampled' if sampled else 'greedy'}"] = round(total / weight, 3)
         return out
+
+
+class StepPeriods:
+    """The engine's clock for realised costs: call decided() before each step with the choice
+    for it; it returns the previous choice and its period when that period counts (the module
+    docstring), else None."""
+
+    def __init__(self) -> None:
+        self._last = None  # the previous decision (None: none, or the engine was idle)
+        self._last_time = 0.0
+        self._prior_key = None  # (cell, sampled) of the decision before it
+
+    def decided(self, decision, now: float, running: bool):
+        """decision: the policy's choice for the step about to run (a Decision); running:
+        whether any request runs (an idle engine's pause is no step)."""
+        last, counted = self._last, None
+        if last is not None and (last.cell, last.sampled) == self._prior_key:
+            counted = (last, now - self._last_time)
+        self._prior_key = None if last is None else (last.cell, last.sampled)
+        self._last = decision if running else None
+        self._last_time = now
+        return counted

@@ -9,8 +9,8 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.spec.cost_table import CostTable
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.realised_costs import RealisedCosts
+from dspark.spec.drafting_policy import Decision, DraftingPolicy
+from dspark.spec.realised_costs import RealisedCosts, StepPeriods
 from tests.spec.test_drafting_policy import KW, PROMPTS, _spec, drafter  # noqa: F401
 
 K = 7
@@ -61,6 +61,37 @@ def test_policy_stops_drafting_when_drafting_steps_realise_dearer():
             policy.record_step(decision, 8.0)
             decision = policy.decide(ids)
         assert decision.drafting is (realised is None)
+
+
+def test_a_period_counts_only_after_a_step_of_the_same_cell():
+    """The docstring's sequence (StepPeriods): under async scheduling a period ends with the
+    previous step's completion, so the first step after a switch, and a lone probe with the
+    plain step after it, teach nothing; an idle engine's pause is no period either."""
+    g = 4
+    plain = Decision(False, "no drafting", cell=(g, g))
+    full = Decision(True, "full block", cell=(g, g * (K + 1)))
+    sequence = [plain, plain, full, full, full, plain, plain, full, plain, plain]
+    periods, recorded = StepPeriods(), []
+    for i, decision in enumerate(sequence):
+        counted = periods.decided(decision, float(i) * i, running=True)  # periods 1, 3, 5, ..
+        recorded.append(counted)
+    periods.decided(plain, 100.0, running=True)  # (closes the last period)
+    recorded = recorded[1:] + [None]  # decision k's period is returned at call k + 1
+    assert [c is not None for c in recorded[:-1]] == [
+        False, True, False, True, True, False, True, False, False]  # fmt: skip
+    assert recorded[1] == (plain, 3.0) and recorded[3] == (full, 7.0)
+    # sampled and greedy steps of one cell are different cells
+    periods = StepPeriods()
+    sampled = Decision(False, "no drafting", cell=(g, g), sampled=True)
+    assert periods.decided(plain, 0.0, True) is None
+    assert periods.decided(sampled, 1.0, True) is None  # plain's, with nothing before it
+    assert periods.decided(sampled, 2.0, True) is None  # sampled after greedy: a switch
+    assert periods.decided(sampled, 3.0, True) == (sampled, 1.0)
+    # idle: the pause after the last running step's decision is not a period
+    assert periods.decided(sampled, 4.0, running=False) == (sampled, 1.0)
+    assert periods.decided(sampled, 50.0, True) is None
+    assert periods.decided(sampled, 51.0, True) is None  # its predecessor was idle
+    assert periods.decided(sampled, 52.0, True) == (sampled, 1.0)
 
 
 def test_engine_records_realised_costs(tiny_vocab_dir, drafter, tmp_path):  # noqa: F811

@@ -2,7 +2,9 @@
 
 Each arm runs the real target and drafter (fp32, on the CPU) over the benchmark's held-out
 prompts with C requests in flight (`generate` with max_num_seqs C: as one ends the next is
-admitted), greedy, so every arm emits the same tokens and only the steps differ. Every arm's
+admitted), greedy, so every arm emits the same tokens and only the steps differ (with
+--temperature T > 0 each request samples with its own seed: the arms' tokens then differ, their
+distribution does not, and the steps are priced by the table's sampled cells). Every arm's
 policy decides from a copy of a table under this engine's fingerprint, with realised step costs
 off (CPU step times say nothing about the GPU's), and every step it decides is priced by the
 GPU's table:
@@ -52,20 +54,27 @@ MAX_MODEL_LEN = 1024  # the benchmark's prompts and 256 tokens fit
 def tables(gpu: CostTable, fingerprint: dict, draft_len: int, folder: Path) -> dict[str, Path]:
     """The GPU table's cells under this engine's fingerprint, and the never / always drafting
     tables of the plain and fixed-K arms (the same G, V cells)."""
-    def scaled(full_over_plain: float) -> dict:
+    def scaled(table: CostTable | None, full_over_plain: float) -> dict | None:
+        if table is None:  # (no sampled cells)
+            return None
         return {g: {g: row[g], full_block_tokens(g, draft_len): full_over_plain * row[g]}
-                for g, row in gpu.cells.items()}  # fmt: skip
+                for g, row in table.cells.items()}  # fmt: skip
 
     paths = {}
-    for name, cells in (("gpu", gpu.cells), ("never", scaled(100.0)), ("always", scaled(0.5))):
+    for name, cells, sampled in (
+        ("gpu", gpu.cells, gpu.sampled_cells),
+        ("never", scaled(gpu, 100.0), scaled(gpu.for_sampling(), 100.0)),
+        ("always", scaled(gpu, 0.5), scaled(gpu.for_sampling(), 0.5)),
+    ):
         paths[name] = folder / f"{name}.json"
-        paths[name].write_text(CostTable(fingerprint, cells).to_json())
+        paths[name].write_text(CostTable(fingerprint, cells, sampled).to_json())
     return paths
 
 
 def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
-            concurrency: int, gpu: CostTable) -> dict:  # fmt: skip
-    """The arm's tokens, its steps by cell and their modeled time."""
+            concurrency: int, gpu: CostTable, temperature: float = 0.0) -> dict:  # fmt: skip
+    """The arm's tokens, its steps by cell and their modeled time (at temperature > 0 priced
+    by the table's sampled cells, request i seeded with i)."""
     llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=concurrency,
               max_model_len=MAX_MODEL_LEN, speculative_config=spec)  # fmt: skip
     policy = llm.engine.policy
@@ -80,7 +89,10 @@ def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
         return decision
 
     policy.decide = logged
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=output_len,
+                             ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    prices = gpu.for_sampling() if temperature > 0 else gpu
+    assert prices is not None, "the table has no sampled cells to price temperature > 0 by"
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params,
                            use_tqdm=False)  # fmt: skip
@@ -91,7 +103,7 @@ def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
         "steps_by_cell": {f"G={g} V={v}": n for (g, v), n in sorted(by_cell.items())},
         "drafting_steps": sum(n for (g, v), n in by_cell.items() if v > g),
         "plain_steps": sum(n for (g, v), n in by_cell.items() if v == g),
-        "modeled_ms": 1e3 * sum(n * gpu.cells[g][v] for (g, v), n in by_cell.items()),
+        "modeled_ms": 1e3 * sum(n * prices.cells[g][v] for (g, v), n in by_cell.items()),
         "acceptance_length": m.get("mean_acceptance_length"),
         "policy": dict(m.get("drafting_policy", {})), "cpu_seconds": time.perf_counter() - start,
     }  # fmt: skip
@@ -109,6 +121,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompts-dir", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()  # fmt: skip
     model = args.model or str(default_model_path())
@@ -131,7 +144,8 @@ def main() -> int:
     for c in (int(x) for x in args.concurrency.split(",")):
         results = {}
         for name, spec in arms.items():
-            results[name] = run_arm(model, spec, prompts, args.output_len, c, gpu)
+            results[name] = run_arm(model, spec, prompts, args.output_len, c, gpu,
+                                    args.temperature)
             r = results[name]
             print(f"C={c} {name}: {r['drafting_steps']} drafting + {r['plain_steps']} plain "
                   f"steps, {r['modeled_ms']:.0f} ms modeled ({r['cpu_seconds']:.0f} s on the "
@@ -141,8 +155,9 @@ def main() -> int:
             r.pop("tokens")
         levels.append({"concurrency": c, "tokens_equal_plain": same, "arms": results})
 
-    g1 = gpu.cells[1]
-    print(f"{len(prompts)} prompts x {args.output_len} greedy tokens; GPU table t(1,1) "
+    g1 = (gpu.for_sampling() if args.temperature > 0 else gpu).cells[1]
+    kind = f"temperature {args.temperature:g}" if args.temperature > 0 else "greedy"
+    print(f"{len(prompts)} prompts x {args.output_len} {kind} tokens; GPU table t(1,1) "
           f"{g1[1] * 1e3:.3f} ms, t(1,{k + 1}) {g1[full_block_tokens(1, k)] * 1e3:.3f} ms")
     print(f"{'C':>4} {'arm':>12} {'drafting':>9} {'plain':>7} {'tau':>5} {'switches':>9} "
           f"{'modeled ms':>11} {'x plain':>8} {'x k7':>6}")
@@ -155,7 +170,7 @@ def main() -> int:
                   f"{r['plain_steps']:>7} {tau:>5.2f} {switches:>9} {r['modeled_ms']:>11.0f} "
                   f"{arms_['plain']['modeled_ms'] / r['modeled_ms']:>8.2f} "
                   f"{arms_['k7']['modeled_ms'] / r['modeled_ms']:>6.2f}")  # fmt: skip
-        if not level["tokens_equal_plain"]:
+        if not level["tokens_equal_plain"] and args.temperature == 0:
             print(f"C={level['concurrency']}: an arm's tokens differ from plain decoding's")
     if args.out:
         Path(args.out).write_text(json.dumps({

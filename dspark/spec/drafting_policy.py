@@ -56,7 +56,9 @@ Three corrections keep lagged estimates honest:
 - Probing. While drafting is off nothing refreshes the survivals. They go stale after
   (t_full / t_plain - 1) / probe_budget steps at the step's G, so the probe (one drafting step
   that refreshes them) costs at most probe_budget of the time spent not drafting: about 80
-  steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256 (3.9) with the 1% default.
+  steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256 (3.9) with the 1% default. A step
+  priced by the sampled cells sets it by those (G = 4 on the H200: 118 steps at 2.18, where the
+  greedy cells' 1.29 gave 29 and a sampled batch probed four times its budget).
 Load that falls (a smaller G, where the full block costs relatively less), new requests and
 stale rows bring drafting back.
 
@@ -316,11 +318,11 @@ class DraftingPolicy:
             return Decision(False, "dwell", (g, g), sampled)
         table = CostTable({}, {g: row})
         if len(row) > 2:  # trimmed cells: per-position survivals price them
-            a = self.lagged_survival(request_ids, g)
+            a = self.lagged_survival(request_ids, g, sampled)
             choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting)
         else:
-            choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g), g,
-                                     table, self.draft_len, self.min_gain,
+            choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g, sampled),
+                                     g, table, self.draft_len, self.min_gain,
                                      drafting_now=self.drafting)  # fmt: skip
         geometry = choice.geometry
         return Decision(geometry.drafts, choice.reason, (g, geometry.num_tokens), sampled)
@@ -350,13 +352,17 @@ class DraftingPolicy:
         table = self.sampled_table if decision.sampled else self.table
         self.realised_costs.record(decision.cell, decision.sampled, table.cells[g][v], seconds)
 
-    def stale_after(self, g: int) -> int:
-        """Steps after which a request's survivals are stale at graph size G (module doc)."""
-        row = self.table.cells[g]
+    def stale_after(self, g: int, sampled: bool = False) -> int:
+        """Steps after which a request's survivals are stale at graph size G (module doc), by
+        the cells that price the step: a sampled drafting step costs more than a greedy one
+        (on the H200 at G = 4, 2.2 plain steps against 1.3), so probing it is rarer for the
+        same budget."""
+        table = self.sampled_table if sampled and self.sampled_table is not None else self.table
+        row = table.cells[g]
         ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
         return max(1, math.ceil((ratio - 1) / self.probe_budget))
 
-    def survival_sum(self, request_ids: list[str], g: int) -> float:
+    def survival_sum(self, request_ids: list[str], g: int, sampled: bool = False) -> float:
         """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale
         rows count K (a = 1).
 
@@ -365,11 +371,14 @@ class DraftingPolicy:
         of age (module docstring), once the population has min_population_blocks blocks of
         evidence. (Called before every step: plain floats, no numpy.)
         """
-        return sum(self._row_totals(request_ids, g)[0])
+        return sum(self._row_totals(request_ids, g, sampled)[0])
 
-    def _row_totals(self, request_ids: list[str], g: int) -> tuple[list[float], list[int]]:
-        """Each request's estimated survival sum, and its kind: FRESH, STALE or UNSEEN."""
-        fresh_since = self._step - self.stale_after(g)
+    def _row_totals(
+        self, request_ids: list[str], g: int, sampled: bool = False
+    ) -> tuple[list[float], list[int]]:
+        """Each request's estimated survival sum, and its kind: FRESH, STALE or UNSEEN
+        (`sampled`: the step is priced by the sampled cells, which set when a row is stale)."""
+        fresh_since = self._step - self.stale_after(g, sampled)
         scale, k = self.correction, self.draft_len
         unseen = self.unobserved_sum()
         mean = self.population_mean()
@@ -392,11 +401,11 @@ class DraftingPolicy:
                 kinds.append(FRESH)
         return totals, kinds
 
-    def lagged_survival(self, request_ids: list[str], g: int) -> np.ndarray:
+    def lagged_survival(self, request_ids: list[str], g: int, sampled: bool = False) -> np.ndarray:
         """[R, K] the requests' lagged survivals per position: each row's vector (its own, or
         the population's for a request that never drafted; ones when stale or without
         evidence) rescaled to the row's total of survival_sum, clipped to 1."""
-        totals, kinds = self._row_totals(request_ids, g)
+        totals, kinds = self._row_totals(request_ids, g, sampled)
         k = self.draft_len
         flat = np.ones(k) / k  # (the shape of a row with no vector: its total spread evenly)
         population = flat

@@ -66,6 +66,20 @@ def test_stale_survivals_count_as_fully_confident():
         _policy(probe_budget=0)
 
 
+def test_a_sampled_step_sets_staleness_by_the_sampled_cells():
+    """G = 64 sampled: t_full / t_plain = 4.4 (greedy 2.4), so with probe_budget 0.5 a sampled
+    batch's survivals go stale after ceil(3.4 / 0.5) = 7 steps, a greedy batch's after 3."""
+    sampled = {1: {1: 1.0, 8: 2.0}, 64: {64: 1.0, 512: 4.4}}
+    table = CostTable({}, TABLE.cells, sampled)
+    p = _policy(table, dwell=0, probe_budget=0.5)
+    assert (p.stale_after(64), p.stale_after(64, sampled=True)) == (3, 7)
+    assert _policy(probe_budget=0.5).stale_after(64, sampled=True) == 3  # no sampled cells
+    p.observe(_ids(64), torch.zeros(64, K), [False] * 64)
+    # observed at step 0: older than 7 steps at step 8 (greedy: older than 3 at step 4)
+    steps = [p.decide(_ids(64), sampled=True).drafting for _ in range(9)]
+    assert steps == [False] * 8 + [True]
+
+
 def test_realised_acceptance_recalibrates_the_survivals():
     """Confidences that predict ~1 accepted draft per block while blocks keep ~6: the policy
     scales its estimates by realised / predicted (a prior of 4 blocks damps the first ones)."""

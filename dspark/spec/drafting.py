@@ -9,7 +9,9 @@ computed in one call after the loop, when every (h[k], x[k-1]) is known.
 
 A batch of greedy rows on the triton backend draws each slot in one launch
 (kernels/markov_greedy_triton.py) from the base logits as the LM head made them (bf16 on the
-GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six.
+GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six. A sampled batch without
+top-k or top-p may draw each slot in three launches (kernels/markov_sample_triton.py) instead of
+about 22: off until measured on a GPU, DSPARK_FUSED_SAMPLED_DRAFT=1 turns it on.
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
 function of (seed, position), like every other random number in the engine. A draft is drawn by
@@ -19,6 +21,7 @@ a draft was drawn from, not how it was drawn.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,9 @@ import torch
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.random import STREAM_DRAFT, uniform
 from dspark.sample.sampler import SamplingTensors, inverse_cdf, sampling_probs
+
+# the fused sampled slot (module docstring): off until measured on a GPU
+FUSED_SAMPLED = os.environ.get("DSPARK_FUSED_SAMPLED_DRAFT") == "1"
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,14 @@ def draft_block(
 ) -> DraftBlock:
     R, K, _ = hidden.shape
     tokens = torch.empty(R, K, dtype=torch.int64, device=hidden.device)
-    if st.all_greedy and drafter.use_triton and _kernel_takes(drafter.config.markov_rank):
+    fused = drafter.use_triton and _kernel_takes(drafter.config.markov_rank)
+    if st.all_greedy and fused:
         _draft_greedy_fused(drafter, drafter.target.lm_head(hidden), anchors, tokens)
         probs = None
+    elif fused and FUSED_SAMPLED and not (st.any_top_k or st.any_top_p):
+        probs = _draft_sampled_fused(
+            drafter, drafter.target.lm_head(hidden), anchors, anchor_positions, st, tokens
+        )
     else:
         base = drafter.base_logits(hidden)  # [R, K, V] float32
         # a batch of greedy rows needs no distributions: greedy verification compares argmaxes
@@ -89,3 +100,25 @@ def _draft_greedy_fused(
     for k in range(tokens.shape[1]):
         markov_greedy(base[:, k], prev, w1, w2, out=tokens[:, k])
         prev = tokens[:, k]
+
+
+def _draft_sampled_fused(
+    drafter: DSparkDrafter,
+    base: torch.Tensor,  # [R, K, V] the LM head's output, in the model's dtype
+    anchors: torch.Tensor,  # [R]
+    anchor_positions: torch.Tensor,  # [R]
+    st: SamplingTensors,
+    tokens: torch.Tensor,  # [R, K] int64, written slot by slot
+) -> torch.Tensor:  # [R, K, V] float32, each draft's distribution
+    from dspark.kernels.markov_sample_triton import markov_sample
+
+    R, K, V = base.shape
+    probs = torch.empty(R, K, V, dtype=torch.float32, device=base.device)
+    w1, w2 = drafter.markov_in.weight, drafter.markov_out.weight
+    prev = anchors
+    for k in range(K):
+        u = uniform(st.seeds, anchor_positions + 1 + k, STREAM_DRAFT)  # [R, 1]
+        markov_sample(base[:, k], prev, w1, w2, st.temperature, u, out=tokens[:, k],
+                      probs=probs[:, k])  # fmt: skip
+        prev = tokens[:, k]
+    return probs

@@ -1,0 +1,139 @@
+"""The fused sampled Markov slot against PyTorch's: p = softmax((U[k] + W2 W1[x[k-1]]) / T)
+written for verification, x[k] drawn from p by inversion with the row's uniform, greedy rows
+the first maximal token.
+
+CPU (interpreter): V 300 over BLOCK_V 128 (a ragged last slice), rank 16, up to 17 rows (two
+row blocks). GPU: SmolLM2's V 49,152 and rank 64, up to 257 rows. Inputs are strided views of a
+block, as draft_block passes them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspark.kernels.markov_greedy_triton import BLOCK_V
+from dspark.kernels.markov_sample_triton import markov_sample, markov_sample_ref
+from tests.kernels.test_markov_greedy_triton import SHAPES, _block
+
+K = 3
+
+
+def _temperatures(R: int, device: torch.device) -> torch.Tensor:
+    """Rows cycling through T = 1, greedy, 0.7 and 1.5."""
+    return torch.tensor([1.0, 0.0, 0.7, 1.5], device=device).repeat(R)[:R].contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_slot_draws_the_reference_token_and_writes_its_distribution(device, dtype):
+    V, rank, row_counts = SHAPES[device.type]
+    for R in row_counts:
+        base, w1, w2, tokens = _block(R, V, rank, dtype, device, seed=R)
+        temperature = _temperatures(R, device)
+        probs = torch.zeros(R, K, V, device=device)
+        g = torch.Generator(device=device).manual_seed(R)
+        for k in range(1, K):
+            u = torch.rand(R, 1, generator=g, device=device)
+            expect, expect_probs = markov_sample_ref(base[:, k], tokens[:, k - 1], w1, w2,
+                                                     temperature, u)  # fmt: skip
+            markov_sample(base[:, k], tokens[:, k - 1], w1, w2, temperature, u,
+                          out=tokens[:, k], probs=probs[:, k])  # fmt: skip
+            if dtype == torch.float32:
+                assert torch.equal(tokens[:, k], expect), (R, k)
+                torch.testing.assert_close(probs[:, k], expect_probs, rtol=1e-5, atol=1e-7)
+            else:  # the bias's bf16 rounding may differ by a step (markov_greedy's test)
+                torch.testing.assert_close(probs[:, k], expect_probs, rtol=0.05, atol=5e-3)
+                assert (tokens[:, k] == expect).float().mean() > 0.9
+            assert torch.allclose(probs[:, k].sum(dim=-1), torch.ones(R, device=device))
+
+
+def test_the_docstring_example_and_the_inversion_over_a_grid_of_uniforms(device):
+    """p = [1 1 2 1 1 1] / 7 (no bias): u = 0.5 draws column 2, and over a grid of uniforms
+    every draw is the reference's, so each token is drawn on its share of (0, 1)."""
+    V, rank, _ = SHAPES[device.type]
+    n = 257
+    base = torch.zeros(n, V, device=device)
+    base[:, 2] = math.log(2.0)
+    base[:, 6:] = -1e4  # (tokens past the example's six: probability 0)
+    w1 = torch.randn(V, rank, device=device)
+    w2 = torch.zeros(V, rank, device=device)
+    prev = torch.zeros(n, dtype=torch.int64, device=device)
+    temperature = torch.ones(n, device=device)
+    u = ((torch.arange(n, device=device) + 0.5) / n)[:, None]
+    u[0] = 0.5
+    out = torch.empty(n, dtype=torch.int64, device=device)
+    probs = torch.empty(n, V, device=device)
+    markov_sample(base, prev, w1, w2, temperature, u, out=out, probs=probs)
+    assert out[0].item() == 2
+    torch.testing.assert_close(probs[0, :6], torch.tensor([1, 1, 2, 1, 1, 1.0], device=device) / 7)
+    expect, _ = markov_sample_ref(base, prev, w1, w2, temperature, u)
+    assert torch.equal(out, expect)
+    counts = torch.bincount(out[1:], minlength=6)[:6].float() / (n - 1)
+    torch.testing.assert_close(counts, probs[0, :6], atol=2 / n, rtol=0)
+
+
+def test_greedy_rows_take_the_first_maximal_token_across_slices(device):
+    V, rank, _ = SHAPES[device.type]
+    base = torch.zeros(2, V, device=device)
+    base[0, [BLOCK_V + 7, 5]] = 2.0  # across slices: 5 wins
+    base[1, [BLOCK_V + 9, BLOCK_V + 3]] = 1.0  # within one slice: the smaller column
+    w1 = torch.randn(V, rank, device=device)
+    w2 = torch.zeros(V, rank, device=device)
+    out = torch.empty(2, dtype=torch.int64, device=device)
+    probs = torch.empty(2, V, device=device)
+    markov_sample(base, torch.zeros(2, dtype=torch.int64, device=device), w1, w2,
+                  torch.zeros(2, device=device), torch.full((2, 1), 0.99, device=device),
+                  out=out, probs=probs)  # fmt: skip
+    assert out.tolist() == [5, BLOCK_V + 3]
+    torch.testing.assert_close(probs, base.softmax(dim=-1))  # T = 1's, never read
+
+
+def test_draft_block_with_the_fused_sampled_slot_equals_the_pytorch_loop(
+    tmp_path, device, monkeypatch
+):
+    """A sampled block (temperatures 1, 0.7 and greedy rows) drafted with the fused slot: the
+    PyTorch loop's tokens and distributions (fp32; on the CPU through the interpreter)."""
+    from safetensors.torch import load_file
+
+    from dspark.models.llama import build_model
+    from dspark.models.model_config import ModelConfig
+    from dspark.spec import drafting
+    from tests.test_dspark_drafter import K as DRAFT_LEN
+    from tests.test_dspark_drafter import _drafter, _st
+    from tests.tiny_models import _llama_config, save_random_model
+
+    hf = _llama_config(96, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                       intermediate_size=64)  # fmt: skip
+    save_random_model(tmp_path, hf)
+    config = ModelConfig.from_hf_dict(hf.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    target = build_model(config, load_file(tmp_path / "model.safetensors"), torch.float32,
+                         torch.device("cpu"))  # fmt: skip
+    drafter = _drafter(target, markov_rank=16)
+    target.to(device), drafter.to(device)
+    n = 5
+    hidden = torch.randn(n, DRAFT_LEN, 32, device=device)
+    anchors = torch.tensor([3, 7, 7, 50, 95], device=device)
+    positions = torch.full((n,), 20, device=device)
+    st = _st(n, 1.0, torch.arange(n))
+    st = type(st)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                     for k, v in st.__dict__.items()})  # fmt: skip
+    st.temperature[1], st.temperature[3] = 0.0, 0.7
+    from dspark.kernels import markov_sample_triton
+
+    calls = []
+    kernel = markov_sample_triton.markov_sample
+    monkeypatch.setattr(markov_sample_triton, "markov_sample",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))  # fmt: skip
+    blocks = []
+    with torch.no_grad():
+        for fused in (False, True):
+            drafter.use_triton = fused
+            monkeypatch.setattr(drafting, "FUSED_SAMPLED", fused)
+            blocks.append(drafting.draft_block(drafter, hidden, anchors, positions, st))
+    assert len(calls) == DRAFT_LEN  # one fused slot a position, in the second block only
+    torch_block, fused_block = blocks
+    assert torch.equal(fused_block.tokens, torch_block.tokens)
+    torch.testing.assert_close(fused_block.probs, torch_block.probs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fused_block.confidence_logits, torch_block.confidence_logits)

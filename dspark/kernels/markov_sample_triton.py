@@ -25,8 +25,12 @@ look). Here, with S slices of BLOCK_V columns:
 The same token as `markov_sample_ref` up to rounding (the sums run in another order), so a
 draw may differ where u Z falls within rounding of a boundary between two tokens.
 
-Off by default until measured on a GPU: DSPARK_FUSED_SAMPLED_DRAFT=1 turns it on in
-spec/drafting.py (rows without top-k and top-p, a Markov rank the greedy kernel takes).
+The stats and the pick without the Markov bias draw plain decoding's sampled rows
+(`sample_rows`, no distribution kept), where sample/sampler.py's `sample` is about ten launches.
+
+Both are off by default until measured on a GPU: DSPARK_FUSED_SAMPLED_DRAFT=1 turns the slot on
+in spec/drafting.py (rows without top-k and top-p, a Markov rank the greedy kernel takes), and
+DSPARK_FUSED_SAMPLE=1 the rows in sample/sampler.py (on CUDA, without top-k and top-p).
 Under TRITON_INTERPRET=1 (CPU tensors) it runs in Triton's interpreter.
 """
 
@@ -62,30 +66,34 @@ def _stats_kernel(
     num_rows, V, s_base, s_prev, s_probs,
     RANK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     NUM_SLICES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
-    ranks = tl.arange(0, RANK)
-    w2 = tl.load(w2_ptr + cols[:, None] * RANK + ranks[None, :], mask=col_mask[:, None],
-                 other=0.0)  # [BV, r]  # fmt: skip
-    if UPCAST_DOT:  # the interpreter's tl.dot on bf16 computes on raw integers
-        w2 = w2.to(tl.float32)
+    if HAS_BIAS:
+        ranks = tl.arange(0, RANK)
+        w2 = tl.load(w2_ptr + cols[:, None] * RANK + ranks[None, :], mask=col_mask[:, None],
+                     other=0.0)  # [BV, r]  # fmt: skip
+        if UPCAST_DOT:  # the interpreter's tl.dot on bf16 computes on raw integers
+            w2 = w2.to(tl.float32)
     for r0 in range(0, num_rows, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_mask = rows < num_rows
-        prev = tl.load(prev_ptr + rows * s_prev, mask=row_mask, other=0)
-        e = tl.load(w1_ptr + prev[:, None] * RANK + ranks[None, :], mask=row_mask[:, None],
-                    other=0.0)  # [BR, r]  # fmt: skip
-        if UPCAST_DOT:
-            e = e.to(tl.float32)
-        bias = tl.dot(e, tl.trans(w2), input_precision=DOT_PRECISION)  # [BR, BV] float32
-        bias = bias.to(w2_ptr.dtype.element_ty).to(tl.float32)  # the GEMM output's rounding
         mask = row_mask[:, None] & col_mask[None, :]
         base = tl.load(base_ptr + rows[:, None] * s_base + cols[None, :], mask=mask, other=0.0)
+        logits = base.to(tl.float32)
+        if HAS_BIAS:
+            prev = tl.load(prev_ptr + rows * s_prev, mask=row_mask, other=0)
+            e = tl.load(w1_ptr + prev[:, None] * RANK + ranks[None, :], mask=row_mask[:, None],
+                        other=0.0)  # [BR, r]  # fmt: skip
+            if UPCAST_DOT:
+                e = e.to(tl.float32)
+            bias = tl.dot(e, tl.trans(w2), input_precision=DOT_PRECISION)  # [BR, BV] float32
+            logits += bias.to(w2_ptr.dtype.element_ty).to(tl.float32)  # the GEMM's rounding
         t = tl.load(temp_ptr + rows, mask=row_mask, other=1.0)
         t = tl.where(t > 0, t, 1.0)
-        logits = tl.where(mask, (base.to(tl.float32) + bias) / t[:, None], float("-inf"))
+        logits = tl.where(mask, logits / t[:, None], float("-inf"))
         tl.store(probs_ptr + rows[:, None] * s_probs + cols[None, :], logits, mask=mask)
         best, arg = tl.max(logits, axis=1, return_indices=True, return_indices_tie_break_left=True)
         shift = tl.where(row_mask, best, 0.0)  # (a pad row's max is -inf)
@@ -174,18 +182,55 @@ def markov_sample(
     ws_max = torch.empty(R * num_slices, dtype=torch.float32, device=dev)
     ws_sum = torch.empty(R * num_slices, dtype=torch.float32, device=dev)
     ws_idx = torch.empty(R * num_slices, dtype=torch.int32, device=dev)
-    norm = torch.empty(2 * R, dtype=torch.float32, device=dev)  # per row: M, Z
     _stats_kernel[(num_slices,)](
         base, prev, temperature, w1, w2, probs, ws_max, ws_sum, ws_idx,
         R, V, base.stride(0), prev.stride(0), probs.stride(0),
         RANK=rank, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, NUM_SLICES=num_slices, **dot_options(w1),
+        HAS_BIAS=True,
     )  # fmt: skip
+    norm = _pick(probs, temperature, u, ws_max, ws_sum, ws_idx, out, num_slices)
+    _normalize_kernel[(num_slices,)](
+        probs, norm, R, V, probs.stride(0), BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R,
+    )  # fmt: skip
+    return out
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [N, V] float32 (plain decoding's sampled rows), rows may be strided
+    temperature: torch.Tensor,  # [N] float32, 0 = greedy
+    u: torch.Tensor,  # [N, 1] float32, the rows' uniforms
+    out: torch.Tensor,  # [N] int64
+) -> torch.Tensor:
+    """sample/sampler.py's `sample` without top-k / top-p, in two launches: the stats and the
+    pick above without the Markov bias; no distribution is kept."""
+    N, V = logits.shape
+    assert logits.stride(1) == 1 and temperature.shape == out.shape == (N,) and u.shape == (N, 1)
+    assert temperature.is_contiguous() and out.dtype == torch.int64
+    if N == 0:
+        return out
+    num_slices = triton.cdiv(V, BLOCK_V)
+    dev = logits.device
+    scaled = torch.empty(N, V, dtype=torch.float32, device=dev)  # logits / T, for the pick
+    ws_max = torch.empty(N * num_slices, dtype=torch.float32, device=dev)
+    ws_sum = torch.empty(N * num_slices, dtype=torch.float32, device=dev)
+    ws_idx = torch.empty(N * num_slices, dtype=torch.int32, device=dev)
+    _stats_kernel[(num_slices,)](
+        logits, out, temperature, logits, logits, scaled, ws_max, ws_sum, ws_idx,
+        N, V, logits.stride(0), 0, scaled.stride(0),
+        RANK=16, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, NUM_SLICES=num_slices, DOT_PRECISION="ieee",
+        UPCAST_DOT=False, HAS_BIAS=False,
+    )  # fmt: skip
+    _pick(scaled, temperature, u, ws_max, ws_sum, ws_idx, out, num_slices)
+    return out
+
+
+def _pick(probs, temperature, u, ws_max, ws_sum, ws_idx, out, num_slices) -> torch.Tensor:
+    """Launch the pick over the rows; returns each row's (M, Z) for the normalization."""
+    R, V = probs.shape
+    norm = torch.empty(2 * R, dtype=torch.float32, device=probs.device)
     _pick_kernel[(R,)](
         probs, temperature, u, ws_max, ws_sum, ws_idx, out, norm,
         V, probs.stride(0), u.stride(0), out.stride(0),
         BLOCK_V=BLOCK_V, NUM_SLICES=num_slices, SLICES_P2=triton.next_power_of_2(num_slices),
     )  # fmt: skip
-    _normalize_kernel[(num_slices,)](
-        probs, norm, R, V, probs.stride(0), BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R,
-    )  # fmt: skip
-    return out
+    return norm

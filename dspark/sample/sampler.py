@@ -6,10 +6,14 @@ row's draw depends only on its (seed, position) and its probs. An exponential ra
 probs_v / E_v) needs one uniform per vocabulary entry instead, 49,152 hashes a row; with it,
 temperature-1 plain decoding ran 1.5x slower than greedy at one request and 1.8x at 256 on the
 H200 (docs/PERFORMANCE.md, tenth look). The inversion has not been timed on the GPU yet.
+
+On CUDA, DSPARK_FUSED_SAMPLE=1 draws rows without top-k and top-p in two Triton launches
+(kernels/markov_sample_triton.py, `sample_rows`) instead of about ten: off until measured.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +39,8 @@ class SamplingTensors:
 
 
 TOPK_PATH_MAX = 1024  # the largest max_top_k taken by the top-k path (beyond it: the sort)
+
+FUSED_SAMPLE = os.environ.get("DSPARK_FUSED_SAMPLE") == "1"  # (module docstring)
 
 
 def apply_top_k_top_p(
@@ -105,6 +111,12 @@ def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Sample one token per row: logits [N, V] float32 -> [N] int64."""
+    if FUSED_SAMPLE and logits.is_cuda and not (st.all_greedy or st.any_top_k or st.any_top_p):
+        from dspark.kernels.markov_sample_triton import sample_rows
+
+        u = uniform(st.seeds, st.positions, STREAM_SAMPLE)
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return sample_rows(logits, st.temperature.contiguous(), u, out)
     greedy = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy

@@ -137,3 +137,30 @@ def test_draft_block_with_the_fused_sampled_slot_equals_the_pytorch_loop(
     assert torch.equal(fused_block.tokens, torch_block.tokens)
     torch.testing.assert_close(fused_block.probs, torch_block.probs, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(fused_block.confidence_logits, torch_block.confidence_logits)
+
+
+def test_plain_rows_draw_the_samplers_tokens(device, monkeypatch):
+    """sample_rows (no Markov bias, no distribution kept) draws `sample`'s tokens: greedy rows
+    their argmax, the others by inversion with their (seed, position) uniform (fp32)."""
+    from dspark.kernels.markov_sample_triton import sample_rows
+    from dspark.sample import sampler
+    from dspark.sample.random import STREAM_SAMPLE, uniform
+
+    V = SHAPES[device.type][0]
+    for n in (1, 5, 17):
+        g = torch.Generator(device=device).manual_seed(n)
+        logits = torch.randn(n, V, generator=g, device=device) * 3
+        temperature = _temperatures(n, device)
+        st = sampler.SamplingTensors(
+            temperature, torch.full((n,), V, device=device), torch.ones(n, device=device),
+            torch.arange(n, device=device) * 7919, torch.arange(n, device=device) + 100,
+            all_greedy=False, any_top_k=False, any_top_p=False,
+        )  # fmt: skip
+        expect = sampler.sample(logits, st)  # (the PyTorch path: FUSED_SAMPLE is off)
+        out = torch.empty(n, dtype=torch.int64, device=device)
+        u = uniform(st.seeds, st.positions, STREAM_SAMPLE)
+        assert torch.equal(sample_rows(logits, temperature, u, out), expect), n
+        if device.type == "cuda":  # sample() takes it with the flag on
+            monkeypatch.setattr(sampler, "FUSED_SAMPLE", True)
+            assert torch.equal(sampler.sample(logits, st), expect)
+            monkeypatch.setattr(sampler, "FUSED_SAMPLE", False)

@@ -72,6 +72,35 @@ def markov_greedy_ref(
 
 
 @triton.jit
+def load_w2_slice(w2_ptr, cols, col_mask, RANK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """W2's rows for a slice of vocabulary columns: [BLOCK_V, r] (float32 in the interpreter,
+    whose tl.dot on bf16 computes on raw integers)."""
+    ranks = tl.arange(0, RANK)
+    w2 = tl.load(w2_ptr + cols[:, None] * RANK + ranks[None, :], mask=col_mask[:, None],
+                 other=0.0)  # fmt: skip
+    if UPCAST_DOT:
+        w2 = w2.to(tl.float32)
+    return w2
+
+
+@triton.jit
+def markov_bias_tile(
+    prev_ptr, w1_ptr, w2, rows, row_mask, s_prev,
+    RANK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """The Markov bias W2 W1[x[k-1]] of a tile of rows over w2's columns: [BLOCK_R, BLOCK_V]
+    float32, rounded to the weights' dtype as the PyTorch GEMM's output is."""
+    ranks = tl.arange(0, RANK)
+    prev = tl.load(prev_ptr + rows * s_prev, mask=row_mask, other=0)
+    e = tl.load(w1_ptr + prev[:, None] * RANK + ranks[None, :], mask=row_mask[:, None],
+                other=0.0)  # [BR, r]  # fmt: skip
+    if UPCAST_DOT:
+        e = e.to(tl.float32)
+    bias = tl.dot(e, tl.trans(w2), input_precision=DOT_PRECISION)  # [BR, BV] float32
+    return bias.to(w1_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _markov_greedy_kernel(
     base_ptr, prev_ptr, w1_ptr, w2_ptr, out_ptr, ws_max_ptr, ws_idx_ptr, counter_ptr,
     num_rows, V, s_base, s_prev, s_out,
@@ -82,21 +111,12 @@ def _markov_greedy_kernel(
     s = tl.program_id(0)
     cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
-    ranks = tl.arange(0, RANK)
-    w2 = tl.load(w2_ptr + cols[:, None] * RANK + ranks[None, :], mask=col_mask[:, None],
-                 other=0.0)  # [BV, r]  # fmt: skip
-    if UPCAST_DOT:  # the interpreter's tl.dot on bf16 computes on raw integers
-        w2 = w2.to(tl.float32)
+    w2 = load_w2_slice(w2_ptr, cols, col_mask, RANK, UPCAST_DOT)  # [BV, r]
     for r0 in range(0, num_rows, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_mask = rows < num_rows
-        prev = tl.load(prev_ptr + rows * s_prev, mask=row_mask, other=0)
-        e = tl.load(w1_ptr + prev[:, None] * RANK + ranks[None, :], mask=row_mask[:, None],
-                    other=0.0)  # [BR, r]  # fmt: skip
-        if UPCAST_DOT:
-            e = e.to(tl.float32)
-        bias = tl.dot(e, tl.trans(w2), input_precision=DOT_PRECISION)  # [BR, BV] float32
-        bias = bias.to(w2_ptr.dtype.element_ty).to(tl.float32)  # the GEMM output's rounding
+        bias = markov_bias_tile(prev_ptr, w1_ptr, w2, rows, row_mask, s_prev, RANK,
+                                DOT_PRECISION, UPCAST_DOT)  # fmt: skip
         mask = row_mask[:, None] & col_mask[None, :]
         base = tl.load(base_ptr + rows[:, None] * s_base + cols[None, :], mask=mask, other=0.0)
         logits = tl.where(mask, base.to(tl.float32) + bias, float("-inf"))

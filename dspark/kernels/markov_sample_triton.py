@@ -40,7 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.markov_greedy_triton import BLOCK_R, BLOCK_V, dot_options, supports_rank
+from dspark.kernels.markov_greedy_triton import (
+    BLOCK_R,
+    BLOCK_V,
+    dot_options,
+    load_w2_slice,
+    markov_bias_tile,
+    supports_rank,
+)
 from dspark.sample.sampler import inverse_cdf
 
 
@@ -72,11 +79,7 @@ def _stats_kernel(
     cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
     if HAS_BIAS:
-        ranks = tl.arange(0, RANK)
-        w2 = tl.load(w2_ptr + cols[:, None] * RANK + ranks[None, :], mask=col_mask[:, None],
-                     other=0.0)  # [BV, r]  # fmt: skip
-        if UPCAST_DOT:  # the interpreter's tl.dot on bf16 computes on raw integers
-            w2 = w2.to(tl.float32)
+        w2 = load_w2_slice(w2_ptr, cols, col_mask, RANK, UPCAST_DOT)  # [BV, r]
     for r0 in range(0, num_rows, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_mask = rows < num_rows
@@ -84,13 +87,8 @@ def _stats_kernel(
         base = tl.load(base_ptr + rows[:, None] * s_base + cols[None, :], mask=mask, other=0.0)
         logits = base.to(tl.float32)
         if HAS_BIAS:
-            prev = tl.load(prev_ptr + rows * s_prev, mask=row_mask, other=0)
-            e = tl.load(w1_ptr + prev[:, None] * RANK + ranks[None, :], mask=row_mask[:, None],
-                        other=0.0)  # [BR, r]  # fmt: skip
-            if UPCAST_DOT:
-                e = e.to(tl.float32)
-            bias = tl.dot(e, tl.trans(w2), input_precision=DOT_PRECISION)  # [BR, BV] float32
-            logits += bias.to(w2_ptr.dtype.element_ty).to(tl.float32)  # the GEMM's rounding
+            logits += markov_bias_tile(prev_ptr, w1_ptr, w2, rows, row_mask, s_prev, RANK,
+                                       DOT_PRECISION, UPCAST_DOT)  # fmt: skip
         t = tl.load(temp_ptr + rows, mask=row_mask, other=1.0)
         t = tl.where(t > 0, t, 1.0)
         logits = tl.where(mask, logits / t[:, None], float("-inf"))

@@ -69,17 +69,14 @@ def test_ties_go_to_the_first_index_within_and_across_slices(device):
                              w2).tolist() == [5, BLOCK_V + 3, V - 1]  # fmt: skip
 
 
-def test_draft_block_on_the_triton_backend_equals_the_pytorch_loop(tmp_path, device):
-    """A greedy block drafted slot by slot with the fused kernel: the PyTorch loop's tokens and
-    confidences (fp32; the drafter of tests/test_dspark_drafter.py with rank 16; on the CPU
-    through the interpreter)."""
+def tiny_rank16_drafter(tmp_path, device: torch.device):
+    """The drafter of tests/test_dspark_drafter.py with Markov rank 16 (the kernels' smallest),
+    over a random fp32 target of hidden size 32 and vocabulary 96, on `device`."""
     from safetensors.torch import load_file
 
     from dspark.models.llama import build_model
     from dspark.models.model_config import ModelConfig
-    from dspark.spec.drafting import draft_block
-    from tests.test_dspark_drafter import K as DRAFT_LEN
-    from tests.test_dspark_drafter import _drafter, _st
+    from tests.test_dspark_drafter import _drafter
     from tests.tiny_models import _llama_config, save_random_model
 
     hf = _llama_config(96, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
@@ -90,6 +87,18 @@ def test_draft_block_on_the_triton_backend_equals_the_pytorch_loop(tmp_path, dev
                          torch.device("cpu"))  # fmt: skip
     drafter = _drafter(target, markov_rank=16)
     target.to(device), drafter.to(device)
+    return drafter
+
+
+def test_draft_block_on_the_triton_backend_equals_the_pytorch_loop(tmp_path, device):
+    """A greedy block drafted slot by slot with the fused kernel: the PyTorch loop's tokens and
+    confidences (fp32; the drafter of tests/test_dspark_drafter.py with rank 16; on the CPU
+    through the interpreter)."""
+    from dspark.spec.drafting import draft_block
+    from tests.test_dspark_drafter import K as DRAFT_LEN
+    from tests.test_dspark_drafter import _st
+
+    drafter = tiny_rank16_drafter(tmp_path, device)
     n = 5
     hidden = torch.randn(n, DRAFT_LEN, 32, device=device)
     anchors = torch.tensor([3, 7, 7, 50, 95], device=device)

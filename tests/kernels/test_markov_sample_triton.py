@@ -16,7 +16,7 @@ import torch
 
 from dspark.kernels.markov_greedy_triton import BLOCK_V
 from dspark.kernels.markov_sample_triton import markov_sample, markov_sample_ref
-from tests.kernels.test_markov_greedy_triton import SHAPES, _block
+from tests.kernels.test_markov_greedy_triton import SHAPES, _block, tiny_rank16_drafter
 
 K = 3
 
@@ -95,23 +95,11 @@ def test_draft_block_with_the_fused_sampled_slot_equals_the_pytorch_loop(
 ):
     """A sampled block (temperatures 1, 0.7 and greedy rows) drafted with the fused slot: the
     PyTorch loop's tokens and distributions (fp32; on the CPU through the interpreter)."""
-    from safetensors.torch import load_file
-
-    from dspark.models.llama import build_model
-    from dspark.models.model_config import ModelConfig
     from dspark.spec import drafting
     from tests.test_dspark_drafter import K as DRAFT_LEN
-    from tests.test_dspark_drafter import _drafter, _st
-    from tests.tiny_models import _llama_config, save_random_model
+    from tests.test_dspark_drafter import _st
 
-    hf = _llama_config(96, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                       intermediate_size=64)  # fmt: skip
-    save_random_model(tmp_path, hf)
-    config = ModelConfig.from_hf_dict(hf.to_dict() | {"architectures": ["LlamaForCausalLM"]})
-    target = build_model(config, load_file(tmp_path / "model.safetensors"), torch.float32,
-                         torch.device("cpu"))  # fmt: skip
-    drafter = _drafter(target, markov_rank=16)
-    target.to(device), drafter.to(device)
+    drafter = tiny_rank16_drafter(tmp_path, device)
     n = 5
     hidden = torch.randn(n, DRAFT_LEN, 32, device=device)
     anchors = torch.tensor([3, 7, 7, 50, 95], device=device)

@@ -11,6 +11,8 @@ from dspark.models.loader import load_checkpoint, resolve_model
 from tests.helpers import full_logits
 from tests.tiny_models import make_tiny_llama
 
+HIDDEN = 64  # the tiny models' hidden size (tests/tiny_models.py)
+
 # fp32 on both sides; the two differ only in summation order (SDPA vs our paged path).
 LOGITS_ATOL = 1e-3
 
@@ -41,12 +43,18 @@ def test_tiny_hf_checkpoint_logits_and_hidden_states(tmp_path, smollm_hf_tokeniz
     d = make_tiny_llama(tmp_path / arch, smollm_hf_tokenizer, arch, tie_word_embeddings=False)
     ours, hf = _ours(str(d)), _hf(d)
     ids = smollm_hf_tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    out = full_logits(ours, ids, page_size=4, hidden_layers=(0, 1))
+    # taps in the order asked: the last layer's (its own add) before the first's (written by
+    # layer 1's input norm)
+    out = full_logits(ours, ids, page_size=4, hidden_layers=(1, 0))
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True)
+        last = ours.norm(out.features[:, :HIDDEN])
     torch.testing.assert_close(out.logits, ref.logits[0], atol=1e-4, rtol=1e-4)
     # HF hidden_states[i + 1] is the output of decoder layer i (the last one after the norm)
-    torch.testing.assert_close(out.hidden_states[0], ref.hidden_states[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.features[:, HIDDEN:], ref.hidden_states[1][0], atol=1e-4,
+                               rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(last, ref.hidden_states[2][0], atol=1e-4, rtol=1e-4)
+    assert out.hidden_states[0].data_ptr() == out.features[:, HIDDEN:].data_ptr()
 
 
 @pytest.fixture(scope="module")

@@ -18,17 +18,21 @@ class RMSNorm(nn.Module):
         self.use_triton = use_triton
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,  # [T, d]: where the new residual goes
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, d] (and the new residual)
         if self.use_triton:
             from dspark.kernels.rmsnorm_triton import fused_add_rmsnorm, rmsnorm
 
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps)
-            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps,
+                                     residual_out=residual_out)  # fmt: skip
         if residual is None:
             return self._norm(x)
-        x = x + residual
+        x = torch.add(x, residual, out=residual_out)
         return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

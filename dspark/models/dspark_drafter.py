@@ -36,6 +36,7 @@ from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
+from dspark.models.folded_context import FoldedContext, folded_context_enabled
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
 
@@ -184,6 +185,8 @@ class DSparkDrafter(nn.Module):
         self.use_triton = backend == "triton" and os.environ.get("DSPARK_MARKOV_KERNEL") != "0"
         # frozen target pieces, held by reference (not parameters of the drafter)
         self._target = [target]
+        # the context upkeep in two launches, built by load() for the triton backend
+        self.folded_context: FoldedContext | None = None
 
     @property
     def target(self) -> LlamaForCausalLM:
@@ -198,6 +201,9 @@ class DSparkDrafter(nn.Module):
         slot_mapping: torch.Tensor,  # [T] drafter-cache slots of these context tokens
         kv_caches: list[torch.Tensor],
     ) -> None:
+        if self.folded_context is not None:
+            self.folded_context(features, positions, slot_mapping, kv_caches)
+            return
         ctx = self.context_norm(self.fc(features))  # [T, d]
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             layer.store_context(ctx, positions, kv, slot_mapping)
@@ -305,7 +311,20 @@ class DSparkDrafter(nn.Module):
         drafter.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(drafter.target_config).to(
             device
         )
+        if backend == "triton" and folded_context_enabled():
+            drafter.folded_context = drafter.fold_context()
         return drafter
+
+    def fold_context(self) -> FoldedContext:
+        """append_context's projections folded into one (models/folded_context.py), from the
+        weights as they are now."""
+        kv = []
+        for layer in self.layers:
+            a = layer.self_attn
+            bias = a.qkv_proj.bias
+            kv.append((a.qkv_proj.weight[a.q_size :], None if bias is None else bias[a.q_size :]))
+        return FoldedContext(self.fc, self.context_norm.weight, self.context_norm.eps, kv,
+                             self.layers[0].self_attn.rotary.inv_freq)  # fmt: skip
 
 
 def check_identity(expected: TargetIdentity, live: TargetIdentity) -> None:

@@ -4,6 +4,12 @@ One forward runs any ragged mix of prefill chunks, decode tokens and verify wind
 logits only for the rows asked for (`logits_indices`) and, on request, the residual stream after
 chosen decoder layers (the DSpark drafter's context features).
 
+Those streams cost no launch of their own: the stream after layer i is the new residual that
+layer i + 1's input norm computes (x + residual), so that norm writes it straight into its
+column slice of one [T, m d] features tensor (the drafter's input, taps side by side). Only a
+tap at the last layer, whose sum the final norm takes after the logits rows are picked, is one
+add of its own.
+
 With the triton backend on a GPU, a step of one token row runs the decoder layer's projections
 in the GEMV kernel (layers/linear.py, kernels/gemv_triton.py); with DSPARK_GEMV_FUSED=1 also
 the norms and SiLU-and-mul inside it (5 launches a layer, not 8). The token count is known on
@@ -32,6 +38,8 @@ from dspark.models.model_config import ModelConfig
 class ModelOutput:
     logits: torch.Tensor | None  # [N, vocab] float32, one row per logits index; None: lm_head=False
     hidden_states: dict[int, torch.Tensor]  # layer -> [T, d], output of that decoder layer
+    features: torch.Tensor | None = None  # [T, m d] those m streams side by side, in the
+    #   order hidden_layers named them (hidden_states holds views of it)
     final_hidden: torch.Tensor | None = None  # [N, d] after the final norm, with lm_head=False
 
 
@@ -78,13 +86,16 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
+        stream_out: torch.Tensor | None = None,  # [T, d]: also write the entering stream here
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_gemv and self.mlp.gate_up_proj.takes_gemv(x):
-            return self._gemv_forward(x, residual, positions, kv_cache, attn)
+            x, residual = self._gemv_forward(x, residual, positions, kv_cache, attn, stream_out)
+            return x, residual
         if residual is None:
+            assert stream_out is None, "the first layer's entering stream is the embedding"
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, residual_out=stream_out)
         x = self.self_attn(h, positions, kv_cache, attn)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
@@ -96,6 +107,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
+        stream_out: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # launches: [add_rmsnorm + qkv], attention (+ rotary + KV store on decode), [o_proj],
         # [add_rmsnorm + gate_up], [silu_mul + down]: 5, against 8 unfused
@@ -108,6 +120,8 @@ class DecoderLayer(nn.Module):
             qkv, residual = gemv_rmsnorm(x, norm1.weight, norm1.eps, qkv_w, qkv_b), x
         else:
             qkv, residual = gemv_add_rmsnorm(x, residual, norm1.weight, norm1.eps, qkv_w, qkv_b)
+            if stream_out is not None:  # opt-in path: one copy rather than an output argument
+                stream_out.copy_(residual)
         x = attn_layer.o_proj(attn_layer.attend(qkv, positions, kv_cache, attn))
         gate_up, residual = gemv_add_rmsnorm(x, residual, norm2.weight, norm2.eps,
                                              mlp.gate_up_proj.weight)  # fmt: skip
@@ -139,19 +153,34 @@ class LlamaForCausalLM(nn.Module):
         lm_head: bool = True,  # False: final_hidden instead of logits (drafter training)
     ) -> ModelOutput:
         x = self.embed_tokens(input_ids)  # [T, d]
+        features, hidden_states = self._tap_buffers(x, hidden_layers)
         residual = None
-        hidden_states = {}
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, kv_caches[i], attn)
-            if i in hidden_layers:
-                hidden_states[i] = x + residual  # the stream after layer i
+            # layer i's input norm writes the stream after layer i - 1 (None: not a tap)
+            stream_out = hidden_states.get(i - 1)
+            x, residual = layer(x, residual, positions, kv_caches[i], attn, stream_out)
+        last = len(self.layers) - 1
+        if last in hidden_states:  # no input norm after the last layer
+            torch.add(x, residual, out=hidden_states[last])
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]  # [N, d]
         h, _ = self.norm(x, residual)
         if not lm_head:
-            return ModelOutput(None, hidden_states, final_hidden=h)
+            return ModelOutput(None, hidden_states, features, final_hidden=h)
         logits = self.lm_head(h).float()  # [N, vocab]
-        return ModelOutput(logits, hidden_states)
+        return ModelOutput(logits, hidden_states, features)
+
+    def _tap_buffers(
+        self, x: torch.Tensor, hidden_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The features tensor [T, m d] for these taps and each tap's [T, d] column slice."""
+        if not hidden_layers:
+            return None, {}
+        assert len(set(hidden_layers)) == len(hidden_layers), hidden_layers
+        assert all(0 <= i < len(self.layers) for i in hidden_layers), hidden_layers
+        T, d = x.shape
+        features = x.new_empty(T, len(hidden_layers) * d)
+        return features, {i: features[:, j * d : (j + 1) * d] for j, i in enumerate(hidden_layers)}
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

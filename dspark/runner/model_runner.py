@@ -180,7 +180,7 @@ class ModelRunner:
             return self._run_model(layout).logits
         out = self._run_model(layout, self.spec.taps)
         b, t = self.buffers, layout.num_tokens
-        self.spec.append_context(out.hidden_states, b.positions[:t], b.slot_mapping[:t])
+        self.spec.append_context(out.features, b.positions[:t], b.slot_mapping[:t])
         return out.logits
 
     def _run_model(self, layout: StepLayout, hidden_layers: tuple[int, ...] = ()):

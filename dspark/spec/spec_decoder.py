@@ -151,7 +151,7 @@ class SpecDecoder:
     ) -> SpecStepOutput:
         """Steps 2-4 after drafting (and after any choice of verify lengths)."""
         out = target.run()
-        self.append_context(out.hidden_states, target.positions, target.slot_mapping)
+        self.append_context(out.features, target.positions, target.slot_mapping)
         window_logits = out.logits if window_index is None else out.logits[window_index]
         verified = self.verify(window_logits, num_rows, st, block, verify_len, cu)
         return SpecStepOutput(
@@ -208,11 +208,10 @@ class SpecDecoder:
 
     def append_context(
         self,
-        hidden_states: dict[int, torch.Tensor],  # tap layer -> [T, d]
+        features: torch.Tensor,  # [T, m d] the target's taps (ModelOutput.features of self.taps)
         positions: torch.Tensor,  # [T]
         slot_mapping: torch.Tensor,  # [T]
     ) -> None:
-        features = torch.cat([hidden_states[i] for i in self.taps], dim=-1)  # [T, m d]
         self.drafter.append_context(features, positions, slot_mapping, self.kv_caches)
 
     # ---- 4. verify --------------------------------------------------------------------------

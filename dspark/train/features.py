@@ -110,7 +110,7 @@ class TargetRunner:
             layout.input_ids, layout.positions, layout.attn, kv, rows.reshape(-1), self.taps,
             lm_head=logits,
         )  # fmt: skip
-        packed = torch.cat([out.hidden_states[i] for i in self.taps], dim=-1)  # [T, m d]
+        packed = out.features  # [T, m d], the taps side by side
         features = self._pad(packed, layout.cu_num_tokens, lengths)
         if not logits:
             return TargetBatch(features, None, out.final_hidden.view(*rows.shape, -1))

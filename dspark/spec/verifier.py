@@ -32,6 +32,7 @@ Shapes: R requests, K drafted slots each, V vocabulary; target rows are laid out
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ from dspark.sample.sampler import inverse_cdf
 
 # Below this residual mass the recovered token falls back to the target distribution itself.
 RESIDUAL_EPS = 1e-9
+
+
+def fused_verify_enabled() -> bool:
+    return os.environ.get("DSPARK_FUSED_VERIFY", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -97,10 +102,16 @@ def verify_greedy(
     """Verification when every row is greedy: a draft is kept iff it is the target's argmax,
     and the final token is the argmax at the first disagreement (or after the last draft).
     The argmax of the logits, exactly as plain greedy decoding takes it: no distribution over
-    the vocabulary is ever built."""
+    the vocabulary is ever built. On CUDA everything after the argmax is one Triton launch
+    (kernels/verify_greedy_triton.py; DSPARK_FUSED_VERIFY=0 keeps this code, for A/B)."""
     R, K = draft_tokens.shape
-    slots = torch.arange(K, device=draft_tokens.device)  # [K]
     target_tokens = target_logits.argmax(dim=-1)  # [T]
+    if target_tokens.is_cuda and fused_verify_enabled():  # the rest in one launch
+        from dspark.kernels.verify_greedy_triton import verify_greedy_triton
+
+        return VerifyOutput(*verify_greedy_triton(target_tokens, draft_tokens, verify_len,
+                                                  cu_num_tokens))  # fmt: skip
+    slots = torch.arange(K, device=draft_tokens.device)  # [K]
     rows = (cu_num_tokens[:-1, None] + slots[None, :]).clamp(max=target_tokens.shape[0] - 1)
     accept = (draft_tokens == target_tokens[rows]) & (slots[None, :] < verify_len[:, None])
     num_accepted = (~accept).cumsum(dim=1).eq(0).sum(dim=1)  # [R]

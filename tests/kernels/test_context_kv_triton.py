@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.engine.kv_cache import allocate_kv_caches
+from dspark.layers.rotary import rope_inv_freq
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
@@ -92,3 +93,33 @@ def test_load_folds_the_context_for_the_triton_backend_only(tmp_path, device, mo
         drafter.append_context(features, positions, slots, caches[name])
     for g, w in zip(caches["folded"], caches["plain"], strict=True):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_folded_upkeep_at_smollm2_shapes_in_bf16(tmp_path):
+    """The shipped drafter's shapes (d 576, 3 of 64-wide kv heads, four taps, two layers) in
+    bfloat16, compiled, one row and a prefill's worth: the fold rounds differently (its
+    products are taken in float32 once), so the caches agree to bf16's precision."""
+    device = torch.device("cuda")
+    hf = _llama_config(512, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                       intermediate_size=128, num_hidden_layers=4)  # fmt: skip
+    save_random_model(tmp_path, hf)
+    config = ModelConfig.from_hf_dict(hf.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    target = build_model(config, load_file(tmp_path / "model.safetensors"), torch.bfloat16,
+                         device, "triton")  # fmt: skip
+    dc = DrafterConfig(target_identity(target, HASH), draft_len=7, target_layers=(0, 1, 2, 3),
+                       num_layers=2, markov_rank=8)  # fmt: skip
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(dc, target, HASH).to(device, torch.bfloat16).eval()
+    drafter.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(config).to(device)  # as load()
+    for T in (1, 300):
+        features = torch.randn(T, 4 * 576, device=device, dtype=torch.bfloat16)
+        positions = torch.randint(0, 4000, (T,), device=device)
+        slots = torch.randperm(64 * 16 - 16, device=device)[:T] + 16
+        want = allocate_kv_caches(config, 64, 16, torch.bfloat16, device, 2)
+        drafter.append_context(features, positions, slots, want)
+        got = allocate_kv_caches(config, 64, 16, torch.bfloat16, device, 2)
+        drafter.fold_context()(features, positions, slots, got)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.float(), w.float(), atol=3e-2, rtol=3e-2)

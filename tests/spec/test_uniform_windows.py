@@ -31,7 +31,10 @@ def _run(tiny_vocab_dir, drafter, params, uniform: bool | None):
 
 def _assert_same_outputs(wide, packed):
     """Tokens exactly; logprobs to fp32 round-off (a last token verified as an empty window is
-    scored in a wider forward than the plain row of the packed layout)."""
+    scored in a wider forward than the plain row of the packed layout). The tiny model's logits
+    are tens in size (initializer_range 0.8), and CPU matmuls of another row count sum in
+    another order: with torch 2.14.1 one logprob differed by 4.4e-5 (earlier CI runs stayed
+    under 1e-5), so the bound is 1e-4."""
     for (tokens, logprobs), (tokens_p, logprobs_p) in zip(wide, packed, strict=True):
         assert tokens == tokens_p
         if logprobs_p is None:
@@ -39,7 +42,7 @@ def _assert_same_outputs(wide, packed):
             continue
         for top, top_p in zip(logprobs, logprobs_p, strict=True):
             assert list(top) == list(top_p)
-            assert list(top.values()) == pytest.approx(list(top_p.values()), abs=1e-5)
+            assert list(top.values()) == pytest.approx(list(top_p.values()), abs=1e-4)
 
 
 def test_uniform_windows_equal_packed_windows(tiny_vocab_dir, drafter):

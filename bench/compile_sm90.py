@@ -48,7 +48,7 @@ CASES = {
         _verify_greedy_kernel,
         {"target_tokens_ptr": "*i64", "draft_ptr": "*i64", "verify_len_ptr": "*i64",
          "cu_ptr": "*i64", "tokens_ptr": "*i64", "num_accepted_ptr": "*i64",
-         "num_target_rows": "i32", "s_draft": "i32", "s_tokens": "i32"},
+         "num_target_rows": "i32", "s_draft": "i32", "s_draft_k": "i32", "s_tokens": "i32"},
         {"K": 7, "BLOCK": 8, "PDL": True},
         {"num_warps": 1},
     ),

@@ -33,7 +33,7 @@ from dspark.kernels.pdl import gdc_enter, pdl_options
 @triton.jit
 def _verify_greedy_kernel(
     target_tokens_ptr, draft_ptr, verify_len_ptr, cu_ptr, tokens_ptr, num_accepted_ptr,
-    num_target_rows, s_draft, s_tokens,
+    num_target_rows, s_draft, s_draft_k, s_tokens,
     K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
@@ -43,7 +43,7 @@ def _verify_greedy_kernel(
     verify_len = tl.load(verify_len_ptr + r)
     rows = tl.minimum(start + k, num_target_rows - 1)  # rows past the window: never used
     target = tl.load(target_tokens_ptr + rows, mask=k <= K, other=0).to(tl.int64)
-    draft = tl.load(draft_ptr + r * s_draft + k, mask=k < K, other=-1).to(tl.int64)
+    draft = tl.load(draft_ptr + r * s_draft + k * s_draft_k, mask=k < K, other=-1).to(tl.int64)
     accept = (draft == target) & (k < verify_len)
     n = tl.min(tl.where(accept, BLOCK, k), axis=0)  # the first slot that does not accept
     final = tl.sum(tl.where(k == n, target, 0), axis=0)
@@ -60,14 +60,14 @@ def verify_greedy_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R, K + 1] int64, num_accepted [R] int64
     R, K = draft_tokens.shape
     assert target_tokens.dim() == 1 and verify_len.shape == (R,), (target_tokens.shape, R)
-    assert cu_num_tokens.shape == (R + 1,) and draft_tokens.stride(1) == 1
+    assert cu_num_tokens.shape == (R + 1,), cu_num_tokens.shape
     tokens = torch.empty(R, K + 1, dtype=torch.int64, device=draft_tokens.device)
     num_accepted = torch.empty(R, dtype=torch.int64, device=draft_tokens.device)
     if R == 0:
         return tokens, num_accepted
     _verify_greedy_kernel[(R,)](
         target_tokens, draft_tokens, verify_len, cu_num_tokens, tokens, num_accepted,
-        target_tokens.shape[0], draft_tokens.stride(0), tokens.stride(0),
+        target_tokens.shape[0], *draft_tokens.stride(), tokens.stride(0),
         K=K, BLOCK=triton.next_power_of_2(K + 1), num_warps=1,
         **pdl_options(draft_tokens.device),
     )  # fmt: skip

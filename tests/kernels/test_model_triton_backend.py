@@ -71,8 +71,9 @@ def test_engine_greedy_triton_backend_equals_torch(tiny_llama_dir, device):
 
 
 def test_speculative_engine_triton_backend_equals_torch(tiny_vocab_dir, tmp_path, device):
-    """The drafter's triton path (context keys rotated and stored in one launch, the context
-    norm in Triton) drafts what the torch path drafts: same tokens, same acceptance."""
+    """The drafter's triton path (its context upkeep folded into one projection and one
+    launch, models/folded_context.py) drafts what the torch path drafts: same tokens, same
+    acceptance, the same context keys and values."""
     from dspark import LLM, SamplingParams
     from tests.tiny_models import make_tiny_drafter
 

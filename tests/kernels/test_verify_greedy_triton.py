@@ -38,7 +38,8 @@ def test_random_windows_equal_the_pytorch_verification(device, uniform, K):
             for k in range(agree):
                 logits[cu[r] + k, drafts[r, k]] = 10.0
         want = verify_greedy(logits, drafts, verify_len, cu)  # CPU tensors: PyTorch
-        tokens, n = verify_greedy_triton(logits.argmax(-1).to(device), drafts.to(device),
+        strided = drafts.t().contiguous().t()  # column-major: any strides are read as such
+        tokens, n = verify_greedy_triton(logits.argmax(-1).to(device), strided.to(device),
                                          verify_len.to(device), cu.to(device))  # fmt: skip
         assert n.cpu().tolist() == want.num_accepted.tolist()
         assert tokens.cpu().tolist() == want.tokens.tolist()

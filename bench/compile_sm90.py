@@ -1,6 +1,6 @@
 """Compile Triton kernels for the H200 (sm_90) without a GPU, and print their resources.
 
-    python bench/compile_sm90.py [name ...]
+    PYTHONPATH=. python bench/compile_sm90.py [name ...]
 
 Triton's compiler and ptxas need no device, so a kernel that only ever ran in the interpreter
 (CPU CI, a session without the GPU) can at least be checked to compile for sm_90, with the
@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dspark.kernels.context_kv_triton import _context_kv_kernel
+from dspark.kernels.continuations_triton import _continuations_kernel
 from dspark.kernels.verify_greedy_triton import _verify_greedy_kernel
 
 # name -> (kernel, {argument: type}, {constexpr: value}, options)
@@ -43,6 +44,17 @@ CASES = {
         {"D": 896, "BLOCK_D": 1024, "COL0": 896, "NUM_LAYERS": 2, "NUM_KV_HEADS": 2, "HALF": 32,
          "BLOCK_KV": 2, "BLOCK_HALF": 32, "HAS_BIAS": True, "PDL": True},  # a Qwen2-0.5B shape
         {"num_warps": 1, "enable_fp_fusion": False},
+    ),
+    "continuations": (
+        _continuations_kernel,
+        {"rows_ptr": "*i64", "src_ptr": "*i64", "next_pos_ptr": "*i64", "next_tok_ptr": "*i64",
+         "block_table_ptr": "*i32", "bt_stride": "i32", "input_ids_ptr": "*i64",
+         "positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "seq_lens_ptr": "*i32",
+         "anchors_ptr": "*i64", "anchor_pos_ptr": "*i64", "block_positions_ptr": "*i64",
+         "block_slots_ptr": "*i64", "block_seq_lens_ptr": "*i32", "limits_ptr": "*i64",
+         "verify_len_ptr": "*i64", "verify_cap_ptr": "*i64"},
+        {"WIDTH": 8, "K": 7, "PAGE_SIZE": 16, "BLOCK": 8},
+        {"num_warps": 4},
     ),
     "verify_greedy": (
         _verify_greedy_kernel,

@@ -27,9 +27,12 @@ N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a 
 flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens;
 a request's last token is not one: it is verified as an empty window among the windows),
 a waiting request that could be admitted, a token budget the windows could exhaust, too few
-free pages for the worst case (Scheduler.ahead_blocker). A request in flight whose next window
-max_tokens or max_model_len could shorten skips one step (deferred) instead. Every window is
-the one the synchronous engine would give its request, so outputs are the same token for token.
+free pages for the worst case (Scheduler.ahead_blocker). A continuation whose request nears
+max_tokens or max_model_len has its window shortened on the device, to the length the
+synchronous engine gives it (runner/continuations.py); one whose in-flight window could emit
+its last token, or whose drafter block could run past max_model_len, skips one step
+(deferred) instead. Every window is the one the synchronous
+engine would give its request, so outputs are the same token for token.
 A drafting step of any other layout (mixed with plain rows, packed windows) waits for its own
 results, and the in-flight step is finished before it is scheduled.
 """

@@ -214,9 +214,11 @@ class Scheduler:
         synchronously), no plain row, a token budget no window can exhaust, and the pages for
         the most every request can reach free now (preempting on a worst-case guess would
         preempt where the synchronous engine does not). A request in flight whose next window
-        could be shortened by max_tokens or max_model_len, depending on what the in-flight one
-        emits, is deferred instead: it gets that window one step later, once its count is
-        known (its windows, so its tokens, are the same; only their step changes).
+        max_tokens or max_model_len shortens, depending on what the in-flight one emits, gets
+        it shortened on the device. One whose in-flight window could emit its last token, or
+        whose drafter block could run past max_model_len, is deferred: it gets that window one
+        step later, once its count is known (its windows, so its tokens, are the same; only
+        their step changes).
         """
         if self.waiting and len(self.running) < self.max_num_seqs:
             return "waiting_requests"
@@ -239,9 +241,18 @@ class Scheduler:
         return "kv_pages" if pages > self.allocator.num_free else None
 
     def _continues(self, req: Request) -> bool:
-        """Does the in-flight req get a full window next whatever its in-flight one emits?"""
+        """Can the in-flight req have its next window now, whatever its in-flight one emits?
+        The window is staged at full length; near the request's end the device shortens it to
+        what max_tokens and max_model_len allow, as _num_draft would (runner/continuations.py).
+        So it needs a window at all, a token left after the most its in-flight windows can
+        emit (else the window could come after its last token: a step of a dead row), and the
+        drafter block's K slots from the furthest anchor inside max_model_len."""
         most = self._most_tokens(req)
-        return self._num_draft(req, self.max_num_batched_tokens, most) == self.max_verify
+        return (
+            self._is_windowed(req)
+            and most < req.max_num_tokens
+            and most + self.draft_len <= self.max_model_len
+        )
 
     def _most_tokens(self, req: Request) -> int:
         """The most tokens req can have when its next window runs: one anchor past all that
@@ -361,9 +372,11 @@ class Scheduler:
                 if req.status == RequestStatus.RUNNING:  # (preempted: its KV is recomputed)
                     req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
-                # a window emits its accepted drafts and one recovered-or-bonus token
-                req.num_drafts += 1
-                req.num_draft_tokens += num_draft
+                # a window emits its accepted drafts and one recovered-or-bonus token (the
+                # device may have verified fewer drafts than planned: out.num_draft)
+                verified = num_draft if out.num_draft is None else out.num_draft
+                req.num_drafts += 1 if verified else 0
+                req.num_draft_tokens += verified
                 req.num_accepted_tokens += len(out.token_ids) - 1
             else:
                 first = start + num_tokens

@@ -55,6 +55,8 @@ def spec_metrics(
     m["async_spec_steps"] = {
         "launched_ahead": stats["spec_steps_launched_ahead"],
         "continuation_windows": stats["continuation_windows"],
+        # shortened on the device near their requests' ends (runner/continuations.py)
+        "continuation_windows_shortened": stats["continuation_windows_shortened"],
         "windows_deferred": scheduler.num_windows_deferred,
         "not_ahead": {k.removeprefix("spec_steps_not_ahead_"): n for k, n in stats.items()
                       if k.startswith("spec_steps_not_ahead_")},

@@ -90,3 +90,4 @@ class SampledTokens(NamedTuple):
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    num_draft: int | None = None  # drafts its window verified, where fewer than planned

@@ -10,6 +10,7 @@ values as the torch version (its docstring has the worked example):
   slot_mapping[r * W + w] = slot(pos + w)   seq_lens[r] = pos + W
   anchors[r] = tok   anchor_pos[r] = pos    block_positions[r * K + k] = pos + k (k < K)
   block_slots[r * K + k] = slot(pos + k)    block_seq_lens[r] = pos + K
+  verify_len[r] = verify_cap[r] = min(verify_len[r], max(0, limits[c] - pos - 2))
 
 with slot(p) = block_table[r, p // page_size] * page_size + p % page_size. Every value is read
 on the device: nothing waits for the previous step's verification to reach the host.
@@ -30,6 +31,7 @@ def _continuations_kernel(
     rows_ptr, src_ptr, next_pos_ptr, next_tok_ptr, block_table_ptr, bt_stride,
     input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr,
     anchors_ptr, anchor_pos_ptr, block_positions_ptr, block_slots_ptr, block_seq_lens_ptr,
+    limits_ptr, verify_len_ptr, verify_cap_ptr,
     WIDTH: tl.constexpr, K: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
@@ -55,6 +57,10 @@ def _continuations_kernel(
     tl.store(block_positions_ptr + row * K + w, p, mask=in_block)
     tl.store(block_slots_ptr + row * K + w, slot, mask=in_block)
     tl.store(block_seq_lens_ptr + row, (pos + K).to(tl.int32))
+    room = tl.maximum(tl.load(limits_ptr + c) - pos - 2, 0)
+    verify_len = tl.minimum(tl.load(verify_len_ptr + row), room)
+    tl.store(verify_len_ptr + row, verify_len)
+    tl.store(verify_cap_ptr + row, verify_len)
 
 
 def write_continuations_triton(
@@ -72,6 +78,9 @@ def write_continuations_triton(
     block_positions: torch.Tensor,
     block_slots: torch.Tensor,
     block_seq_lens: torch.Tensor,  # int32
+    limits: torch.Tensor,  # [C] int64 each row's request's token limit
+    verify_len: torch.Tensor,  # [rows] int64, staged: lowered to what the limit allows
+    verify_cap: torch.Tensor,  # [rows] int64, set to the same
     width: int,  # the windows' width: num_speculative_tokens + 1
     draft_len: int,  # K, the drafter's block (wider than a window when fewer are verified)
     page_size: int,
@@ -83,6 +92,7 @@ def write_continuations_triton(
         rows, src, next_pos, next_tok, block_table, block_table.stride(0),
         input_ids, positions, slot_mapping, seq_lens,
         anchors, anchor_pos, block_positions, block_slots, block_seq_lens,
+        limits, verify_len, verify_cap,
         WIDTH=width, K=draft_len, PAGE_SIZE=page_size,
         BLOCK=triton.next_power_of_2(max(width, draft_len)),
     )  # fmt: skip

@@ -8,6 +8,13 @@ request's window emitted, so after each such step the runner keeps every window'
 inputs there (`write_continuations`) before its graph replays or its eager step runs. On the
 GPU that write is one Triton launch (dspark/kernels/continuations_triton.py); these torch ops
 are its reference and the CPU path.
+
+The window's length is finished there too. The host stages the most drafts the row may verify
+(its budget's); near the request's end, max_tokens or max_model_len allows fewer, and how many
+depends on what the window before emitted. With the anchor at position p the request holds
+p + 1 tokens, so a window may verify limit - p - 2 drafts and still emit within `limit`
+(Request.max_num_tokens): its accepted drafts and one more token. That is the length the
+synchronous engine gives the same window (Scheduler._num_draft), so outputs do not change.
 """
 
 from __future__ import annotations
@@ -47,18 +54,22 @@ def write_continuations(
     rows: torch.Tensor,  # [C] window rows of the step (the step is all windows)
     anchor_pos: torch.Tensor,  # [C] each row's anchor position
     anchors: torch.Tensor,  # [C] each row's anchor token
+    limits: torch.Tensor,  # [C] each row's request's token limit (Request.max_num_tokens)
     width: int,  # K + 1: window row i has tokens i * width .. (i + 1) * width - 1
 ) -> None:
     """Everything staging derives from a window's anchor, written on the device for windows
     whose anchor came out of the previous step's verification (capturable ops, no host sync):
-    the anchor token, the window's positions, KV slots and length, and the drafter block's
-    anchor, positions, slots and length (SpecBuffers.write's anchor-derived fields).
+    the anchor token, the window's positions, KV slots and length, the drafter block's anchor,
+    positions, slots and length (SpecBuffers.write's anchor-derived fields), and the drafts it
+    verifies, lowered where the request's limit allows fewer than staged (module docstring).
 
       width 4, draft_len 3, page_size 4, rows [1], anchor_pos [1], block_table[1] = [7, 2, ..]
       input_ids[4] = anchor             positions[4:8] = [1 2 3 4]
       slot_mapping[4:8] = [29 30 31 8]  seq_lens[1] = 5      (page 7 offsets 1..3, page 2 offset 0)
       anchor_pos[1] = 1  block_positions[3:6] = [1 2 3]  block_slots[3:6] = [29 30 31]
       block_seq_lens[1] = 4
+      limits [5], staged verify_len[1] = 3: the request holds 2 tokens and may reach 5, so
+      verify_len[1] = verify_cap[1] = min(3, 5 - 1 - 2) = 2 (two drafts, then one more token)
     """
     b, sb, ps, K = buffers, spec_buffers, spec_buffers.page_size, spec_buffers.K
     dev = rows.device
@@ -77,3 +88,7 @@ def write_continuations(
     sb.block_positions[block_slot] = block_pos
     sb.block_slots[block_slot] = _slots(table, block_pos, ps)
     sb.block_seq_lens[rows] = (anchor_pos + K).to(sb.block_seq_lens.dtype)
+    room = (limits - anchor_pos - 2).clamp(min=0)  # drafts it may verify within its limit
+    verify_len = torch.minimum(sb.verify_len[rows], room)
+    sb.verify_len[rows] = verify_len
+    sb.verify_cap[rows] = verify_len

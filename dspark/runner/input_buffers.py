@@ -30,12 +30,14 @@ NO_OWNER = -1  # a block-table row that holds no request's pages (pad rows, warm
 
 def to_host(x):
     """Queue device -> pinned host copies (a tensor or a tuple of them); None stays None. The
-    values are valid once the step's completion event has been waited for."""
+    values are valid once the step's completion event has been waited for. Always a copy: on
+    the CPU, .to("cpu") would return a persistent buffer itself, which the next step rewrites
+    before this one's results are read (SpecBuffers.verify_len, under async scheduling)."""
     if x is None:
         return None
     if isinstance(x, tuple):
-        return tuple(t.to("cpu", non_blocking=True) for t in x)
-    return x.to("cpu", non_blocking=True)
+        return tuple(t.to("cpu", non_blocking=True, copy=True) for t in x)
+    return x.to("cpu", non_blocking=True, copy=True)
 
 
 def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

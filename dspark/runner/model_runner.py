@@ -56,7 +56,8 @@ class InFlightStep:
     window_rows: list[int] | None = None  # plan rows with a window, in verification order
     verify_len: list[int] | None = None
     verified: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens, num accepted
-    trimmed_verify_len: torch.Tensor | None = None  # [R] a trimmed cell's, chosen on the device
+    device_verify_len: torch.Tensor | None = None  # [R] chosen on the device: a trimmed
+    #   cell's, or lowered for continuations near their requests' ends
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
     is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it

@@ -289,12 +289,13 @@ class SpecRunner:
     def _feed_continuations(self, plan: StepPlan, width: int | None) -> None:
         """The continuation rows' anchors, from the previous step's verification on the device,
         into this step's staged inputs (after their upload, before the step runs)."""
-        feed = [(i, self._next_anchor_row[r.request.serial])
+        feed = [(i, self._next_anchor_row[r.request.serial], r.request.max_num_tokens)
                 for i, r in enumerate(plan.rows) if r.is_continuation]  # fmt: skip
         if not feed:
             return
         assert width is not None, "continuations only run in steps of uniform windows"
-        rows, src = host_to_device(list(zip(*feed, strict=True)), torch.int64, self.device)
+        rows, src, limits = host_to_device(list(zip(*feed, strict=True)), torch.int64,
+                                           self.device)  # fmt: skip
         next_pos, next_tok = self._next_anchors
         b, sb = self.buffers, self.spec.buffers
         if self.device.type == "cuda":  # one launch instead of two dozen small ops
@@ -303,10 +304,11 @@ class SpecRunner:
             write_continuations_triton(
                 rows, src, next_pos, next_tok, b.block_table, b.input_ids, b.positions,
                 b.slot_mapping, b.seq_lens, sb.anchors, sb.anchor_pos, sb.block_positions,
-                sb.block_slots, sb.block_seq_lens, width, sb.K, sb.page_size,
+                sb.block_slots, sb.block_seq_lens, limits, sb.verify_len, sb.verify_cap, width,
+                sb.K, sb.page_size,
             )  # fmt: skip
         else:
-            write_continuations(b, sb, rows, next_pos[src], next_tok[src], width)
+            write_continuations(b, sb, rows, next_pos[src], next_tok[src], limits, width)
         self.stats["continuation_windows"] += len(feed)
 
     def _target_step(self, layout: StepLayout, block_table: torch.Tensor) -> TargetStep:
@@ -335,7 +337,9 @@ class SpecRunner:
         step.verify_len = [plan.rows[i].num_draft for i in window_rows]
         step.verified = to_host((out.tokens[:R], out.num_accepted[:R]))
         if out.verify_len is not None:  # a trimmed cell: the lengths the device chose
-            step.trimmed_verify_len = to_host(out.verify_len[:R])
+            step.device_verify_len = to_host(out.verify_len[:R])
+        elif any(plan.rows[i].is_continuation for i in window_rows):  # (continuations.py)
+            step.device_verify_len = to_host(self.spec.buffers.verify_len[:R])
         if out.confidence_logits is not None:  # (R x K floats: the metrics' survivals too)
             step.confidence = to_host(out.confidence_logits[:R].float())
         cu = layout.cu_num_tokens_cpu
@@ -349,9 +353,11 @@ class SpecRunner:
         plan = step.plan
         emitted, accepted = (x.tolist() for x in step.verified)
         greedy = [plan.rows[i].request.sampling_params.is_greedy for i in step.window_rows]
-        caps = step.verify_len  # what the host allowed; a trimmed cell verified fewer
-        if step.trimmed_verify_len is not None:
-            step.verify_len = step.trimmed_verify_len.tolist()
+        # what the host allowed; a trimmed cell, or a continuation near its request's end,
+        # verified fewer (window logprobs are packed by these)
+        caps = step.verify_len
+        if step.device_verify_len is not None:
+            step.verify_len = step.device_verify_len.tolist()
         self.spec.record(step.verify_len, accepted, step.confidence, greedy)
         if step.confidence is not None:
             # (an empty window's block drafted over scratch-page slots: no evidence)
@@ -366,6 +372,11 @@ class SpecRunner:
             ids = [plan.rows[i].request.request_id for i in rows]
             for sink in self.confidence_sinks:
                 sink(ids, confidence, seen_greedy, seen_accepted, verify_len)
+        if step.device_verify_len is not None:  # (continuations near their requests' ends)
+            self.stats["continuation_windows_shortened"] += sum(
+                1 for j, i in enumerate(step.window_rows)
+                if plan.rows[i].is_continuation and step.verify_len[j] < caps[j]
+            )  # fmt: skip
         wlp = None
         if step.window_logprobs is not None:
             wlp = [x.tolist() for x in step.window_logprobs]
@@ -381,8 +392,9 @@ class SpecRunner:
                                   top_vals[row0 + k][:n], strict=True)))
                     for k, t in enumerate(toks)
                 )  # fmt: skip
-            results[i] = SampledTokens(toks, logprobs)
-            row0 += 1 + step.verify_len[j]
+            verified = step.verify_len[j]
+            results[i] = SampledTokens(toks, logprobs, None if verified == caps[j] else verified)
+            row0 += 1 + caps[j]
 
     def _window_logprobs(
         self,

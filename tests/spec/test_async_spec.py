@@ -123,27 +123,40 @@ def test_sampling_across_mode_switches_keeps_the_target_distribution(tiny_vocab_
     assert_matches_distribution(counts, expected)
 
 
+@pytest.mark.parametrize("max_tokens", [5, 4])
 def test_sampling_with_drafting_steps_launched_ahead_keeps_the_target_distribution(
-    tiny_vocab_dir, drafter
+    tiny_vocab_dir, drafter, max_tokens
 ):
-    """Tokens 2 and 3 of 4,000 seeded requests with drafting steps launched ahead (uniform
-    windows, K = 1): token 1 comes from the prefill; a first window verifies token 2 and, when
-    it accepts, emits token 3 as its bonus; when it rejects, token 3 comes from the window
-    launched behind it, whose anchor (token 2, at a position known only on the device) was
-    written there. Their joint law is the target's (chi-square)."""
+    """4,000 seeded requests with drafting steps launched ahead (uniform windows, K = 1).
+    Token 1 comes from the prefill. A first window verifies token 2 and, when it accepts,
+    emits token 3 as its bonus; when it rejects, token 3 comes from the window launched
+    behind it, whose anchor (token 2, at a position known only on the device) was written
+    there. max_tokens 5: tokens 2 and 3. max_tokens 4: tokens 3 and 4; when the first window
+    accepts, the window behind it has room for no draft, and the device shortens it to an
+    empty window that emits token 4. Their joint law is the target's (chi-square), and every
+    request's tokens and windows are those of the same engine with no step launched ahead."""
     n, prompt = 4000, [2, 3, 4]
-    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=4 * n + 16,
-              max_num_seqs=n, max_num_batched_tokens=4 * n,
-              speculative_config={"model": str(drafter), "num_speculative_tokens": 1})  # fmt: skip
-    engine = llm.engine
-    engine.runner.spec_runner.uniform_windows = True
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=5, ignore_eos=True)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, ignore_eos=True)
               for s in range(n)]  # fmt: skip
-    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    runs = {}
+    for ahead in (False, True):
+        spec = {"model": str(drafter), "num_speculative_tokens": 1}
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=4 * n + 16,
+                  max_num_seqs=n, max_num_batched_tokens=4 * n, async_spec_steps=ahead,
+                  speculative_config=spec)  # fmt: skip
+        llm.engine.runner.spec_runner.uniform_windows = True
+        runs[ahead] = [(o.outputs[0].token_ids, o.metrics["num_draft_tokens"])
+                       for o in llm.generate([prompt] * n, params, use_tqdm=False)]  # fmt: skip
+    assert runs[True] == runs[False]  # (seeded: the same windows give the same tokens)
+    outs = [tokens for tokens, _ in runs[True]]
+    engine = llm.engine
     stats = engine.runner.stats
     assert stats["continuation_windows"] >= n, dict(stats)  # every request continued once
+    # (runner/continuations.py: shortened on the device near max_tokens)
+    assert stats["continuation_windows_shortened"] > 0, dict(stats)
     assert engine.spec.metrics["num_accepted_tokens"] > 0
-    pairs = torch.tensor([o[1] * 12 + o[2] for o in outs])
+    first = 7 - max_tokens  # the pair's first token: 2 or 3
+    pairs = torch.tensor([o[first - 1] * 12 + o[first] for o in outs])
     counts = torch.bincount(pairs, minlength=144).float()
-    expected = _exact_pair_distribution(engine.model, prompt, 1.0, 1.0) * n
+    expected = _exact_pair_distribution(engine.model, prompt, 1.0, 1.0, first) * n
     assert_matches_distribution(counts, expected)

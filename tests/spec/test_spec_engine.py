@@ -71,8 +71,9 @@ def test_speculative_config_errors(tiny_vocab_dir, vocab_drafter, tiny_llama_dir
         LLM(str(tiny_llama_dir), speculative_config={"model": str(vocab_drafter)}, **kw)
 
 
-def _exact_pair_distribution(model, prompt, temperature, top_p):
-    """P(x2, x3) under the target with the same sampling transform, by enumerating x1, x2."""
+def _exact_pair_distribution(model, prompt, temperature, top_p, first=2):
+    """P(x_first, x_first+1) under the target with the same sampling transform, by
+    enumerating the tokens before them (x1, or x1 and x2 when first is 3)."""
     from dspark.sample.sampler import SamplingTensors, sampling_probs
     from tests.helpers import full_logits
 
@@ -82,15 +83,21 @@ def _exact_pair_distribution(model, prompt, temperature, top_p):
                              False, False, top_p < 1.0)  # fmt: skip
         return sampling_probs(full_logits(model, ids).logits[-1:], st)[0]
 
-    p1 = probs(prompt)
+    assert first in (2, 3), first
+    prefixes = [(prompt, 1.0)]  # (the tokens so far, their probability)
+    for _ in range(first - 2):  # the tokens before x1's pair partner, marginalized
+        prefixes = [(ids + [x], w * float(q[x])) for ids, w in prefixes
+                    for q in [probs(ids)] for x in range(12) if q[x] > 0]  # fmt: skip
     joint = torch.zeros(12, 12)
-    for x1 in range(12):
-        if p1[x1] == 0:
-            continue
-        p2 = probs(prompt + [x1])
-        for x2 in range(12):
-            if p2[x2] > 0:
-                joint[x2] += p1[x1] * p2[x2] * probs(prompt + [x1, x2])
+    for ids, w in prefixes:
+        p1 = probs(ids)
+        for x1 in range(12):
+            if p1[x1] == 0:
+                continue
+            p2 = probs(ids + [x1])
+            for x2 in range(12):
+                if p2[x2] > 0:
+                    joint[x2] += w * p1[x1] * p2[x2] * probs(ids + [x1, x2])
     return joint.reshape(-1)
 
 

@@ -107,7 +107,8 @@ def test_numpy_window_staging_equals_the_row_by_row_path(tiny_vocab_dir, drafter
 
         stager._stage_windows = staged_twice
         llm.generate(PROMPTS, params, use_tqdm=False)
-        assert len(checked) > 10 and runner.stats["empty_windows"] > 0
+        # (launched ahead, last tokens come as continuations the device shortens instead)
+        assert len(checked) > 10 and (runner.stats["empty_windows"] > 0 or async_spec)
         assert any(checked) == async_spec  # continuations only when launched ahead
 
 

@@ -99,7 +99,10 @@ def planned_step(
     n = len(rows)
     st = spec.buffers.sampling(n, mode)
     block = spec.draft(n, st, buffers.input_ids, buffers.block_table[:n])
-    caps = [r.verify_len for r in rows]
+    # the staged lengths as the device holds them: a continuation's window may have been
+    # shortened there near max_tokens (runner/continuations.py). (A host read; this eager
+    # reference path reads the block's survivals at the same point anyway.)
+    caps = spec.buffers.verify_cap[:n].tolist()
     if prices is None:  # no cost table for this batch: the full windows, counted
         stats["sync_plans_unpriced"] += 1
         lengths = caps

@@ -136,18 +136,24 @@ def test_sampling_with_drafting_steps_launched_ahead_keeps_the_target_distributi
     empty window that emits token 4. Their joint law is the target's (chi-square), and every
     request's tokens and windows are those of the same engine with no step launched ahead."""
     n, prompt = 4000, [2, 3, 4]
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, ignore_eos=True)
-              for s in range(n)]  # fmt: skip
-    runs = {}
+    # (logprobs: a shortened window's are packed by the staged length, read by the device's)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, ignore_eos=True,
+                             logprobs=1 if s % 2 else None) for s in range(n)]  # fmt: skip
+    runs, logprobs = {}, {}
     for ahead in (False, True):
         spec = {"model": str(drafter), "num_speculative_tokens": 1}
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=4 * n + 16,
                   max_num_seqs=n, max_num_batched_tokens=4 * n, async_spec_steps=ahead,
                   speculative_config=spec)  # fmt: skip
         llm.engine.runner.spec_runner.uniform_windows = True
-        runs[ahead] = [(o.outputs[0].token_ids, o.metrics["num_draft_tokens"])
-                       for o in llm.generate([prompt] * n, params, use_tqdm=False)]  # fmt: skip
+        outputs = llm.generate([prompt] * n, params, use_tqdm=False)
+        runs[ahead] = [(o.outputs[0].token_ids, o.metrics["num_draft_tokens"]) for o in outputs]
+        logprobs[ahead] = [o.outputs[0].logprobs or [] for o in outputs]
     assert runs[True] == runs[False]  # (seeded: the same windows give the same tokens)
+    for got, want in zip(logprobs[True], logprobs[False], strict=True):
+        assert [list(top) for top in got] == [list(top) for top in want]
+        for top, top_want in zip(got, want, strict=True):
+            assert list(top.values()) == pytest.approx(list(top_want.values()), abs=1e-4)
     outs = [tokens for tokens, _ in runs[True]]
     engine = llm.engine
     stats = engine.runner.stats

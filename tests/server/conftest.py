@@ -85,6 +85,8 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         process = self.state.engine_loop.process
+        if process is not None:  # (a slow machine may still be tearing it down)
+            process.join(timeout=15)
         assert process is None or not process.is_alive(), "the engine process outlived the server"
 
 

@@ -25,22 +25,24 @@ from dspark.kernels.context_kv_triton import _context_kv_kernel
 from dspark.kernels.continuations_triton import _continuations_kernel
 from dspark.kernels.verify_greedy_triton import _verify_greedy_kernel
 
+CONTEXT_KV_ARGS = {
+    "proj_ptr": "*bf16", "bias_ptr": "*bf16", "positions_ptr": "*i64", "inv_freq_ptr": "*fp32",
+    "slot_ptr": "*i64", "cache_ptr": "*bf16", "s_proj": "i32", "s_layer": "i64", "s_kv": "i64",
+    "eps": "fp32",
+}  # fmt: skip
+
 # name -> (kernel, {argument: type}, {constexpr: value}, options)
 CASES = {
     "context_kv": (
         _context_kv_kernel,
-        {"proj_ptr": "*bf16", "bias_ptr": "*bf16", "positions_ptr": "*i64",
-         "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*bf16", "s_proj": "i32",
-         "s_layer": "i64", "s_kv": "i64", "eps": "fp32"},
+        CONTEXT_KV_ARGS,
         {"D": 576, "BLOCK_D": 1024, "COL0": 576, "NUM_LAYERS": 2, "NUM_KV_HEADS": 3, "HALF": 32,
          "BLOCK_KV": 4, "BLOCK_HALF": 32, "HAS_BIAS": False, "PDL": True},
         {"num_warps": 1, "enable_fp_fusion": False},
     ),
     "context_kv_bias": (
         _context_kv_kernel,
-        {"proj_ptr": "*bf16", "bias_ptr": "*bf16", "positions_ptr": "*i64",
-         "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*bf16", "s_proj": "i32",
-         "s_layer": "i64", "s_kv": "i64", "eps": "fp32"},
+        CONTEXT_KV_ARGS,
         {"D": 896, "BLOCK_D": 1024, "COL0": 896, "NUM_LAYERS": 2, "NUM_KV_HEADS": 2, "HALF": 32,
          "BLOCK_KV": 2, "BLOCK_HALF": 32, "HAS_BIAS": True, "PDL": True},  # a Qwen2-0.5B shape
         {"num_warps": 1, "enable_fp_fusion": False},

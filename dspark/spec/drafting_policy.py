@@ -298,6 +298,9 @@ class DraftingPolicy:
         self._step += 1
         self.counters[f"steps_{'drafting' if decision.drafting else 'not_drafting'}"] += 1
         self.counters[f"decision_{decision.reason.replace(' ', '_')}"] += 1
+        if decision.cell is not None:  # where in the batch-size range the policy drafts
+            mode = "drafting" if decision.drafting else "not_drafting"
+            self.counters[f"g{decision.cell[0]}_{mode}"] += 1
         if decision.trimmed_cell is not None:  # the chosen budget: tokens per row of the cell
             g, v = decision.trimmed_cell
             self.counters[f"trimmed_w{v // g}"] += 1

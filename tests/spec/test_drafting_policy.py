@@ -273,6 +273,12 @@ def test_engine_stops_drafting_when_the_table_says_so(tiny_vocab_dir, drafter, t
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     counters = llm.get_metrics()["drafting_policy"]
     assert counters["steps_not_drafting"] > counters["steps_drafting"] > 0, counters
+    # every decision with a running batch is also counted at its graph size
+    by_g = {k: v for k, v in counters.items() if re.fullmatch(r"g\d+_(not_)?drafting", k)}
+    assert {k.split("_")[0] for k in by_g} <= {"g1", "g2", "g4"}, by_g
+    decided = counters["steps_drafting"] + counters["steps_not_drafting"]
+    assert sum(by_g.values()) == decided - counters.get("decision_idle", 0), counters
+    assert sum(v for k, v in by_g.items() if "not" in k) > 0
     # a full block as cheap as a plain step: always drafting
     cheap = _write_table(tmp_path / "cheap.json", probe, 1e-3, 1e-3)
     llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(cheap)),

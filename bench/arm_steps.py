@@ -1,5 +1,5 @@
-"""Print each arm's steps by path and eager fallbacks per level from a `dspark bench` JSON, and
-per repeat its throughput with the GPU's SM clock and temperature before and after it (where
+"""Print each arm's steps by path, eager fallbacks, the drafting policy's decisions and its
+realised / table cost ratios per level from a `dspark bench` JSON, and per repeat its throughput with the GPU's SM clock and temperature before and after it (where
 the bench could read them: dspark/benchmarks/gpu_state.py).
 
 python bench/arm_steps.py bench/results/.../bench_arms_waves.json
@@ -27,6 +27,10 @@ for path in sys.argv[1:]:
                   f"  fallbacks {s.get('fallbacks', {})}")  # fmt: skip
             if s.get("async_spec_steps"):
                 print(f"{'':>12} async spec steps {s['async_spec_steps']}")
+            if s.get("drafting_policy"):
+                print(f"{'':>12} drafting policy {s['drafting_policy']}")
+            if s.get("realised_cost_ratios"):
+                print(f"{'':>12} realised / table {s['realised_cost_ratios']}")
             states = level.get("gpu_state_runs") or []
             runs = level["output_tokens_per_s_runs"]
             for i, (run, state) in enumerate(zip(runs, states, strict=False)):  # older: none

@@ -1,6 +1,7 @@
 """Print each arm's steps by path, eager fallbacks, the drafting policy's decisions and its
-realised / table cost ratios per level from a `dspark bench` JSON, and per repeat its throughput with the GPU's SM clock and temperature before and after it (where
-the bench could read them: dspark/benchmarks/gpu_state.py).
+realised / table cost ratios per level from a `dspark bench` JSON, and per repeat its
+throughput with the GPU's SM clock and temperature before and after it (where the bench could
+read them: dspark/benchmarks/gpu_state.py).
 
 python bench/arm_steps.py bench/results/.../bench_arms_waves.json
 """

@@ -143,3 +143,40 @@ def test_greedy_fast_path_equals_general_verification_of_greedy_rows():
     for r in range(R):
         n = int(fast.num_accepted[r]) + 1
         assert fast.tokens[r, :n].tolist() == general.tokens[r, :n].tolist()
+
+
+def test_accepted_prefixes_follow_each_drafts_own_target_row():
+    # A ragged batch, greedy and sampled rows mixed, against a per-(row, slot) loop: a sampled
+    # draft is kept iff u < p_t / p_d at its window row, a greedy one iff it is that row's
+    # argmax, left to right within verify_len. Wrong target rows or wrong draft columns (the
+    # indexing verify() does without a [R, K, V] copy) change the prefixes.
+    from dspark.sample.random import STREAM_ACCEPT, uniform
+
+    g = torch.Generator().manual_seed(5)
+    R, K, V = 6, 3, 7
+    verify_len = torch.tensor([3, 0, 2, 3, 1, 3])
+    cu = torch.zeros(R + 1, dtype=torch.int64)
+    cu[1:] = (verify_len + 1).cumsum(0)
+    target = torch.rand(int(cu[-1]), V, generator=g).pow(4).softmax(-1)
+    draft_probs = torch.rand(R, K, V, generator=g).softmax(-1)
+    drafts = torch.randint(0, V, (R, K), generator=g)
+    drafts[3] = target[cu[3] : cu[3] + K].argmax(-1)  # a greedy row whose drafts all match
+    is_greedy = torch.tensor([False, False, True, True, False, False])
+    positions, seeds = torch.arange(R) * 10, torch.arange(R) + 100
+    out = verify(VerifyInput(target, draft_probs, drafts, verify_len, cu, positions, seeds,
+                             is_greedy))  # fmt: skip
+    for r in range(R):
+        kept = 0
+        for k in range(int(verify_len[r])):
+            row, x = int(cu[r]) + k, int(drafts[r, k])
+            if is_greedy[r]:
+                ok = x == int(target[row].argmax())
+            else:
+                u = uniform(seeds[r : r + 1], positions[r : r + 1] + 1 + k, STREAM_ACCEPT)
+                ok = float(u) * float(draft_probs[r, k, x]) < float(target[row, x])
+            if not ok:
+                break
+            kept += 1
+        assert int(out.num_accepted[r]) == kept, r
+        assert out.tokens[r, :kept].tolist() == drafts[r, :kept].tolist()
+    assert int(out.num_accepted[3]) == 3 and int(out.num_accepted[1]) == 0

@@ -9,39 +9,32 @@ sampled ones where the tables have them.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from dspark.spec.cost_table import CostTable, full_block_tokens, parse_table
 
-def load(argument: str) -> tuple[str, dict]:
+
+def load(argument: str) -> tuple[str, CostTable]:
     name, _, path = argument.rpartition("=")
-    return name or Path(path).stem, json.loads(Path(path).read_text())
+    return name or Path(path).stem, parse_table(Path(path).read_text())
 
 
-def full_block(cells: dict) -> tuple[str, float]:
-    """The cell of a batch with the most verified tokens (the whole block of every row)."""
-    width = max(cells, key=int)
-    return width, cells[width]
-
-
-def print_cells(tables: list[tuple[str, dict]], key: str) -> None:
-    if not all(key in table for _, table in tables):
+def print_cells(tables: list[tuple[str, CostTable]], sampled: bool) -> None:
+    cells = [table.sampled_cells if sampled else table.cells for _, table in tables]
+    if any(c is None for c in cells):
         return
     names = [name for name, _ in tables]
     print(
-        f"{key} (ms): G | "
+        f"{'sampled_cells' if sampled else 'cells'} (ms): G | "
         + " | ".join(f"{n} plain, full" for n in names)
         + "".join(f" | {n}/{names[0]} plain, full" for n in names[1:])
     )
-    reference = tables[0][1][key]
-    for g in sorted(reference, key=int):
-        if not all(g in table[key] for _, table in tables):
+    k = tables[0][1].fingerprint["draft_len"]
+    for g in sorted(cells[0]):
+        if not all(g in c for c in cells):
             continue
-        row = []
-        for _, table in tables:
-            cells = table[key][g]
-            row.append((cells[g], full_block(cells)[1]))
+        row = [(c[g][g], c[g][full_block_tokens(g, k)]) for c in cells]
         text = " | ".join(f"{p * 1e3:.3f}, {f * 1e3:.3f}" for p, f in row)
         ratios = "".join(f" | {p / row[0][0]:.3f}, {f / row[0][1]:.3f}" for p, f in row[1:])
         print(f"{g:>4} | {text}{ratios}")
@@ -51,8 +44,8 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     tables = [load(argument) for argument in sys.argv[1:]]
-    print_cells(tables, "cells")
-    print_cells(tables, "sampled_cells")
+    print_cells(tables, sampled=False)
+    print_cells(tables, sampled=True)
 
 
 if __name__ == "__main__":

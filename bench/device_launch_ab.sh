@@ -31,9 +31,9 @@ profile() {  # profile NAME [ENV...]
 
 steps() {  # steps NAME [ENV...]
   local name=$1; shift
-  env "$@" python3 bench/spec_step_profile.py --model "$MODEL" --drafter "${DRAFTER:?steps needs DRAFTER}" \
-    --k 7 --batch "${BATCH:-1,4,64}" --out "$dir/$name.json" > "$dir/$name.txt" 2>&1 \
-    || tail -5 "$dir/$name.txt"
+  env "$@" python3 bench/spec_step_profile.py --model "$MODEL" \
+    --drafter "${DRAFTER:?steps needs DRAFTER}" --k 7 --batch "${BATCH:-1,4,64}" \
+    --out "$dir/$name.json" > "$dir/$name.txt" 2>&1 || tail -5 "$dir/$name.txt"
 }
 
 case "${1:-profile}" in

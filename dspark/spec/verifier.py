@@ -82,11 +82,12 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     coins = uniform(inp.seeds.repeat_interleave(K), draft_pos.reshape(-1), STREAM_ACCEPT)
     coins = coins.view(R, K)
     accept = coins * p_d < p_t  # u < p_t / p_d without dividing by a zero p_d
-    greedy_accept = inp.draft_tokens == inp.target_probs.argmax(dim=-1)[rows]
+    target_argmax = inp.target_probs.argmax(dim=-1)  # [T]: the greedy rows' choices
+    greedy_accept = inp.draft_tokens == target_argmax[rows]
     accept = torch.where(inp.is_greedy[:, None], greedy_accept, accept) & is_verified
     # accepted prefix length: index of the first False in accept, K if none
     num_accepted = (~accept).cumsum(dim=1).eq(0).sum(dim=1)  # [R]
-    final = _final_token(inp, num_accepted)  # [R]
+    final = _final_token(inp, num_accepted, target_argmax)  # [R]
     tokens = torch.where(slots[None, :] < num_accepted[:, None], inp.draft_tokens, 0)
     tokens = torch.cat([tokens, torch.zeros_like(tokens[:, :1])], dim=1)  # [R, K + 1]
     tokens.scatter_(1, num_accepted[:, None], final[:, None])
@@ -123,7 +124,7 @@ def verify_greedy(
 
 
 def _final_token(
-    inp: VerifyInput, num_accepted: torch.Tensor
+    inp: VerifyInput, num_accepted: torch.Tensor, target_argmax: torch.Tensor
 ) -> torch.Tensor:  # [R] the recovered (a draft was rejected) or bonus (all accepted) token
     R, K = inp.draft_tokens.shape
     rejected = num_accepted < inp.verify_len  # [R]
@@ -138,4 +139,4 @@ def _final_token(
     probs = torch.where(rejected[:, None], residual, p_t)  # [R, V]
     position = inp.anchor_positions + 1 + num_accepted  # where the final token lands
     sampled = inverse_cdf(probs, uniform(inp.seeds, position, STREAM_SAMPLE))  # a draw from probs
-    return torch.where(inp.is_greedy, p_t.argmax(dim=-1), sampled)
+    return torch.where(inp.is_greedy, target_argmax[final_row], sampled)

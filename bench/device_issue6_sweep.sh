@@ -10,7 +10,9 @@
 # arm's first run of a level can be much slower than its next ones, PERFORMANCE.md sixteenth look), COST_TABLE (a path for the
 # scheduled arm; default: the table shipped beside the drafter, if its fingerprint matches),
 # TRIMMED_TABLE (a table profiled with trimmed_widths TRIMMED_WIDTHS, default [2,3,4]: adds the
-# arm "trimmed", the policy with those cells), ARMS_JSON (a whole `dspark bench --arms` object).
+# arm "trimmed", the policy with those cells), ARMS_JSON (a whole `dspark bench --arms` object),
+# POLICY_TRACE=1 (each policy's decisions step by step, dspark/spec/policy_trace.py: the traces
+# in $OUT/policy_traces.tgz, their summaries in ${name}_policy_trace.txt).
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
@@ -24,10 +26,16 @@ ARMS="{\"plain\": null,
   \"scheduled\": {\"method\": \"dspark\"${TABLE}}${TRIMMED_TABLE:+, \"trimmed\": {\"method\": \"dspark\", \"trimmed_widths\": ${TRIMMED_WIDTHS:-[2,3,4]}, \"cost_table\": \"$TRIMMED_TABLE\"\}}}"
 ARMS=${ARMS_JSON:-$ARMS}
 name=issue6_sweep_t${T}
+TRACES=/tmp/policy_traces_t$T
+if [ -n "${POLICY_TRACE:-}" ]; then rm -rf "$TRACES"; export DSPARK_POLICY_TRACE=$TRACES; fi
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
   --concurrency "${LEVELS:-1,2,4,8,16,32,64,128,256,512}" \
   --output-len 256 --output-len-spread 0.5 --waves 4 --repeats "${REPEATS:-3}" \
   --temperature "$T" --arms "$ARMS" --out "$OUT/$name.json" 2>&1 | grep -v "^INFO" \
   > "$OUT/$name.txt"
 python3 bench/arm_steps.py "$OUT/$name.json" > "$OUT/${name}_steps.txt"
+if [ -n "${POLICY_TRACE:-}" ]; then
+  for f in "$TRACES"/*.jsonl; do python3 bench/policy_trace.py "$f"; done > "$OUT/${name}_policy_trace.txt"
+  tar czf "$OUT/policy_traces_t$T.tgz" -C "$(dirname "$TRACES")" "$(basename "$TRACES")"
+fi
 tail -14 "$OUT/$name.txt"

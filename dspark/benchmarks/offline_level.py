@@ -178,6 +178,9 @@ def run_level(
         for name, llm in llms.items():
             device = llm.engine.device
             before_run = read_gpu_state(device)  # clocks and heat, outside the timed window
+            if (trace := llm.engine.policy_trace) is not None:  # (spec/policy_trace.py)
+                trace.mark(arm=name, concurrency=concurrency or len(prompts),
+                           repeat=len(runs[name]))  # fmt: skip
             run = run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)
             run["gpu_state"] = {"before": before_run, "after": read_gpu_state(device)}
             held = held_down(before_run, run["gpu_state"]["after"])

@@ -69,6 +69,7 @@ from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.cost_table import make_fingerprint
+from dspark.spec.policy_trace import PolicyTrace
 from dspark.spec.realised_costs import StepPeriods
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class LLMEngine:
         self.policy, self.scheduling_status = build_policy(
             config, self.spec, self.runner.spec_runner, drafter_dir, self.cost_fingerprint
         )
+        self.policy_trace = PolicyTrace.from_env(self.policy)  # (DSPARK_POLICY_TRACE=DIR)
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids
@@ -317,6 +319,9 @@ class LLMEngine:
         # (a step with waiting or prefilling requests is not the steady cell the table prices:
         # it is, and that is what realised costs are for; an idle engine teaches nothing)
         counted = self._step_periods.decided(decision, now, bool(running))
+        if self.policy_trace is not None:  # (before record_step: the prices it decided by)
+            self.policy_trace.decided(decision, running, self.scheduler, self.runner.stats,
+                                      counted, now)  # fmt: skip
         if counted is not None:
             self.policy.record_step(*counted)
 

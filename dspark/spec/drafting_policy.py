@@ -104,7 +104,7 @@ from dspark.spec.cost_table import CostTable, full_block_tokens
 from dspark.spec.lagged import choose_cell, choose_drafting, survival
 from dspark.spec.realised_costs import RealisedCosts
 
-# what a request's lagged survivals rest on (DraftingPolicy._row_totals)
+# what a request's lagged survivals rest on (DraftingPolicy.row_totals)
 FRESH, STALE, UNSEEN = 0, 1, 2
 PERSISTENCE_PAIRS_PER_STEP = 16  # rows a drafting step adds to the persistence fit
 
@@ -374,9 +374,9 @@ class DraftingPolicy:
         of age (module docstring), once the population has min_population_blocks blocks of
         evidence. (Called before every step: plain floats, no numpy.)
         """
-        return sum(self._row_totals(request_ids, g, sampled)[0])
+        return sum(self.row_totals(request_ids, g, sampled)[0])
 
-    def _row_totals(
+    def row_totals(
         self, request_ids: list[str], g: int, sampled: bool = False
     ) -> tuple[list[float], list[int]]:
         """Each request's estimated survival sum, and its kind: FRESH, STALE or UNSEEN
@@ -408,7 +408,7 @@ class DraftingPolicy:
         """[R, K] the requests' lagged survivals per position: each row's vector (its own, or
         the population's for a request that never drafted; ones when stale or without
         evidence) rescaled to the row's total of survival_sum, clipped to 1."""
-        totals, kinds = self._row_totals(request_ids, g, sampled)
+        totals, kinds = self.row_totals(request_ids, g, sampled)
         k = self.draft_len
         flat = np.ones(k) / k  # (the shape of a row with no vector: its total spread evenly)
         population = flat

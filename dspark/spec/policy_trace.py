@@ -1,0 +1,141 @@
+"""A step-by-step record of the drafting policy's choices: where a scheduled run loses time.
+
+The policy's counters say how often it drafted and why; they cannot say when. At concurrency
+64 on the H200 (docs/PERFORMANCE.md, twentieth look) the policy drafted ~87% of steps in a
+handful of long stretches, and the scheduled arm's repeats spread from 0.87x to 0.99x fixed
+K = 7. Which stretch cost the time, what the prices and survivals read when drafting went off,
+and what brought it back are per-step questions. With DSPARK_POLICY_TRACE=DIR every engine
+with a drafting policy writes one JSON line per decision to DIR/policy_trace_<pid>_<n>.jsonl
+(n counts the process's traced engines, in creation order: a bench's arms). Off by default;
+a trace costs a few tens of microseconds a step (it prices the decision again to record it).
+
+A decision's line (times in seconds, `t` from the trace's start, perf_counter):
+
+  {"t": 1.234, "R": 64, "waiting": 3, "seats": 0, "prefilling": 1, "sampled": false,
+   "drafting": false, "reason": "no drafting", "cell": [64, 64],
+   "priced": {"64": 0.00148, "512": 0.00282}, "table": {"64": 0.00106, "512": 0.00174},
+   "survival_sum": 51.2, "fresh": 60, "stale": 0, "unseen": 4, "correction": 0.92,
+   "persistence": 0.61, "population_mean": 1.71, "stale_after": 65,
+   "period": {"cell": [64, 512], "sampled": false, "seconds": 0.0036},
+   "stats": {"spec_graph_steps": 1, "spec_graph_steps_mixed": 1}}
+
+- R, waiting, seats, prefilling: the running requests the decision priced, the queue, the free
+  sequence slots (waiting and seats > 0: the step admits arrivals, whose prefill rides on it)
+  and running requests still prefilling.
+- priced / table: the step's runnable cells (V -> seconds) as the policy priced them (the
+  table scaled by realised costs) and as the table has them; survival_sum and the row counts
+  by kind (fresh, stale, unseen) are the lagged evidence the choice rested on.
+- period: the realised step cost this decision taught (spec/realised_costs.py StepPeriods),
+  or null; stats: the runner's counters that moved since the previous decision (what the
+  pipeline ran in between).
+- A line {"t": ..., "mark": {...}} is the caller's label (a bench's arm, level and repeat).
+
+`python bench/policy_trace.py FILE` summarises a trace: time by graph size and mode, and
+every stretch without drafting with what started and ended it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from dspark.spec.drafting_policy import FRESH, STALE, UNSEEN, Decision, DraftingPolicy
+
+TRACE_ENV = "DSPARK_POLICY_TRACE"
+_engines = itertools.count()  # this process's traced engines, in creation order
+
+
+class PolicyTrace:
+    def __init__(self, policy: DraftingPolicy, path: str | Path) -> None:
+        self.policy = policy
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # line-buffered: an engine process ends without running atexit (multiprocessing)
+        self._file = self.path.open("w", buffering=1)
+        self._start = time.perf_counter()
+        self._stats: dict[str, int] = {}
+        atexit.register(self.close)
+
+    @classmethod
+    def from_env(cls, policy: DraftingPolicy | None) -> PolicyTrace | None:
+        """A trace under $DSPARK_POLICY_TRACE for an engine with a drafting policy, else None."""
+        directory = os.environ.get(TRACE_ENV)
+        if not directory or policy is None:
+            return None
+        name = f"policy_trace_{os.getpid()}_{next(_engines)}.jsonl"
+        return cls(policy, Path(directory) / name)
+
+    def decided(
+        self,
+        decision: Decision,
+        request_ids: list[str],
+        scheduler,  # engine/scheduler.py Scheduler: the queue and the running requests
+        runner_stats: Mapping[str, int],
+        period: tuple[Decision, float] | None,  # what StepPeriods counted at this decision
+        now: float,
+    ) -> None:
+        """One decision's line; call it after policy.decide() and before record_step(), so the
+        prices recorded are the ones the decision saw."""
+        running = scheduler.running
+        line = {
+            "t": round(now - self._start, 6),
+            "R": len(request_ids),
+            "waiting": len(scheduler.waiting),
+            "seats": scheduler.max_num_seqs - len(running),
+            "prefilling": sum(r.num_computed_tokens < r.num_prompt_tokens for r in running),
+            "sampled": decision.sampled,
+            "drafting": decision.drafting,
+            "reason": decision.reason,
+            "cell": list(decision.cell) if decision.cell else None,
+            **self._evidence(decision, request_ids),
+            "period": None,
+            "stats": self._moved(runner_stats),
+        }
+        if period is not None:
+            counted, seconds = period
+            line["period"] = {"cell": list(counted.cell), "sampled": counted.sampled,
+                              "seconds": round(seconds, 7)}  # fmt: skip
+        self._write(line)
+
+    def mark(self, **labels) -> None:
+        """A label in the trace (the bench's arm, level and repeat)."""
+        self._write({"t": round(time.perf_counter() - self._start, 6), "mark": labels})
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def _evidence(self, decision: Decision, request_ids: list[str]) -> dict:
+        """The prices and lagged survivals the decision rested on (empty without a cell)."""
+        if decision.cell is None:
+            return {}
+        policy, g = self.policy, decision.cell[0]
+        priced = policy.priced_cells(len(request_ids), decision.sampled)
+        table = policy.sampled_table if decision.sampled else policy.table
+        totals, kinds = policy.row_totals(request_ids, g, decision.sampled)
+        mean = policy.population_mean()
+        return {
+            "priced": {str(v): round(s, 7) for v, s in priced[1].items()} if priced else None,
+            "table": {str(v): s for v, s in table.cells[g].items()},
+            "survival_sum": round(sum(totals), 4),
+            "fresh": kinds.count(FRESH),
+            "stale": kinds.count(STALE),
+            "unseen": kinds.count(UNSEEN),
+            "correction": round(policy.correction, 4),
+            "persistence": round(policy.persistence, 4),
+            "population_mean": None if mean is None else round(mean, 4),
+            "stale_after": policy.stale_after(g, decision.sampled),
+        }
+
+    def _moved(self, stats: Mapping[str, int]) -> dict[str, int]:
+        """The counters that moved since the last call."""
+        before, self._stats = self._stats, dict(stats)
+        return {k: v - before.get(k, 0) for k, v in self._stats.items() if v != before.get(k, 0)}
+
+    def _write(self, line: dict) -> None:
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")

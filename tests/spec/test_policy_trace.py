@@ -1,0 +1,110 @@
+"""The drafting policy's step trace (DSPARK_POLICY_TRACE) against the policy's own counters,
+and its summary (bench/policy_trace.py), on the CPU with a tiny target and drafter."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.cost_table import CostTable
+from dspark.spec.policy_trace import TRACE_ENV, PolicyTrace
+from tests.tiny_models import make_tiny_drafter
+
+KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=4, max_model_len=256)
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9], [9], [4, 4, 4, 4], [7, 7], [3, 1, 4, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_pt"), taps=(0,))
+
+
+def _summary_module():
+    path = Path(__file__).parents[2] / "bench" / "policy_trace.py"
+    spec = importlib.util.spec_from_file_location("policy_trace_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _edge_table(path, llm):
+    """A full block at 1.2 plain steps: near break-even, so drafting turns off and on."""
+    cells = {g: {g: 1e-3, g * 4: 1.2e-3} for g in (1, 2, 4)}
+    path.write_text(CostTable(llm.engine.cost_fingerprint(), cells).to_json())
+    return path
+
+
+def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
+    tiny_vocab_dir, drafter, tmp_path, monkeypatch
+):
+    spec = {"model": str(drafter), "num_speculative_tokens": 3, "realised_costs": False}
+    probe = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    assert probe.engine.policy_trace is None  # off unless asked for
+    table = _edge_table(tmp_path / "edge.json", probe)
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
+    spec |= {"cost_table": str(table), "dwell_steps": 0, "min_gain": 0.0}
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    trace = llm.engine.policy_trace
+    trace.mark(arm="edge", repeat=0)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    trace.close()
+    assert trace.path.parent == tmp_path / "traces" and trace.path.name.endswith(".jsonl")
+
+    records = [json.loads(text) for text in trace.path.read_text().splitlines()]
+    assert records[0]["mark"] == {"arm": "edge", "repeat": 0}
+    lines = records[1:]
+    counters = llm.get_metrics()["drafting_policy"]
+    assert len(lines) == counters["steps_drafting"] + counters["steps_not_drafting"]
+    assert sum(line["drafting"] for line in lines) == counters["steps_drafting"]
+    reasons = Counter(f"decision_{line['reason'].replace(' ', '_')}" for line in lines)
+    assert reasons == Counter({k: v for k, v in counters.items() if k.startswith("decision_")})
+    assert counters["drafting_switches"] >= 4, counters
+    times = [line["t"] for line in lines]
+    assert times == sorted(times)
+
+    priced = [line for line in lines if line["cell"] is not None]
+    for line in priced:
+        g, v = line["cell"]
+        assert 1 <= line["R"] <= g and v in (g, 4 * g)
+        # realised costs off: priced as the table has it; survivals from the rows' kinds
+        assert line["priced"] == {k: round(s, 7) for k, s in line["table"].items()}
+        assert line["fresh"] + line["stale"] + line["unseen"] == line["R"]
+        assert 0 <= line["survival_sum"] <= 3 * line["R"]
+    # a period counts only when the two decisions before it chose the same cell (StepPeriods)
+    counted = 0
+    for before, prior, line in zip(lines, lines[1:], lines[2:], strict=False):
+        if line["period"] is not None:
+            counted += 1
+            assert line["period"]["cell"] == prior["cell"] == before["cell"]
+            assert line["period"]["seconds"] > 0
+    assert counted > 0
+    moved = Counter()
+    for line in lines:
+        moved.update(line["stats"])
+    assert moved["graph_steps"] + moved["eager_steps"] > 0  # (the pipeline's steps, by path)
+
+    # the summary: one stretch without drafting per switch off (the policy starts drafting)
+    summary = _summary_module()
+    (mark, segment), = summary.load(trace.path)  # fmt: skip
+    assert mark == {"arm": "edge", "repeat": 0} and len(segment) == len(lines)
+    stretches = summary.stretches(segment)
+    assert len(stretches) == (counters["drafting_switches"] + 1) // 2
+    assert sum(s["steps"] for s in stretches) == counters["steps_not_drafting"]
+    by_mode = summary.by_mode(segment)
+    assert sum(steps for steps, _ in by_mode.values()) == len(priced)
+    text = summary.report(str(trace.path))
+    assert "== arm=edge repeat=0" in text and f"{len(stretches)} stretches without drafting" in text
+    assert "price full/plain 1.20 (table 1.20)" in text
+
+
+def test_no_trace_without_a_policy(tiny_vocab_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    assert PolicyTrace.from_env(None) is None
+    llm = LLM(str(tiny_vocab_dir), **KW)  # plain decoding: no policy, nothing written
+    assert llm.engine.policy_trace is None and not list(tmp_path.iterdir())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import gguf
@@ -10,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.models.gguf_file import CheckpointError
+from dspark.models import file_cache
+from dspark.models.gguf_file import INDEX_VERSION, CheckpointError
 from dspark.models.llama import build_model
 from dspark.models.loader import load_checkpoint, resolve_model
 from dspark.models.model_config import UnsupportedModelError
@@ -72,6 +74,34 @@ def test_truncated_and_corrupt_gguf(tmp_path, tiny_dir):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(CheckpointError, match=name):
             load_checkpoint(resolve_model(str(tmp_path / name)))
+
+
+def test_the_gguf_index_is_cached_and_rebuilt_when_unreadable(tmp_path, tiny_dir, monkeypatch,
+                                                               caplog):  # fmt: skip
+    d, config, weights = tiny_dir
+    monkeypatch.setattr(file_cache, "CACHE_ROOT", tmp_path / "cache")
+    path = write_llama_gguf(tmp_path / "q8.gguf", config, weights, Q.Q8_0)
+    want_config, want = load_checkpoint(resolve_model(str(path)))
+    (cached,) = (tmp_path / "cache" / "gguf").iterdir()
+    assert json.loads(cached.read_text())["fields"]["llama.block_count"] == config.num_hidden_layers
+
+    def parse(*args, **kwargs):
+        raise AssertionError("the index was parsed again")
+
+    def same(got):
+        assert got[0] == want_config and got[1].keys() == want.keys()
+        assert all(torch.equal(got[1][k], want[k]) for k in want)
+
+    with monkeypatch.context() as m:  # the second load reads the cached index
+        m.setattr(gguf, "GGUFReader", parse)
+        same(load_checkpoint(resolve_model(str(path))))
+    for bad in ("{ not json", json.dumps({"version": 0, "fields": {}, "tensors": []})):
+        cached.write_text(bad)
+        with caplog.at_level(logging.WARNING, logger="dspark.models.gguf_file"):
+            same(load_checkpoint(resolve_model(str(path))))
+        assert f"GGUF index cache {cached} is unreadable" in caplog.text
+        assert json.loads(cached.read_text())["version"] == INDEX_VERSION  # rebuilt
+        caplog.clear()
 
 
 def test_corrupt_safetensors_and_bad_config(tmp_path, tiny_dir):

@@ -82,20 +82,33 @@ def test_smollm2_greedy_matches_hf_for_64_tokens(real_models, smollm_hf_tokenize
     convs = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outputs = llm.chat(convs, params, use_tqdm=False)
-    for conv, out in zip(convs, outputs, strict=True):
-        ids = tok.apply_chat_template(conv)
-        assert out.outputs[0].token_ids == _hf_greedy(hf, ids, 64)
+    want = _hf_greedy([tok.apply_chat_template(conv) for conv in convs], hf, 64)
+    assert [out.outputs[0].token_ids for out in outputs] == want
 
 
 @torch.no_grad()
-def _hf_greedy(hf, ids: list[int], num_tokens: int) -> list[int]:
-    """Plain greedy decoding with HF's KV cache, never stopping at EOS (like ignore_eos)."""
-    out = hf(torch.tensor([ids]), use_cache=True)
+def _hf_greedy(prompts: list[list[int]], hf, num_tokens: int) -> list[list[int]]:
+    """Plain greedy decoding with HF's KV cache, never stopping at EOS (like ignore_eos), the
+    prompts batched and left-padded under HF's attention mask and position ids: on this CPU
+    ~2.4x faster than one prompt at a time (a 135M model's step reads every weight whatever
+    the batch), with the same tokens for these prompts.
+
+      prompts [a b c], [d e]  ->  ids [[a b c], [0 d e]], mask [[1 1 1], [0 1 1]],
+                                  positions [[0 1 2], [0 0 1]]
+    """
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = hf(ids, attention_mask=mask, position_ids=positions, use_cache=True)
     tokens = []
     for _ in range(num_tokens):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
+        tokens.append(out.logits[:, -1].argmax(-1))
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        out = hf(tokens[-1][:, None], attention_mask=mask, position_ids=positions,
+                 past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
+    return torch.stack(tokens, dim=1).tolist()
 
 
 @pytest.mark.parametrize(

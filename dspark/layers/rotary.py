@@ -11,9 +11,12 @@ from dspark.models.model_config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], float32, after the checkpoint's rope scaling."""
+    """Inverse frequencies [head_dim / 2], float32, after the checkpoint's rope scaling; on the
+    CPU whatever the default device (build_model builds under the meta device, where arange goes
+    through torch._refs, whose first use imports torch._dynamo: ~4 s of a CPU start)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
     scaling = config.rope_scaling or {}
     if config.rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]

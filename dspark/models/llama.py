@@ -132,7 +132,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # (a given weight skips the random init: on build_model's meta device normal_ goes
+        # through torch._refs, whose first use imports torch._dynamo, ~4 s of a CPU start)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )  # fmt: skip
         rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, attention_backend) for _ in range(config.num_layers)

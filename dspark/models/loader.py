@@ -91,9 +91,9 @@ def checkpoint_hash(source: ModelSource) -> str:
 def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read the architecture and all weights (float32 for GGUF, stored dtype for safetensors)."""
     if source.gguf_file:
-        reader = open_gguf(source.path)
-        config = gguf_model_config(reader)
-        return config, load_gguf_weights(reader, config)
+        index = open_gguf(source.path)
+        config = gguf_model_config(index)
+        return config, load_gguf_weights(index, config)
     return _load_hf_dir(source.directory)
 
 

@@ -6,15 +6,12 @@ the result is cached under ~/.cache/dspark/tokenizers, keyed by the file's path,
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from pathlib import Path
 
+from dspark.models.file_cache import cache_entry
 from dspark.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
-
-CACHE_DIR = Path.home() / ".cache" / "dspark" / "tokenizers"
 
 
 class Tokenizer:
@@ -77,7 +74,7 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 
     if not source.gguf_file:
         return Tokenizer(AutoTokenizer.from_pretrained(source.directory))
-    cached = _cache_path(source.path)
+    cached = cache_entry("tokenizers", source.path)
     if (cached / "tokenizer.json").is_file():
         return Tokenizer(AutoTokenizer.from_pretrained(cached))
     logger.info("building the tokenizer from %s (cached at %s)", source.path, cached)
@@ -87,9 +84,3 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     except OSError as e:  # a read-only home still works, just slower next time
         logger.warning("could not cache the tokenizer at %s: %s", cached, e)
     return Tokenizer(tok)
-
-
-def _cache_path(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return CACHE_DIR / hashlib.sha256(key.encode()).hexdigest()[:16]

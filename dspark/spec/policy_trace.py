@@ -44,7 +44,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from dspark.spec.drafting_policy import FRESH, STALE, UNSEEN, Decision, DraftingPolicy
+from dspark.spec.drafting_policy import Decision, DraftingPolicy
+from dspark.spec.survival_estimates import FRESH, STALE, UNSEEN
 
 TRACE_ENV = "DSPARK_POLICY_TRACE"
 _engines = itertools.count()  # this process's traced engines, in creation order

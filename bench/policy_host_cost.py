@@ -42,11 +42,11 @@ class _Request:  # the engine passes [req.request_id for req in scheduler.runnin
         self.request_id = request_id
 
 
-def _measure(r: int, table, temperatures: dict, steps: int) -> dict:
+def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "half") -> dict:
     policy = DraftingPolicy(table, temperatures, draft_len=7)
     ids = [f"req-{i}" for i in range(r)]
     logits = torch.randn(r, 7)
-    greedy = [i % 2 == 0 for i in range(r)]
+    greedy = [{"all": True, "half": i % 2 == 0, "none": False}[greedy_rows] for i in range(r)]
     accepted, verify_len = [2] * r, [7] * r
     policy.observe(ids, logits, greedy, accepted, verify_len)
     running = [_Request(i) for i in ids]
@@ -60,12 +60,16 @@ def main() -> None:
     parser.add_argument("--batch", default="1,16,64,256")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--out", default="policy_host_cost.json")
+    parser.add_argument("--greedy", choices=("all", "half", "none"), default="half",
+                        help="which rows are greedy (the rest sample)")  # fmt: skip
     args = parser.parse_args()
     table_path = next(iter(sorted((DRAFTER / COST_TABLES_DIR).glob("*.json"))))
     table = parse_table(table_path.read_text())
     temperatures = {g: torch.tensor(load_calibration(DRAFTER, 7, greedy=g)) for g in (False, True)}
-    rows = [_measure(r, table, temperatures, args.steps) for r in map(int, args.batch.split(","))]
-    result = {"date": time.strftime("%Y-%m-%d"), "table": table_path.name, "rows": rows}
+    rows = [_measure(r, table, temperatures, args.steps, args.greedy)
+            for r in map(int, args.batch.split(","))]  # fmt: skip
+    result = {"date": time.strftime("%Y-%m-%d"), "table": table_path.name,
+              "greedy": args.greedy, "rows": rows}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'batch':>5} {'decide us':>10} {'observe us':>11}")
     for row in rows:

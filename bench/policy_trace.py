@@ -3,10 +3,12 @@
     python bench/policy_trace.py TRACE.jsonl [--stretches N]
 
 Per segment (between the bench's marks: arm, concurrency, repeat):
-- steps and time by graph size G and mode (a decision's time runs to the next decision);
-- the realised step periods by cell, split by whether the step admitted arrivals or carried a
-  prefill (the condition the decision saw: waiting requests and free seats, or prefilling
-  rows), as medians;
+- steps, time and the median step period by graph size G, mode and arrivals (a step's period
+  runs to the next line: under async scheduling the pipeline's period), comparable across
+  arms (an engine without a policy, plain or fixed K, has no G in its trace: its R rounded up
+  to a power of two stands in);
+- with a policy, the realised step periods it was taught by cell, split by arrivals, as
+  medians;
 - every stretch without drafting: where it began (G, the full block's price over plain's as
   priced and in the table, the expected tokens per row drafting, the rows by kind, arrivals)
   and what ended it (the first drafting decision's reason and its stale and unseen rows).
@@ -52,15 +54,20 @@ def price_ratio(line: dict, key: str = "priced") -> float | None:
     return cells[str(full)] / cells[str(g)] if full != g else None
 
 
-def by_mode(lines: list[dict]) -> dict[tuple[int, bool], list[float]]:
-    """(G, drafting) -> [steps, seconds] (a decision's time: until the next decision)."""
-    out: dict[tuple[int, bool], list[float]] = defaultdict(lambda: [0, 0.0])
-    for line, after in pairwise([*lines, None]):
-        if line["cell"] is None:
-            continue
-        cell = out[(line["cell"][0], line["drafting"])]
-        cell[0] += 1
-        cell[1] += (after["t"] - line["t"]) if after is not None else 0.0
+def graph_size(line: dict) -> int:
+    """The step's G: the decision's, or without a policy R rounded up to a power of two."""
+    if line.get("cell"):
+        return line["cell"][0]
+    return 1 << max(line["R"] - 1, 0).bit_length()
+
+
+def step_periods(lines: list[dict]) -> dict[tuple[int, bool, bool], list[float]]:
+    """(G, drafting, arrivals) -> each step's period (its line to the next), idle ones left
+    out (no running request)."""
+    out: dict[tuple[int, bool, bool], list[float]] = defaultdict(list)
+    for line, after in pairwise(lines):
+        if line["R"]:
+            out[(graph_size(line), line["drafting"], arrivals(line))].append(after["t"] - line["t"])
     return out
 
 
@@ -68,7 +75,7 @@ def periods(lines: list[dict]) -> dict[tuple[int, int, bool], list[float]]:
     """(G, V, arrivals) -> the realised periods StepPeriods counted for that cell."""
     out: dict[tuple[int, int, bool], list[float]] = defaultdict(list)
     for before, line in pairwise(lines):
-        if line["period"] is not None:
+        if line.get("period") is not None:
             g, v = line["period"]["cell"]
             out[(g, v, arrivals(before))].append(line["period"]["seconds"])
     return out
@@ -79,7 +86,7 @@ def stretches(lines: list[dict]) -> list[dict]:
     its end (None: the segment ended first)."""
     found, start = [], None
     for i, line in enumerate(lines):
-        if line["cell"] is None:
+        if line.get("cell") is None:
             continue
         if not line["drafting"] and start is None:
             start = i
@@ -102,16 +109,21 @@ def report(path: str, max_stretches: int = 20) -> str:
     for mark, lines in load(path):
         label = " ".join(f"{k}={v}" for k, v in mark.items()) if mark else "(before any mark)"
         wall = lines[-1]["t"] - lines[0]["t"]
-        drafting = sum(line["drafting"] for line in lines if line["cell"] is not None)
-        decided = sum(line["cell"] is not None for line in lines)
-        out.append(f"== {label}: {len(lines)} decisions over {wall * 1e3:.1f} ms, "
-                   f"{drafting} of {decided} priced ones drafting")  # fmt: skip
-        for (g, d), (steps, seconds) in sorted(by_mode(lines).items()):
-            mode = "drafting" if d else "plain"
-            out.append(f"   G={g:<4} {mode:8} {steps:5d} steps {seconds * 1e3:9.1f} ms")
+        if any("reason" in line for line in lines):
+            drafting = sum(line["drafting"] for line in lines if line.get("cell") is not None)
+            decided = sum(line.get("cell") is not None for line in lines)
+            what = f"{drafting} of {decided} priced decisions drafting"
+        else:
+            what = "no policy: " + ("fixed K" if lines[0]["drafting"] else "plain decoding")
+        out.append(f"== {label}: {len(lines)} steps over {wall * 1e3:.1f} ms, {what}")
+        for (g, d, arr), seconds in sorted(step_periods(lines).items()):
+            mode, when = "drafting" if d else "plain", "arrivals" if arr else "steady"
+            out.append(f"   G={g:<4} {mode:8} {when:8} {len(seconds):5d} steps "
+                       f"{sum(seconds) * 1e3:9.1f} ms, median "
+                       f"{statistics.median(seconds) * 1e3:.3f} ms")  # fmt: skip
         for (g, v, arr), seconds in sorted(periods(lines).items()):
             median_ms = statistics.median(seconds) * 1e3
-            out.append(f"   period G={g} V={v} {'arrivals' if arr else 'steady'}: "
+            out.append(f"   taught G={g} V={v} {'arrivals' if arr else 'steady'}: "
                        f"{len(seconds)} x median {median_ms:.3f} ms")  # fmt: skip
         found = stretches(lines)
         if found:

@@ -292,6 +292,9 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput | DeltaOutput]:
         if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
             self._decide_drafting()
+        elif self.policy_trace is not None:  # (plain or fixed K: the step, for comparison)
+            self.policy_trace.stepped(self.scheduler, self.runner.stats,
+                                      self.spec is not None, time.perf_counter())  # fmt: skip
         drafting = self.spec is not None and self.scheduler.drafting
         if self.async_scheduling and (not drafting or self._drafts_async()):
             return self._step_async(drafting)

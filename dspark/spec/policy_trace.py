@@ -6,8 +6,10 @@ handful of long stretches, and the scheduled arm's repeats spread from 0.87x to 
 K = 7. Which stretch cost the time, what the prices and survivals read when drafting went off,
 and what brought it back are per-step questions. With DSPARK_POLICY_TRACE=DIR every engine
 with a drafting policy writes one JSON line per decision to DIR/policy_trace_<pid>_<n>.jsonl
-(n counts the process's traced engines, in creation order: a bench's arms). Off by default;
-a trace costs a few tens of microseconds a step (it prices the decision again to record it).
+(n counts the process's traced engines, in creation order: a bench's arms). Engines without
+a policy (plain decoding, fixed K) write a line per step too, without the decision's fields,
+so that arms compare step by step. Off by default; a trace costs a few tens of microseconds a
+step (it prices the decision again to record it).
 
 A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 
@@ -29,6 +31,8 @@ A decision's line (times in seconds, `t` from the trace's start, perf_counter):
   or null; stats: the runner's counters that moved since the previous decision (what the
   pipeline ran in between).
 - A line {"t": ..., "mark": {...}} is the caller's label (a bench's arm, level and repeat).
+- An engine without a policy writes {"t", "R", "waiting", "seats", "prefilling", "drafting",
+  "stats"} per step ("drafting": whether its steps draft, fixed K).
 
 `python bench/policy_trace.py FILE` summarises a trace: time by graph size and mode, and
 every stretch without drafting with what started and ended it.
@@ -52,7 +56,7 @@ _engines = itertools.count()  # this process's traced engines, in creation order
 
 
 class PolicyTrace:
-    def __init__(self, policy: DraftingPolicy, path: str | Path) -> None:
+    def __init__(self, policy: DraftingPolicy | None, path: str | Path) -> None:
         self.policy = policy
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,9 +68,10 @@ class PolicyTrace:
 
     @classmethod
     def from_env(cls, policy: DraftingPolicy | None) -> PolicyTrace | None:
-        """A trace under $DSPARK_POLICY_TRACE for an engine with a drafting policy, else None."""
+        """A trace under $DSPARK_POLICY_TRACE (None when it is unset); `policy` None: an engine
+        without a drafting policy."""
         directory = os.environ.get(TRACE_ENV)
-        if not directory or policy is None:
+        if not directory:
             return None
         name = f"policy_trace_{os.getpid()}_{next(_engines)}.jsonl"
         return cls(policy, Path(directory) / name)
@@ -82,13 +87,8 @@ class PolicyTrace:
     ) -> None:
         """One decision's line; call it after policy.decide() and before record_step(), so the
         prices recorded are the ones the decision saw."""
-        running = scheduler.running
         line = {
-            "t": round(now - self._start, 6),
-            "R": len(request_ids),
-            "waiting": len(scheduler.waiting),
-            "seats": scheduler.max_num_seqs - len(running),
-            "prefilling": sum(r.num_computed_tokens < r.num_prompt_tokens for r in running),
+            **self._queue(scheduler, now),
             "sampled": decision.sampled,
             "drafting": decision.drafting,
             "reason": decision.reason,
@@ -102,6 +102,25 @@ class PolicyTrace:
             line["period"] = {"cell": list(counted.cell), "sampled": counted.sampled,
                               "seconds": round(seconds, 7)}  # fmt: skip
         self._write(line)
+
+    def stepped(
+        self, scheduler, runner_stats: Mapping[str, int], drafting: bool, now: float
+    ) -> None:
+        """An engine without a policy: one line per step, before it is scheduled."""
+        self._write({**self._queue(scheduler, now), "drafting": drafting,
+                     "stats": self._moved(runner_stats)})  # fmt: skip
+
+    def _queue(self, scheduler, now: float) -> dict:
+        """When, and the requests the step starts from: running, waiting, free seats and
+        running requests still prefilling."""
+        running = scheduler.running
+        return {
+            "t": round(now - self._start, 6),
+            "R": len(running),
+            "waiting": len(scheduler.waiting),
+            "seats": scheduler.max_num_seqs - len(running),
+            "prefilling": sum(r.num_computed_tokens < r.num_prompt_tokens for r in running),
+        }
 
     def mark(self, **labels) -> None:
         """A label in the trace (the bench's arm, level and repeat)."""

@@ -96,15 +96,37 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     stretches = summary.stretches(segment)
     assert len(stretches) == (counters["drafting_switches"] + 1) // 2
     assert sum(s["steps"] for s in stretches) == counters["steps_not_drafting"]
-    by_mode = summary.by_mode(segment)
-    assert sum(steps for steps, _ in by_mode.values()) == len(priced)
+    periods = summary.step_periods(segment)  # every step but the last, idle ones left out
+    assert sum(map(len, periods.values())) == sum(1 for line in lines[:-1] if line["R"])
+    assert {g for g, _, _ in periods} <= {1, 2, 4}
     text = summary.report(str(trace.path))
     assert "== arm=edge repeat=0" in text and f"{len(stretches)} stretches without drafting" in text
     assert "price full/plain 1.20 (table 1.20)" in text
 
 
-def test_no_trace_without_a_policy(tiny_vocab_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engines_without_a_policy_trace_each_step(tiny_vocab_dir, drafter, tmp_path, monkeypatch,
+                                                  speculative):  # fmt: skip
+    """Plain decoding and fixed K (no cost table): a line per step, for comparing arms."""
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    assert PolicyTrace.from_env(None) is None  # off unless asked for
     monkeypatch.setenv(TRACE_ENV, str(tmp_path))
-    assert PolicyTrace.from_env(None) is None
-    llm = LLM(str(tiny_vocab_dir), **KW)  # plain decoding: no policy, nothing written
-    assert llm.engine.policy_trace is None and not list(tmp_path.iterdir())
+    spec = {"model": str(drafter), "num_speculative_tokens": 3} if speculative else None
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    engine, steps = llm.engine, []
+    assert engine.policy is None and engine.policy_trace is not None
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    engine.policy_trace.close()
+
+    lines = [json.loads(text) for text in engine.policy_trace.path.read_text().splitlines()]
+    assert len(lines) == len(steps) > 0
+    assert all(line.keys() == {"t", "R", "waiting", "seats", "prefilling", "drafting", "stats"}
+               and line["drafting"] == speculative for line in lines)  # fmt: skip
+    assert lines[0]["R"] == 0 and lines[0]["waiting"] == len(PROMPTS)  # (before admission)
+    assert max(line["R"] for line in lines) == KW["max_num_seqs"]
+    kind = "fixed K" if speculative else "plain decoding"
+    text = _summary_module().report(str(engine.policy_trace.path))
+    assert f"no policy: {kind}" in text and "G=4" in text and "stretches" not in text

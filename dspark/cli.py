@@ -127,6 +127,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             )
         table = replace(table, measured={"gpu_state_before": before, "gpu_state_after": after})
     print(format_table(table, llm.engine.spec.num_verify))
+    _compare_to_reference(table, llm, args.compare_to)
     why = flatness_reason(table)
     if why:
         print(f"dspark profile: not writing {args.out}: {why}", file=sys.stderr)
@@ -134,6 +135,33 @@ def cmd_profile(args: argparse.Namespace) -> int:
     Path(args.out).write_text(table.to_json())
     print(f'wrote {args.out}: pass it as speculative_config\'s "cost_table"')
     return 0
+
+
+def _compare_to_reference(table, llm, path: str | None) -> None:
+    """The new table against --compare-to (or the table shipped for this engine, if any): the
+    median ratio of their cells, and a warning when it is off by more than DRIFT_WARNING."""
+    from pathlib import Path
+
+    from dspark.engine.spec_setup import shipped_cost_table
+    from dspark.spec.cost_table import parse_table
+    from dspark.spec.profile import DRIFT_WARNING, reference_drift
+
+    engine = llm.engine
+    path = path or shipped_cost_table(engine.drafter_dir, engine.cost_fingerprint)
+    if path is None:
+        return
+    drift = reference_drift(table, parse_table(Path(path).read_text()))
+    if drift is None:
+        print(f"against {path}: no cell in common", file=sys.stderr)
+        return
+    median, cells = drift
+    print(f"against {path}: new / reference {median:.3f} (median over {cells} cells)")
+    if abs(median - 1) > DRIFT_WARNING:
+        where = "above" if median > 1 else "below"
+        print(f"dspark profile: this table reads {abs(median - 1):.0%} {where} {path} (median "
+              f"over {cells} cells): a whole run can read high; profile again and keep each "
+              f"cell's lower value (bench/compare_cost_tables.py shows them side by side)",
+              file=sys.stderr)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rounds of every cell; a cell is its lowest round median")  # fmt: skip
     prof.add_argument("--greedy-only", action="store_true",
                       help="skip the cells measured at temperature 1 (sampled_cells)")  # fmt: skip
+    prof.add_argument("--compare-to", default=None,
+                      help="a table to compare the new one with (default: the table shipped "
+                      "for this engine, if any)")  # fmt: skip
     prof.add_argument("--out", default="cost_table.json")
     prof.set_defaults(func=cmd_profile)
     from dspark.benchmarks.offline import add_bench_parser

@@ -139,7 +139,7 @@ class LLMEngine:
         if self.runner.spec_runner is not None:  # prefill beside windows keeps their graph
             self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
         self.scheduler.decode_mixed_limits = self.runner.decode_mixed_limits  # beside decodes
-        self._drafter_dir, self._target_hash = drafter_dir, target_hash
+        self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)
         self.policy, self.scheduling_status = build_policy(
             config, self.spec, self.runner.spec_runner, drafter_dir, self.cost_fingerprint
@@ -175,7 +175,7 @@ class LLMEngine:
         spec_runner = self.runner.spec_runner
         graphs = spec_runner.graphs
         return make_fingerprint(
-            self.device, self._target_hash, checkpoint_hash(ModelSource(self._drafter_dir)),
+            self.device, self._target_hash, checkpoint_hash(ModelSource(self.drafter_dir)),
             self.spec.num_verify, str(self.dtype).removeprefix("torch."),
             graphs.sizes if graphs else [], self.config.page_size, spec_runner.trimmed_widths,
         )  # fmt: skip

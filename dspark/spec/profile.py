@@ -184,3 +184,23 @@ def _trimmed_text(table: CostTable, draft_len: int) -> str:
 def _cells_text(row: dict[int, float], g: int, draft_len: int) -> str:
     plain, full = row[g], row[full_block_tokens(g, draft_len)]
     return f"{plain * 1e3:>10.3f} {full * 1e3:>9.3f} {full / plain:>14.2f}"
+
+
+# a new table whose cells read this much above (or below) a reference table's, in median, is
+# worth profiling again: one of five profiles on the H200 read 8-53% high in most cells
+# (docs/PERFORMANCE.md, twentieth look)
+DRIFT_WARNING = 0.05
+
+
+def reference_drift(table: CostTable, reference: CostTable) -> tuple[float, int] | None:
+    """The median of new / reference step time over the cells both tables measured (greedy and
+    sampled), and how many there were; None when they share no cell.
+
+      new {1: {1: 0.8, 8: 1.4}}, reference {1: {1: 0.7, 8: 1.2}}  ->  (1.155, 2)
+    """
+    ratios = []
+    for new, ref in ((table.cells, reference.cells),
+                     (table.sampled_cells or {}, reference.sampled_cells or {})):  # fmt: skip
+        for g, row in new.items():
+            ratios += [t / ref[g][v] for v, t in row.items() if v in ref.get(g, {})]
+    return (statistics.median(ratios), len(ratios)) if ratios else None

@@ -14,7 +14,7 @@ from dspark import LLM, SamplingParams
 from dspark.cli import main as cli_main
 from dspark.spec.cost_table import CostTable, parse_table
 from dspark.spec.drafting_policy import Decision, DraftingPolicy
-from dspark.spec.profile import profile_cost_table
+from dspark.spec.profile import profile_cost_table, reference_drift
 from tests.tiny_models import make_tiny_drafter
 
 K = 7
@@ -255,6 +255,14 @@ def test_profile_measures_both_cells_with_the_live_fingerprint(tiny_vocab_dir, d
     assert set(one.cells[1]) == {1, 4} and one.sampled_cells is None
 
 
+def test_reference_drift_is_the_median_ratio_of_shared_cells():
+    new = CostTable({}, {1: {1: 0.8, 8: 1.4}, 4: {4: 1.0}}, sampled_cells={1: {1: 2.0}})
+    ref = CostTable({}, {1: {1: 0.7, 8: 1.2}, 2: {2: 9.0}}, sampled_cells={1: {1: 1.0}})
+    median, cells = reference_drift(new, ref)  # 0.8/0.7, 1.4/1.2, sampled 2.0/1.0
+    assert cells == 3 and median == pytest.approx(1.4 / 1.2)
+    assert reference_drift(CostTable({}, {4: {4: 1.0}}), ref) is None
+
+
 def _write_table(path, llm, plain, full):
     cells = {g: {g: plain, g * 4: full} for g in (1, 2, 4)}
     path.write_text(CostTable(llm.engine.cost_fingerprint(), cells).to_json())
@@ -306,12 +314,21 @@ def test_a_table_of_another_engine_fails_closed(tiny_vocab_dir, drafter, tmp_pat
     assert status.startswith(f"fixed K: cost table {path} refused (fingerprint mismatch on gpu")
 
 
-def test_profile_cli_writes_a_table_the_engine_accepts(tiny_vocab_dir, drafter, tmp_path):
+def test_profile_cli_writes_a_table_the_engine_accepts(tiny_vocab_dir, drafter, tmp_path,
+                                                       capsys):  # fmt: skip
     out = tmp_path / "cost.json"
     spec = json.dumps(_spec(drafter))
+    # a reference a thousand times faster than any CPU step: the new table reads far above it
+    reference = tmp_path / "reference.json"
+    reference.write_text(CostTable({}, {g: {g: 1e-6, 4 * g: 2e-6} for g in (1, 2, 8)}).to_json())
     rc = cli_main(["profile", "--model", str(tiny_vocab_dir), "--device", "cpu", "--dtype",
                    "float32", "--max-model-len", "256", "--batch", "1,2", "--steps", "5",
-                   "--warmup", "1", "--speculative-config", spec, "--out", str(out)])  # fmt: skip
+                   "--warmup", "1", "--speculative-config", spec, "--out", str(out),
+                   "--compare-to", str(reference)])  # fmt: skip
+    printed = capsys.readouterr()
+    assert f"against {reference}: new / reference" in printed.out
+    assert "(median over 4 cells)" in printed.out  # G 1 and 2 greedy (no sampled reference)
+    assert f"above {reference} (median over 4 cells): a whole run can read high" in printed.err
     if rc == 1:  # refused: the tiny model's steps were too alike to choose between
         assert not out.exists()
         return

@@ -11,7 +11,8 @@ Per segment (between the bench's marks: arm, concurrency, repeat):
   medians;
 - every stretch without drafting: where it began (G, the full block's price over plain's as
   priced and in the table, the expected tokens per row drafting, the rows by kind, arrivals)
-  and what ended it (the first drafting decision's reason and its stale and unseen rows).
+  and what ended it (the first drafting decision's reason and its stale and unseen rows),
+  counted by cause (end_cause: stale rows, smaller G, new requests or prices).
 
 Break-even, for reading the stretches: drafting pays when (R + S) / full > R / plain, that is
 when 1 + S / R (expected tokens per row) exceeds full / plain (the price ratio).
@@ -22,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from itertools import pairwise
 
 
@@ -100,6 +101,23 @@ def stretches(lines: list[dict]) -> list[dict]:
     return found
 
 
+def end_cause(stretch: dict) -> str:
+    """What brought drafting back: "stale rows" (survivals that went stale count K: the probe),
+    "smaller G" (load fell, where the full block costs relatively less), "new requests"
+    (unseen rows, at the population's mean), else "prices" (realised costs moved), or "none"
+    (the segment ended first)."""
+    a, e = stretch["start"], stretch["end"]
+    if e is None:
+        return "none"
+    if e.get("stale"):
+        return "stale rows"
+    if e["cell"][0] < a["cell"][0]:
+        return "smaller G"
+    if e.get("unseen", 0) > a.get("unseen", 0):
+        return "new requests"
+    return "prices"
+
+
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -127,8 +145,10 @@ def report(path: str, max_stretches: int = 20) -> str:
                        f"{len(seconds)} x median {median_ms:.3f} ms")  # fmt: skip
         found = stretches(lines)
         if found:
+            causes = Counter(end_cause(s) for s in found)
             out.append(f"   {len(found)} stretches without drafting, "
-                       f"{sum(s['steps'] for s in found)} steps:")  # fmt: skip
+                       f"{sum(s['steps'] for s in found)} steps; ended by "
+                       + ", ".join(f"{c}: {n}" for c, n in causes.most_common()) + ":")  # fmt: skip
         for s in found[:max_stretches]:
             a, e = s["start"], s["end"]
             rows = max(a["R"], 1)

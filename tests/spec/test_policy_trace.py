@@ -99,6 +99,8 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     periods = summary.step_periods(segment)  # every step but the last, idle ones left out
     assert sum(map(len, periods.values())) == sum(1 for line in lines[:-1] if line["R"])
     assert {g for g, _, _ in periods} <= {1, 2, 4}
+    causes = {summary.end_cause(s) for s in stretches}
+    assert causes <= {"stale rows", "smaller G", "new requests", "prices", "none"}, causes
     text = summary.report(str(trace.path))
     assert "== arm=edge repeat=0" in text and f"{len(stretches)} stretches without drafting" in text
     assert "price full/plain 1.20 (table 1.20)" in text
@@ -130,3 +132,16 @@ def test_engines_without_a_policy_trace_each_step(tiny_vocab_dir, drafter, tmp_p
     kind = "fixed K" if speculative else "plain decoding"
     text = _summary_module().report(str(engine.policy_trace.path))
     assert f"no policy: {kind}" in text and "G=4" in text and "stretches" not in text
+
+
+def test_a_stretch_without_drafting_ends_by_one_cause():
+    end_cause = _summary_module().end_cause
+    start = {"cell": [64, 64], "unseen": 2, "stale": 0}
+
+    def ended(**end):
+        return end_cause({"start": start, "end": {"cell": [64, 512], "unseen": 2, "stale": 0}
+                          | end})  # fmt: skip
+
+    assert ended(stale=3) == "stale rows" and ended(cell=[32, 256]) == "smaller G"
+    assert ended(unseen=5) == "new requests" and ended() == "prices"
+    assert end_cause({"start": start, "end": None}) == "none"

@@ -145,7 +145,8 @@ def build_policy(
         fit_persistence=spec_config.persistence,
         min_dwell_steps=spec_config.dwell_steps,
         trimmed_widths=spec_runner.trimmed_widths,
-        realised_costs=RealisedCosts() if spec_config.realised_costs else None,
+        realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life)
+        if spec_config.realised_costs else None,
     )  # fmt: skip
     if table is None or policy.table is None:
         reason = reason or "it has no G with both a plain and a full-block cell"

@@ -21,6 +21,18 @@ slower host makes every step dearer), else priced by the table alone.
 
 Everything it uses happened before the step being decided (the lagged scheduler's rule, 6.3).
 
+Stale prices (stale_half_life, off by default). A cell's ratio changes only when its steps are
+counted, and while drafting is off no full block is: a lone probe teaches nothing (below). So a
+full block's price that spiked with a burst of arrivals holds until the survivals go stale and
+a probe leads to two drafting steps in a row, or for as long as the load stays, if fresh
+survivals never beat the spiked price. With stale_half_life H > 0, a cell's recent ratio
+reverts toward its long-run level (the same ratios, half-life baseline_half_life steps) as the
+engine counts other cells' steps and not its own: halfway after H of them. A price measured
+again starts from the reverted value, so one new step cannot bring the spike back.
+
+  full block: recent ratio 2.2, long-run 1.6, H = 16; 16 plain steps counted since
+  -> priced at 1.6 + (2.2 - 1.6) / 2 = 1.9 times the table
+
 Which periods count (StepPeriods). Under async scheduling a call to step() launches step k and
 then waits for step k - 1, so the period from decision k to decision k + 1 ends when step k - 1
 completes: it is cell k's cost only when step k - 1 ran the same cell. At a switch (drafting on
@@ -44,25 +56,55 @@ MIN_RATIO, MAX_RATIO = 0.25, 4.0
 
 
 class RealisedCosts:
-    def __init__(self, half_life: float = 64.0, min_steps: float = 8.0) -> None:
-        if half_life <= 0 or min_steps <= 0:
-            raise ValueError(f"half_life and min_steps must be > 0, got {half_life}, {min_steps}")
+    def __init__(
+        self,
+        half_life: float = 64.0,
+        min_steps: float = 8.0,
+        stale_half_life: float = 0.0,  # counted steps of other cells (0: prices never revert)
+        baseline_half_life: float = 1024.0,  # steps, of a cell's long-run ratio
+    ) -> None:
+        if half_life <= 0 or min_steps <= 0 or baseline_half_life <= 0:
+            raise ValueError(f"half_life, min_steps and baseline_half_life must be > 0, got "
+                             f"{half_life}, {min_steps}, {baseline_half_life}")  # fmt: skip
+        if stale_half_life < 0:
+            raise ValueError(f"stale_half_life must be >= 0, got {stale_half_life}")
         self._decay = 0.5 ** (1.0 / half_life)
+        self._baseline_decay = 0.5 ** (1.0 / baseline_half_life)
         self.min_steps = min_steps
-        # (G, V, sampled) -> (weighted sum of ratios, weight, steps seen): realised / table
-        self._ratios: dict[tuple[int, int, bool], tuple[float, float, int]] = {}
+        self.stale_half_life = stale_half_life
+        self._counted = 0  # steps counted in any cell: the clock of a price's staleness
+        # (G, V, sampled) -> [weighted sum of ratios, weight, steps seen, the long-run sum and
+        # weight, the clock when last counted]: realised / table
+        self._ratios: dict[tuple[int, int, bool], list] = {}
 
     def record(self, cell: tuple[int, int], sampled: bool, table_s: float, seconds: float) -> None:
         """One step of `cell` took `seconds`; the table says `table_s`."""
         ratio = min(MAX_RATIO, max(MIN_RATIO, seconds / table_s))
         key = (*cell, sampled)
-        total, weight, steps = self._ratios.get(key, (0.0, 0.0, 0))
-        self._ratios[key] = (total * self._decay + ratio, weight * self._decay + 1.0, steps + 1)
+        state = self._ratios.get(key)
+        if state is None:
+            state = self._ratios[key] = [0.0, 0.0, 0, 0.0, 0.0, self._counted]
+        total, weight, steps, long_total, long_weight, _ = state
+        if weight and self.stale_half_life:  # (start from the reverted price: module docstring)
+            total = self._reverted(state) * weight
+        self._counted += 1
+        d, b = self._decay, self._baseline_decay
+        state[:] = [total * d + ratio, weight * d + 1.0, steps + 1,
+                    long_total * b + ratio, long_weight * b + 1.0, self._counted]  # fmt: skip
 
     def ratio(self, cell: tuple[int, int], sampled: bool) -> float | None:
-        """The recent realised / table ratio of a cell, or None with fewer than min_steps."""
-        total, weight, steps = self._ratios.get((*cell, sampled), (0.0, 0.0, 0))
-        return total / weight if steps >= self.min_steps else None
+        """The recent realised / table ratio of a cell (reverted toward its long-run level as
+        it goes stale, with stale_half_life), or None with fewer than min_steps."""
+        state = self._ratios.get((*cell, sampled))
+        if state is None or state[2] < self.min_steps:
+            return None
+        return self._reverted(state) if self.stale_half_life else state[0] / state[1]
+
+    def _reverted(self, state: list) -> float:
+        total, weight, _, long_total, long_weight, last = state
+        recent, long_run = total / weight, long_total / long_weight
+        stale = 0.5 ** ((self._counted - last) / self.stale_half_life)
+        return long_run + (recent - long_run) * stale
 
     def priced(self, g: int, row: Mapping[int, float], sampled: bool) -> dict[int, float]:
         """G's cells (V -> table seconds), each scaled by its own realised ratio, else by the
@@ -73,7 +115,7 @@ class RealisedCosts:
     def as_dict(self) -> dict[str, float]:
         """The known ratios for the metrics: "G=256 V=2048 greedy" -> 1.6."""
         out = {}
-        for (g, v, sampled), (total, weight, _) in sorted(self._ratios.items()):
+        for (g, v, sampled), (total, weight, *_) in sorted(self._ratios.items()):
             out[f"G={g} V={v} {'sampled' if sampled else 'greedy'}"] = round(total / weight, 3)
         return out
 

@@ -37,7 +37,7 @@ def test_worked_example_of_the_docstring():
     costs.record((g, full), False, 5.2e-3, 10.0)
     assert costs.ratio((g, full), False) < 1.6 + 4.0 / 8
     assert costs.as_dict()["G=256 V=256 greedy"] == pytest.approx(1.1)
-    with pytest.raises(ValueError, match="half_life and min_steps must be > 0"):
+    with pytest.raises(ValueError, match="half_life, min_steps and baseline_half_life must be > 0"):
         RealisedCosts(half_life=0)
 
 
@@ -109,3 +109,51 @@ def test_engine_records_realised_costs(tiny_vocab_dir, drafter, tmp_path):  # no
     assert ratios and all(0.25 <= r <= 4.0 for r in ratios.values()), ratios
     with pytest.raises(ValueError, match='"realised_costs" must be true or false'):
         LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, realised_costs=1), **KW)
+    assert llm.engine.policy.realised_costs.stale_half_life == 0  # off by default
+    spec = _spec(drafter, cost_table=str(path), realised_costs=True, stale_price_half_life=16)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    assert llm.engine.policy.realised_costs.stale_half_life == 16
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    for bad in (-1, True, "16", 1e7):
+        with pytest.raises(ValueError, match='"stale_price_half_life" must be a number of steps'):
+            LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, stale_price_half_life=bad),
+                **KW)  # fmt: skip
+
+
+def test_a_stale_price_reverts_to_its_long_run_level():
+    """stale_half_life: while a cell goes uncounted (drafting off), its recent ratio reverts
+    toward its long-run one, halfway per stale_half_life steps counted elsewhere; measured
+    again, it starts from the reverted value. Off (0), prices never move uncounted."""
+    g, full = 64, 512
+    plain, block = (g, g), (g, full)
+
+    def history(costs):
+        for _ in range(64):  # drafting at the table's price x 1.6 for a long while ...
+            costs.record(block, False, 1.0, 1.6)
+        for _ in range(8):  # ... then a burst of arrivals: 3.2x
+            costs.record(block, False, 1.0, 3.2)
+        return costs.ratio(block, False)
+
+    frozen, reverting = RealisedCosts(), RealisedCosts(stale_half_life=16)
+    spiked = history(frozen)
+    assert history(reverting) == pytest.approx(spiked)  # counted every step: no reversion
+    total = weight = 0.0  # the long-run ratio: the same steps, half-life 1024 steps
+    for ratio in [1.6] * 64 + [3.2] * 8:
+        total, weight = total * 0.5 ** (1 / 1024) + ratio, weight * 0.5 ** (1 / 1024) + 1
+    long_run = total / weight
+    for _ in range(16):  # drafting off: 16 plain steps counted, no full block
+        frozen.record(plain, False, 1.0, 1.0)
+        reverting.record(plain, False, 1.0, 1.0)
+    assert frozen.ratio(block, False) == spiked  # held until the cell is measured again
+    reverted = reverting.ratio(block, False)
+    assert reverted == pytest.approx(long_run + (spiked - long_run) / 2)
+    assert reverting.priced(g, {g: 1.0, full: 2.0}, False)[full] == pytest.approx(2 * reverted)
+    # measured again at 1.6: from the reverted price, not back up to the spike
+    reverting.record(block, False, 1.0, 1.6)
+    assert reverting.ratio(block, False) < reverted
+    frozen.record(block, False, 1.0, 1.6)
+    assert frozen.ratio(block, False) > reverted
+    assert reverting.ratio(plain, False) == pytest.approx(1.0)  # measured every step
+    with pytest.raises(ValueError, match="stale_half_life must be >= 0"):
+        RealisedCosts(stale_half_life=-1)

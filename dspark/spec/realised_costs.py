@@ -28,7 +28,10 @@ a probe leads to two drafting steps in a row, or for as long as the load stays, 
 survivals never beat the spiked price. With stale_half_life H > 0, a cell's recent ratio
 reverts toward its long-run level (the same ratios, half-life baseline_half_life steps) as the
 engine counts other cells' steps and not its own: halfway after H of them. A price measured
-again starts from the reverted value, so one new step cannot bring the spike back.
+again starts from the reverted value, so one new step cannot bring the spike back. A rise that
+lasts is measured again when drafting resumes, and turns it off again: the dwell bounds how
+often, and the half-life how soon (tests/spec/test_realised_costs.py: after a burst at 4x,
+drafting resumed after 101 plain steps frozen, the staleness bound, and after 11 with H = 16).
 
   full block: recent ratio 2.2, long-run 1.6, H = 16; 16 plain steps counted since
   -> priced at 1.6 + (2.2 - 1.6) / 2 = 1.9 times the table

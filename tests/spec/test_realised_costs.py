@@ -157,3 +157,37 @@ def test_a_stale_price_reverts_to_its_long_run_level():
     assert reverting.ratio(plain, False) == pytest.approx(1.0)  # measured every step
     with pytest.raises(ValueError, match="stale_half_life must be >= 0"):
         RealisedCosts(stale_half_life=-1)
+
+
+def test_a_spiked_price_holds_drafting_off_until_staleness_unless_it_reverts():
+    """The policy after a burst of dear drafting steps (arrivals): with frozen prices drafting
+    comes back only when the survivals go stale; with stale_price_half_life, once the full
+    block's price has reverted far enough toward its long-run level."""
+    g, full = 64, 64 * (K + 1)
+    table = CostTable({}, {g: {g: 1.0, full: 2.0}})  # survivals stale after 100 plain steps
+    ones = {False: torch.ones(K), True: torch.ones(K)}
+    ids = [f"r{i}" for i in range(g)]
+    logits = torch.full((g, K), 0.8)  # survival 0.69 a position: ~2.06 drafts a row kept
+
+    def plain_steps_until_drafting(costs: RealisedCosts) -> int:
+        policy = DraftingPolicy(table, ones, K, realised_costs=costs)
+
+        def step(full_ratio: float) -> bool:  # a plain step costs the table's price
+            decision = policy.decide(ids)
+            if decision.drafting:
+                policy.observe(ids, logits, [False] * g)
+            ratio = full_ratio if decision.drafting else 1.0
+            policy.record_step(decision, ratio * table.cells[g][decision.cell[1]])
+            return decision.drafting
+
+        assert all(step(1.2) for _ in range(1000))  # drafting pays at 1.2x the table
+        burst = next(i for i in range(100) if not step(4.0))  # arrivals: drafting at 4x
+        assert burst > 8  # (a few dear steps do not move the price enough)
+        return next(i for i in range(1, 300) if step(4.0))  # (plain until drafting resumes)
+    frozen = plain_steps_until_drafting(RealisedCosts())
+    reverting = plain_steps_until_drafting(RealisedCosts(stale_half_life=16))
+    assert frozen >= policy_stale_after(table) and 8 < reverting < frozen / 2, (frozen, reverting)
+
+
+def policy_stale_after(table: CostTable) -> int:
+    return DraftingPolicy(table, {False: torch.ones(K), True: torch.ones(K)}, K).stale_after(64)

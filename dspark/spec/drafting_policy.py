@@ -123,12 +123,14 @@ class DraftingPolicy(SurvivalEstimates):
         self.drafting = True
         self._steps_in_mode = 0
         self.counters: Counter[str] = Counter()
+        self.last_row_totals: tuple[list[float], list[int]] | None = None  # of the last decide()
 
     # ---- the choice -------------------------------------------------------------------------
 
     def decide(self, request_ids: list[str], sampled: bool = False) -> Decision:
         """Whether the step about to be scheduled for these running requests drafts; `sampled`:
         some of them sample (temperature > 0), so the step is priced by the sampled cells."""
+        self.last_row_totals = None
         decision = self._decide(request_ids, sampled)
         if decision.drafting != self.drafting:
             self.counters["drafting_switches"] += 1
@@ -214,7 +216,9 @@ class DraftingPolicy(SurvivalEstimates):
     ) -> tuple[list[float], list[int]]:
         """Each request's estimated survival sum and its kind (FRESH, STALE or UNSEEN), stale
         after stale_after(G) steps by the cells that price the step (`sampled`)."""
-        return self.estimate_totals(request_ids, self._step - self.stale_after(g, sampled))
+        totals = self.estimate_totals(request_ids, self._step - self.stale_after(g, sampled))
+        self.last_row_totals = totals  # (the decision's evidence, for policy_trace.py)
+        return totals
 
     def lagged_survival(self, request_ids: list[str], g: int, sampled: bool = False) -> np.ndarray:
         """[R, K] the requests' lagged survivals per position (estimate_vectors)."""

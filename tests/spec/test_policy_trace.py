@@ -7,6 +7,7 @@ import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -145,3 +146,33 @@ def test_a_stretch_without_drafting_ends_by_one_cause():
     assert ended(stale=3) == "stale rows" and ended(cell=[32, 256]) == "smaller G"
     assert ended(unseen=5) == "new requests" and ended() == "prices"
     assert end_cause({"start": start, "end": None}) == "none"
+
+
+def test_a_dwell_line_carries_its_own_evidence(tmp_path):
+    """A dwell decides without survival estimates: its line computes them, and never shows a
+    previous decision's (DraftingPolicy.last_row_totals is reset by every decide())."""
+    import torch
+
+    from dspark.spec.drafting_policy import DraftingPolicy
+    from dspark.spec.survival_estimates import FRESH, UNSEEN
+
+    k, g = 7, 4
+    ones = {False: torch.ones(k), True: torch.ones(k)}
+    policy = DraftingPolicy(CostTable({}, {g: {g: 1.0, 8 * g: 9.0}}), ones, k, min_dwell_steps=3)
+    trace = PolicyTrace(policy, tmp_path / "trace.jsonl")
+    scheduler = SimpleNamespace(running=[], waiting=[], max_num_seqs=g)
+    ids = ["a", "b", "c"]
+    policy.observe(ids[:2], torch.zeros(2, k), [True, True])  # "c" never drafted
+    reasons = []
+    for _ in range(3):
+        decision = policy.decide(ids)
+        assert (policy.last_row_totals is None) == (decision.reason == "dwell")
+        trace.decided(decision, ids, scheduler, {}, None, 0.0)
+        reasons.append(decision.reason)
+    trace.close()
+    assert reasons == ["no drafting", "dwell", "dwell"]
+    totals, kinds = policy.row_totals(ids, g)
+    for text in trace.path.read_text().splitlines():
+        line = json.loads(text)
+        assert line["fresh"] == kinds.count(FRESH) == 2 and line["unseen"] == kinds.count(UNSEEN)
+        assert line["survival_sum"] == round(sum(totals), 4)

@@ -6,7 +6,7 @@ F32 among them). llama.cpp's converter permutes the rows of q and k for the llam
 rotary uses.
 
 The reader parses every metadata field, the tokenizer's ~49k tokens and merges included, one
-small read each: 7-9 s of a 36 s start on a 2-core CPU for SmolLM2-135M, where the engine needs
+small read each: 7-9 s of a ~23 s start on a 2-core CPU for SmolLM2-135M, where the engine needs
 a dozen scalars and each tensor's place in the file. So a file's index (its scalar fields, each
 array field's length, each tensor's type, shape and byte range) is cached as JSON under
 ~/.cache/dspark/gguf, keyed like the tokenizer cache (path, size, mtime); later loads read the
@@ -91,15 +91,16 @@ def open_gguf(path: str | os.PathLike) -> GGUFIndex:
     path = Path(path)
     cached = cache_entry("gguf", path).with_suffix(".json")
     index = _read_index(path, cached) if cached.is_file() else None
-    if index is None:
-        index = _parse_index(path)
-        _write_index(index, cached)
+    if index is not None:
+        return index
+    index = _parse_index(path)
     size = path.stat().st_size
     end = max((t.offset + t.n_bytes for t in index.tensors), default=0)
-    if end > size:
+    if end > size:  # (checked before caching: a truncated file's index is never cached)
         raise CheckpointError(
             f"{path} is truncated: tensor data ends at byte {end}, the file has {size}"
         )
+    _write_index(index, cached)
     return index
 
 

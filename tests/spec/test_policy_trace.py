@@ -10,10 +10,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dspark import LLM, SamplingParams
 from dspark.spec.cost_table import CostTable
+from dspark.spec.drafting_policy import DraftingPolicy
 from dspark.spec.policy_trace import TRACE_ENV, PolicyTrace
+from dspark.spec.survival_estimates import FRESH, UNSEEN
 from tests.tiny_models import make_tiny_drafter
 
 KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=4, max_model_len=256)
@@ -151,11 +154,6 @@ def test_a_stretch_without_drafting_ends_by_one_cause():
 def test_a_dwell_line_carries_its_own_evidence(tmp_path):
     """A dwell decides without survival estimates: its line computes them, and never shows a
     previous decision's (DraftingPolicy.last_row_totals is reset by every decide())."""
-    import torch
-
-    from dspark.spec.drafting_policy import DraftingPolicy
-    from dspark.spec.survival_estimates import FRESH, UNSEEN
-
     k, g = 7, 4
     ones = {False: torch.ones(k), True: torch.ones(k)}
     policy = DraftingPolicy(CostTable({}, {g: {g: 1.0, 8 * g: 9.0}}), ones, k, min_dwell_steps=3)

@@ -5,7 +5,8 @@
 With the shipped drafter's H200 cost table and calibration, R running requests whose last
 blocks were observed: times decide() (before every step: the O(R) survival sum and the cell
 choice) and observe() (after a drafting step: survivals from [R, K] raw confidences and the
-recalibration), medians over --steps calls in microseconds. The list of running ids is built
+recalibration), and a step trace's line after a decision (DSPARK_POLICY_TRACE), medians over
+--steps calls in microseconds. The list of running ids is built
 per call, as the engine builds it. The policy does no device work: the confidences it reads
 come back with the drafting step's one sync. Its share of a step is these figures over the
 step times of docs/PERFORMANCE.md.
@@ -16,14 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from dspark.spec.calibration import load_calibration
 from dspark.spec.cost_table import COST_TABLES_DIR, parse_table
 from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.spec.policy_trace import PolicyTrace
 
 DRAFTER = Path(__file__).resolve().parents[1] / "dspark/drafters/smollm2_135m_instruct"
 
@@ -52,7 +56,17 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
     running = [_Request(i) for i in ids]
     decide = _median_us(lambda: policy.decide([q.request_id for q in running]), steps)
     observe = _median_us(lambda: policy.observe(ids, logits, greedy, accepted, verify_len), steps)
-    return {"batch": r, "decide_us": decide, "observe_us": observe}
+    # a step trace's line after the decision (DSPARK_POLICY_TRACE, spec/policy_trace.py)
+    with tempfile.TemporaryDirectory() as directory:
+        trace = PolicyTrace(policy, Path(directory) / "trace.jsonl")
+        scheduler = SimpleNamespace(running=[SimpleNamespace(num_computed_tokens=300,
+                                                             num_prompt_tokens=100)] * r,
+                                    waiting=[], max_num_seqs=max(r, 1))  # fmt: skip
+        stats = {f"counter_{i}": i for i in range(40)}  # (about a runner's stats)
+        decision = policy.decide(ids)
+        line = _median_us(lambda: trace.decided(decision, ids, scheduler, stats, None, 0.0), steps)
+        trace.close()
+    return {"batch": r, "decide_us": decide, "observe_us": observe, "trace_line_us": line}
 
 
 def main() -> None:
@@ -71,9 +85,10 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "table": table_path.name,
               "greedy": args.greedy, "rows": rows}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'batch':>5} {'decide us':>10} {'observe us':>11}")
+    print(f"{'batch':>5} {'decide us':>10} {'observe us':>11} {'trace line us':>14}")
     for row in rows:
-        print(f"{row['batch']:5d} {row['decide_us']:10.1f} {row['observe_us']:11.1f}")
+        print(f"{row['batch']:5d} {row['decide_us']:10.1f} {row['observe_us']:11.1f} "
+              f"{row['trace_line_us']:14.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ and what brought it back are per-step questions. With DSPARK_POLICY_TRACE=DIR ev
 with a drafting policy writes one JSON line per decision to DIR/policy_trace_<pid>_<n>.jsonl
 (n counts the process's traced engines, in creation order: a bench's arms). Engines without
 a policy (plain decoding, fixed K) write a line per step too, without the decision's fields,
-so that arms compare step by step. Off by default. A line costs about 1.7x the policy's own
-decide(): on the development CPU 139 against 81 us at 64 rows, 229 against 167 at 256 (its
-prices read again, the JSON, the write); on the H200's host decide() took 12 us at 64 rows
-(docs/PERFORMANCE.md, thirteenth look). Enough to see where time goes, not to time the engine:
-compare traced arms with traced arms.
+so that arms compare step by step. Off by default. A line costs 1.3-2.3x the policy's own
+decide() (its prices read again, the JSON, the write: 143 against 83 us at 64 rows on the
+development CPU, `bench/policy_host_cost.py`); on the H200's host decide() took 12 us at 64
+rows (docs/PERFORMANCE.md, thirteenth look). Enough to see where time goes, not to time the
+engine: compare traced arms with traced arms.
 
 A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 

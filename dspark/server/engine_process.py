@@ -65,6 +65,7 @@ METRICS_INTERVAL_S = 0.1
 # stats alone at most this often (admission control reads them: 10 ms stale is fine)
 STATS_ONLY_INTERVAL_S = 0.01
 PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
+LOAD_FAILED_EXIT = 1  # and of one that failed to load (its servers were told why first)
 # a path here: the step loop runs under cProfile, written there (and its top logged) at stop;
 # it slows the loop's Python, so it says where host time goes, not how fast the loop is
 PROFILE_ENV = "DSPARK_ENGINE_PROFILE"
@@ -101,7 +102,11 @@ def run_engine_process(
         reason = f"the engine failed to load: {type(e).__name__}: {e}"
         for conn in conns:
             _send_quietly(conn, (wire.FAILED, reason))
-        return
+        # as the served path ends below: no interpreter teardown, which after a failed load
+        # (torch and transformers imported) outlived a stopping test server's 45 s wait on
+        # this 2-core VM, in CI and in an earlier session's run
+        logging.shutdown()
+        os._exit(LOAD_FAILED_EXIT)
     info = EngineInfo(engine.tokenizer, engine.max_model_len, os.getpid())
     for conn in conns:
         _send_quietly(conn, (wire.READY, info))

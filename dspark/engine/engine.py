@@ -59,6 +59,7 @@ from dspark.engine.spec_setup import (
     verified_positions,
 )
 from dspark.engine.stats_log import StatsLogger
+from dspark.engine.validation import check_request
 from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
@@ -241,32 +242,10 @@ class LLMEngine:
     def validate_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> None:
+        """Raise ValueError or TypeError naming what is wrong (engine/validation.py)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}"
-            )
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids has {bad[0]!r}, outside the vocabulary [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
-                f"at most {self.max_model_len - 1} prompt tokens leave room for one new token"
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} plus the {n} prompt tokens exceeds max_model_len "
-                f"{self.max_model_len}: allowed max_tokens here is 1..{self.max_model_len - n}"
-            )
+        check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)

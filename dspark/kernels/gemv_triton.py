@@ -143,12 +143,8 @@ def _gemv_kernel(
                 k_mask = ks < K
                 x = _input_block(x_ptr, res_ptr, norm_w_ptr, row, ks, k_mask, s_x, s_res, rstd,
                                  K, PROLOGUE)  # fmt: skip
-                w = tl.load(
-                    w_ptr + cols[:, None] * s_w + ks[None, :],
-                    mask=col_mask[:, None] & k_mask[None, :],
-                    other=0.0,
-                )  # [BN, BK]
-                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+                w = _w_tile(w_ptr, cols, col_mask, ks, k_mask, s_w)  # [BN, BK]
+                acc += tl.sum(w * x[None, :], axis=1)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + row * s_out + cols, acc.to(out_ptr.dtype.element_ty),
@@ -188,11 +184,7 @@ def _rows_with_w_in_registers(
     for k0 in tl.static_range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        w = tl.load(
-            w_ptr + cols[:, None] * s_w + ks[None, :],
-            mask=col_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BN, BK], once for every row
+        w = _w_tile(w_ptr, cols, col_mask, ks, k_mask, s_w)  # [BN, BK], once for every row
         for row in tl.static_range(ROWS):
             rstd = tl.sum(tl.where(rows == row, rstds, 0.0), axis=0)
             x = _input_block(x_ptr, res_ptr, norm_w_ptr, row, ks, k_mask, s_x, s_res, rstd,
@@ -226,16 +218,23 @@ def _rows_with_deferred_sums(
     for k0 in tl.static_range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        w = tl.load(
-            w_ptr + cols[:, None] * s_w + ks[None, :],
-            mask=col_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BN, BK]
+        w = _w_tile(w_ptr, cols, col_mask, ks, k_mask, s_w)  # [BN, BK]
         x = _input_tile(x_ptr, res_ptr, norm_w_ptr, rows, row_mask, ks, k_mask, s_x, s_res,
                         rstds, K, PROLOGUE)  # fmt: skip
         acc += x[:, None, :] * w[None, :, :]
     sums = tl.sum(acc, axis=2)  # [ROWS_P2, BN]
     _store_rows(sums, bias_ptr, out_ptr, s_out, rows, cols, col_mask, ROWS, HAS_BIAS)
+
+
+@triton.jit
+def _w_tile(w_ptr, cols, col_mask, ks, k_mask, s_w):
+    """W[cols, ks] [BLOCK_N, BLOCK_K] in float32, zero past N and K."""
+    w = tl.load(
+        w_ptr + cols[:, None] * s_w + ks[None, :],
+        mask=col_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    )
+    return w.to(tl.float32)
 
 
 @triton.jit

@@ -28,9 +28,10 @@ draw may differ where u Z falls within rounding of a boundary between two tokens
 The stats and the pick without the Markov bias draw plain decoding's sampled rows
 (`sample_rows`, no distribution kept), where sample/sampler.py's `sample` is about ten launches.
 
-Both are off by default until measured on a GPU: DSPARK_FUSED_SAMPLED_DRAFT=1 turns the slot on
-in spec/drafting.py (rows without top-k and top-p, a Markov rank the greedy kernel takes), and
-DSPARK_FUSED_SAMPLE=1 the rows in sample/sampler.py (on CUDA, without top-k and top-p).
+Both are on by default since the H200 measured them (docs/PERFORMANCE.md, twenty-third look):
+the slot in spec/drafting.py (rows without top-k and top-p, a Markov rank the greedy kernel
+takes; DSPARK_FUSED_SAMPLED_DRAFT=0 turns it off) and the rows in sample/sampler.py (on CUDA,
+without top-k and top-p; DSPARK_FUSED_SAMPLE=0).
 Under TRITON_INTERPRET=1 (CPU tensors) it runs in Triton's interpreter.
 """
 

@@ -10,8 +10,9 @@ computed in one call after the loop, when every (h[k], x[k-1]) is known.
 A batch of greedy rows on the triton backend draws each slot in one launch
 (kernels/markov_greedy_triton.py) from the base logits as the LM head made them (bf16 on the
 GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six. A sampled batch without
-top-k or top-p may draw each slot in three launches (kernels/markov_sample_triton.py) instead of
-about 22: off until measured on a GPU, DSPARK_FUSED_SAMPLED_DRAFT=1 turns it on.
+top-k or top-p draws each slot in three launches (kernels/markov_sample_triton.py) instead of
+about 22: on the H200 the sampled speculative step cost 0.64-0.79x the PyTorch slot's
+(docs/PERFORMANCE.md, twenty-third look); DSPARK_FUSED_SAMPLED_DRAFT=0 keeps the PyTorch slot.
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
 function of (seed, position), like every other random number in the engine. A draft is drawn by
@@ -30,8 +31,8 @@ from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.random import STREAM_DRAFT, uniform
 from dspark.sample.sampler import SamplingTensors, inverse_cdf, sampling_probs
 
-# the fused sampled slot (module docstring): off until measured on a GPU
-FUSED_SAMPLED = os.environ.get("DSPARK_FUSED_SAMPLED_DRAFT") == "1"
+# the fused sampled slot (module docstring); DSPARK_FUSED_SAMPLED_DRAFT=0 turns it off, for A/B
+FUSED_SAMPLED = os.environ.get("DSPARK_FUSED_SAMPLED_DRAFT", "1") != "0"
 
 
 @dataclass(frozen=True)

@@ -144,11 +144,11 @@ def test_plain_rows_draw_the_samplers_tokens(device, monkeypatch):
             torch.arange(n, device=device) * 7919, torch.arange(n, device=device) + 100,
             all_greedy=False, any_top_k=False, any_top_p=False,
         )  # fmt: skip
-        expect = sampler.sample(logits, st)  # (the PyTorch path: FUSED_SAMPLE is off)
+        monkeypatch.setattr(sampler, "FUSED_SAMPLE", False)
+        expect = sampler.sample(logits, st)  # the PyTorch path
         out = torch.empty(n, dtype=torch.int64, device=device)
         u = uniform(st.seeds, st.positions, STREAM_SAMPLE)
         assert torch.equal(sample_rows(logits, temperature, u, out), expect), n
         if device.type == "cuda":  # sample() takes it with the flag on
             monkeypatch.setattr(sampler, "FUSED_SAMPLE", True)
             assert torch.equal(sampler.sample(logits, st), expect)
-            monkeypatch.setattr(sampler, "FUSED_SAMPLE", False)

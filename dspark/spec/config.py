@@ -3,7 +3,7 @@
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
-     "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 0}
+     "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -29,10 +29,12 @@ engine realises in it (spec/realised_costs.py): a serving loop's drafting steps 
 and cost more than the profiler's steady ones. On the H200 it took the policy from 0.98x to
 1.09x plain decoding at 256 requests (docs/PERFORMANCE.md, twelfth look); false prices by the
 table alone, deterministically (tests).
-"stale_price_half_life" (default 0: off) lets a realised price that is not measured again
+"stale_price_half_life" (default 16; 0: off) lets a realised price that is not measured again
 revert toward the cell's long-run level, halfway per that many steps counted in other cells
 (spec/realised_costs.py): while drafting is off the full block's price is otherwise frozen at
-whatever turned drafting off. Off until an A/B on the GPU shows it pays.
+whatever turned drafting off. On the H200 (docs/PERFORMANCE.md, twenty-third look) 16 served
+1.09x and 1.24x the frozen prices' throughput at 64 and 256 requests; offline, six side-by-side
+runs at 1 to 256 read 0.92-1.07x, median 1.02x.
 "persistence" (default true) lets a request's own lagged survivals count only as far as they
 have been seen to predict its next block (a slope fitted online, drafting_policy.py); false
 trusts them in full, as before 2026-12-04.
@@ -80,7 +82,7 @@ class SpecConfig:
     persistence: bool = True  # fit how far a row's own survivals predict its next block
     scheduler: str = "lagged"  # who chooses verify lengths (SCHEDULERS; module docstring)
     dwell_steps: int = 8  # plain steps drafting stays off once the policy turned it off
-    stale_price_half_life: float = 0.0  # steps (0: an unmeasured price never reverts)
+    stale_price_half_life: float = 16.0  # steps (0: an unmeasured price never reverts)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -136,7 +138,7 @@ class SpecConfig:
             raise ValueError(
                 f'speculative_config "dwell_steps" must be an integer in [0, 10000], got {dwell!r}'
             )
-        stale = d.get("stale_price_half_life", 0)
+        stale = d.get("stale_price_half_life", 16)
         if isinstance(stale, bool) or not isinstance(stale, (int, float)) or not 0 <= stale <= 1e6:
             raise ValueError(f'speculative_config "stale_price_half_life" must be a number of '
                              f"steps in [0, 1e6] (0: off), got {stale!r}")  # fmt: skip

@@ -21,7 +21,7 @@ slower host makes every step dearer), else priced by the table alone.
 
 Everything it uses happened before the step being decided (the lagged scheduler's rule, 6.3).
 
-Stale prices (stale_half_life, off by default). A cell's ratio changes only when its steps are
+Stale prices (stale_half_life; the engine's speculative_config sets 16 by default). A cell's ratio changes only when its steps are
 counted, and while drafting is off no full block is: a lone probe teaches nothing (below). So a
 full block's price that spiked with a burst of arrivals holds until the survivals go stale and
 a probe leads to two drafting steps in a row, or for as long as the load stays, if fresh

@@ -109,10 +109,10 @@ def test_engine_records_realised_costs(tiny_vocab_dir, drafter, tmp_path):  # no
     assert ratios and all(0.25 <= r <= 4.0 for r in ratios.values()), ratios
     with pytest.raises(ValueError, match='"realised_costs" must be true or false'):
         LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, realised_costs=1), **KW)
-    assert llm.engine.policy.realised_costs.stale_half_life == 0  # off by default
-    spec = _spec(drafter, cost_table=str(path), realised_costs=True, stale_price_half_life=16)
+    assert llm.engine.policy.realised_costs.stale_half_life == 16  # the default
+    spec = _spec(drafter, cost_table=str(path), realised_costs=True, stale_price_half_life=4)
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
-    assert llm.engine.policy.realised_costs.stale_half_life == 16
+    assert llm.engine.policy.realised_costs.stale_half_life == 4
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     for bad in (-1, True, "16", 1e7):

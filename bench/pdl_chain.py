@@ -109,9 +109,6 @@ def main() -> None:
     ap.add_argument("--block-n", default="1,2,4,8")
     ap.add_argument("--block-k", default="64,128,256")
     ap.add_argument("--num-warps", default="2,4")
-    ap.add_argument("--deferred-block-k", default="32,64,128",
-                    help="at rows > 1, also the deferred-sum kernel over these K blocks "
-                         "(the same block-n and num-warps); empty: none")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: the chain runs")
     args = ap.parse_args()
@@ -128,11 +125,6 @@ def main() -> None:
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     sizes = itertools.product(ints(args.block_n), ints(args.block_k), ints(args.num_warps))
     grid = [GemvConfig(bn, bk, nw) for bn, bk, nw in sizes]
-    deferred_sizes = itertools.product(
-        ints(args.block_n), ints(args.deferred_block_k) if args.deferred_block_k else [],
-        ints(args.num_warps),
-    )  # fmt: skip
-    deferred_grid = [GemvConfig(bn, bk, nw, deferred=True) for bn, bk, nw in deferred_sizes]
     rows_out = []
 
     def record(kind, shape, rows, variant, config, us):
@@ -143,7 +135,6 @@ def main() -> None:
             "default"
             if config is None
             else f"n{config.block_n} k{config.block_k} w{config.num_warps}"
-            + (" deferred" if config.deferred else "")
         )
         print(f"{kind:<6} {shape:<8} T={rows} {variant:<9} {cfg:<16} {us:6.2f} us")
 
@@ -154,7 +145,7 @@ def main() -> None:
                 us = measure([name], 120, rows, "cublas", {}, args.replays)
                 record("shape", name, rows, "cublas", None, us)
             results = []
-            for cfg in [None, *grid, *(deferred_grid if rows > 1 else [])]:
+            for cfg in [None, *grid]:
                 for variant in ("gemv", "gemv_pdl") if cfg is None else ("gemv_pdl",):
                     try:
                         us = measure([name], 120, rows, variant, {name: cfg}, args.replays)
@@ -166,7 +157,7 @@ def main() -> None:
                     record("shape", name, rows, variant, cfg, us)
                     if variant == "gemv_pdl":
                         n, k = SHAPES[name]
-                        results.append((us, cfg or default_config(n, k, rows)))
+                        results.append((us, cfg or default_config(n, k)))
             best[name] = min(results, key=lambda r: r[0])[1]
         for variant, configs in (
             ("cublas", {}),

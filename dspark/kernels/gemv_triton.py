@@ -11,8 +11,9 @@ the weights do not depend on that kernel, so their first HBM round trip overlaps
     W [N, K] (nn.Linear's layout), x [T, K]; program p computes out[:, p*BN : (p+1)*BN]:
         out[t, n] = sum over k-blocks of sum_k prologue(x)[t, k] * W[n, k]     (float32)
     At T > 1 each W tile is loaded once and every row is taken over it in registers
-    (`_rows_with_w_in_registers`), or, with GemvConfig.deferred, each thread sums its products
-    over all of K before one reduction (`_rows_with_deferred_sums`).
+    (`_rows_with_w_in_registers`). A version that summed each thread's products over all of K
+    before one reduction lost to it at every batch on the H200 and was removed
+    (docs/PERFORMANCE.md, twenty-third look).
 
 The prologue is the elementwise op in front of the projection, folded into the load of its
 input (one launch fewer); every program computes it for the whole row:
@@ -35,7 +36,6 @@ this module is imported.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -47,19 +47,6 @@ from dspark.kernels.rmsnorm_triton import weighted_normed
 from dspark.kernels.silu_mul_triton import silu_times_up
 
 GEMV_MAX_ROWS = 8  # token rows the kernel takes (the model's projections: layers/linear.py)
-# The kernel at T > 1 rows, for A/B runs (DSPARK_GEMV_ROWS_KERNEL): "registers" (each W tile
-# loaded once, the rows reduced one by one) or "deferred" (one reduction at the end)
-ROWS_KERNELS = ("registers", "deferred")
-
-
-def rows_kernel_from_env() -> str:
-    name = os.environ.get("DSPARK_GEMV_ROWS_KERNEL", "registers")
-    if name not in ROWS_KERNELS:
-        raise ValueError(f"DSPARK_GEMV_ROWS_KERNEL={name!r}: expected one of {ROWS_KERNELS}")
-    return name
-
-
-ROWS_KERNEL = rows_kernel_from_env()  # read once: default_config runs at every launch
 PROLOGUES = ("none", "rmsnorm", "add_rmsnorm", "silu_mul")
 L2_LINE_BYTES = 128
 
@@ -122,7 +109,7 @@ def _gemv_kernel(
     ROWS: tl.constexpr, N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LINES: tl.constexpr, LINES_P2: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr,
-    ROWS_P2: tl.constexpr, DEFERRED: tl.constexpr,
+    ROWS_P2: tl.constexpr,
 ):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     col_mask = cols < N
@@ -149,12 +136,6 @@ def _gemv_kernel(
                 acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + row * s_out + cols, acc.to(out_ptr.dtype.element_ty),
                      mask=col_mask)  # fmt: skip
-    elif DEFERRED:
-        _rows_with_deferred_sums(
-            x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
-            s_x, s_res, s_w, s_out, s_res_out, eps, cols, col_mask, write,
-            ROWS, ROWS_P2, K, PROLOGUE, HAS_BIAS, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
     else:
         _rows_with_w_in_registers(
             x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
@@ -195,38 +176,6 @@ def _rows_with_w_in_registers(
 
 
 @triton.jit
-def _rows_with_deferred_sums(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
-    s_x, s_res, s_w, s_out, s_res_out, eps, cols, col_mask, write,
-    ROWS: tl.constexpr, ROWS_P2: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The program's columns for ROWS > 1 rows with one reduction in all: each thread keeps
-    its products summed over the K blocks in acc [ROWS_P2, BLOCK_N, BLOCK_K] and the sum over
-    the last axis runs once at the end, for every row and column together, where
-    `_rows_with_w_in_registers` reduces across threads once per row per K block. The tile
-    is small (BLOCK_K of 64-128: acc takes ROWS_P2 * BLOCK_N * BLOCK_K / threads registers):
-
-      ROWS 2, BLOCK_N 2, K 6, BLOCK_K 4: blocks k = 0..3, 4..5 (6, 7 masked to zero);
-      acc[t, n, j] = x[t, j] * W[n, j] + x[t, 4 + j] * W[n, 4 + j]   (j 0..3)
-      out[t, n] = acc[t, n, 0] + acc[t, n, 1] + acc[t, n, 2] + acc[t, n, 3]"""
-    rows = tl.arange(0, ROWS_P2)
-    row_mask = rows < ROWS
-    rstds = _rows_rstd(x_ptr, res_ptr, res_out_ptr, rows, s_x, s_res, s_res_out, eps, write,
-                       ROWS, ROWS_P2, K, BLOCK_K, PROLOGUE)  # fmt: skip
-    acc = tl.zeros([ROWS_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        w = _w_tile(w_ptr, cols, col_mask, ks, k_mask, s_w)  # [BN, BK]
-        x = _input_tile(x_ptr, res_ptr, norm_w_ptr, rows, row_mask, ks, k_mask, s_x, s_res,
-                        rstds, K, PROLOGUE)  # fmt: skip
-        acc += x[:, None, :] * w[None, :, :]
-    sums = tl.sum(acc, axis=2)  # [ROWS_P2, BN]
-    _store_rows(sums, bias_ptr, out_ptr, s_out, rows, cols, col_mask, ROWS, HAS_BIAS)
-
-
-@triton.jit
 def _w_tile(w_ptr, cols, col_mask, ks, k_mask, s_w):
     """W[cols, ks] [BLOCK_N, BLOCK_K] in float32, zero past N and K."""
     w = tl.load(
@@ -252,29 +201,6 @@ def _rows_rstd(x_ptr, res_ptr, res_out_ptr, rows, s_x, s_res, s_res_out, eps, wr
 
 
 @triton.jit
-def _input_tile(x_ptr, res_ptr, norm_w_ptr, rows, row_mask, ks, k_mask, s_x, s_res, rstds,
-                K: tl.constexpr, PROLOGUE: tl.constexpr):  # fmt: skip
-    """prologue(x)[rows, ks] [ROWS_P2, BLOCK_K], float32 holding values of x's dtype (zero
-    past ROWS and K): _input_block for all rows at once."""
-    dtype = x_ptr.dtype.element_ty
-    mask = row_mask[:, None] & k_mask[None, :]
-    at = rows[:, None] * s_x + ks[None, :]
-    if PROLOGUE == "silu_mul":
-        gate = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + at + K, mask=mask, other=0.0).to(tl.float32)
-        return silu_times_up(gate, up, dtype).to(dtype).to(tl.float32)
-    x = tl.load(x_ptr + at, mask=mask, other=0.0)
-    if PROLOGUE == "add_rmsnorm":
-        res = tl.load(res_ptr + rows[:, None] * s_res + ks[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-    x = x.to(tl.float32)
-    if PROLOGUE == "rmsnorm" or PROLOGUE == "add_rmsnorm":
-        w = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        x = weighted_normed(x, rstds[:, None], w[None, :], dtype).to(dtype).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _store_rows(acc, bias_ptr, out_ptr, s_out, rows, cols, col_mask, ROWS: tl.constexpr,
                 HAS_BIAS: tl.constexpr):  # fmt: skip
     """out[rows, cols] = acc (+ bias), acc [ROWS_P2, BLOCK_N] float32."""
@@ -292,21 +218,16 @@ class GemvConfig:
     block_n: int  # output columns a program
     block_k: int  # the K block of one step of a program's unrolled walk
     num_warps: int
-    # at T > 1: one reduction at the end (_rows_with_deferred_sums) instead of one per row and
-    # K block (_rows_with_w_in_registers)
-    deferred: bool = False
 
 
-def default_config(N: int, K: int, rows: int = 1) -> GemvConfig:
+def default_config(N: int, K: int) -> GemvConfig:
     """From the H200 sweep at T = 1 (bench/pdl_chain.py, launched with PDL, one shape's chain
     of 120): all of K in one unrolled step up to 1,024 (576 -> one block of 1,024: qkv 1.68 us
     against 2.37 in blocks of 256; fewer, wider steps beat less padding), 4 columns a program,
-    2 where K is longer (down, K 1,536: 2.21 us), two warps. At T > 1 with
-    DSPARK_GEMV_ROWS_KERNEL=deferred (not yet measured): K blocks of 64, the deferred sums'
-    accumulator then takes 8 x 4 x 64 / 64 threads = 32 registers a thread at 8 rows."""
+    2 where K is longer (down, K 1,536: 2.21 us), two warps. The same at T > 1 (the rows
+    kernel's best tiles at 8 rows on the H200 were 2-4 columns, all of K, one warp: 6.1 us a
+    layer's chain where cuBLAS took 4.1; docs/PERFORMANCE.md, twenty-third look)."""
     block_n = 2 if K > 1024 else 4
-    if rows > 1 and ROWS_KERNEL == "deferred":
-        return GemvConfig(block_n, min(triton.next_power_of_2(K), 64), 2, deferred=True)
     return GemvConfig(block_n, min(triton.next_power_of_2(K), 1024), 2)
 
 
@@ -336,7 +257,7 @@ def _launch(
         residual_out = torch.empty_like(x)  # never in place: other programs read the old one
     if T == 0:
         return out, residual_out
-    cfg = config or default_config(N, K, T)
+    cfg = config or default_config(N, K)
     line_elems = L2_LINE_BYTES // weight.element_size()
     lines = triton.cdiv(K, line_elems)
     dummy = x  # stands in for absent optional tensors (their loads are compiled out)
@@ -348,7 +269,7 @@ def _launch(
         out.stride(0), res_out.stride(0), eps,
         ROWS=T, N=N, K=K, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, LINES=lines, LINES_P2=triton.next_power_of_2(lines),
-        LINE_ELEMS=line_elems, ROWS_P2=triton.next_power_of_2(T), DEFERRED=cfg.deferred,
+        LINE_ELEMS=line_elems, ROWS_P2=triton.next_power_of_2(T),
         num_warps=cfg.num_warps,
         **pdl_options(x.device),
     )  # fmt: skip

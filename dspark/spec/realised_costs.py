@@ -21,13 +21,14 @@ slower host makes every step dearer), else priced by the table alone.
 
 Everything it uses happened before the step being decided (the lagged scheduler's rule, 6.3).
 
-Stale prices (stale_half_life; the engine's speculative_config sets 16 by default). A cell's ratio changes only when its steps are
-counted, and while drafting is off no full block is: a lone probe teaches nothing (below). So a
-full block's price that spiked with a burst of arrivals holds until the survivals go stale and
-a probe leads to two drafting steps in a row, or for as long as the load stays, if fresh
-survivals never beat the spiked price. With stale_half_life H > 0, a cell's recent ratio
-reverts toward its long-run level (the same ratios, half-life baseline_half_life steps) as the
-engine counts other cells' steps and not its own: halfway after H of them. A price measured
+Stale prices (stale_half_life; speculative_config's default is 16). A cell's ratio changes
+only when its steps are counted, and while drafting is off no full block is: a lone probe
+teaches nothing (below). So a full block's price that spiked with a burst of arrivals holds
+until the survivals go stale and a probe leads to two drafting steps in a row, or for as long
+as the load stays, if fresh survivals never beat the spiked price. With stale_half_life H > 0,
+a cell's recent ratio reverts toward its long-run level (the same ratios, half-life
+baseline_half_life steps) as the engine counts other cells' steps and not its own: halfway
+after H of them. A price measured
 again starts from the reverted value, so one new step cannot bring the spike back. A rise that
 lasts is measured again when drafting resumes, and turns it off again: the dwell bounds how
 often, and the half-life how soon (tests/spec/test_realised_costs.py: after a burst at 4x,

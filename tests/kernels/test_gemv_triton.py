@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.kernels import gemv_triton
 from dspark.kernels.gemv_triton import (
     GEMV_MAX_ROWS,
     GemvConfig,
@@ -71,12 +70,11 @@ def test_gemv_no_rows_and_too_many_rows(device):
 
 @pytest.mark.parametrize(
     "config",
-    [GemvConfig(4, 32, 2), GemvConfig(1, 64, 4), GemvConfig(8, 16, 1),
-     GemvConfig(4, 32, 2, deferred=True), GemvConfig(2, 64, 1, deferred=True)],
+    [GemvConfig(4, 32, 2), GemvConfig(1, 64, 4), GemvConfig(8, 16, 1), GemvConfig(2, 64, 1)],
 )  # fmt: skip
 def test_gemv_other_tiles(device, config):
-    """Tiles other than the default, both kernels at several rows (deferred: one reduction at
-    the end): K 72 = 32 + 32 + 8 and N 42 = 10 x 4 + 2 on the CPU."""
+    """Tiles other than the default at one row and at several (the W tile held in registers
+    across rows): K 72 = 32 + 32 + 8 and N 42 = 10 x 4 + 2 on the CPU."""
     n, k = (960, 576) if device.type == "cuda" else (42, 72)
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device)
@@ -100,22 +98,7 @@ def test_default_config_follows_the_sweep():
     assert default_config(960, 576) == GemvConfig(4, 1024, 2)
     assert default_config(576, 1536) == GemvConfig(2, 1024, 2)
     assert default_config(42, 72) == GemvConfig(4, 128, 2)  # never wider than K needs
-    assert default_config(960, 576, rows=8) == GemvConfig(4, 1024, 2)
     assert linear.GEMV_ROWS <= linear.GEMV_MAX_ROWS == GEMV_MAX_ROWS
-
-
-def test_deferred_rows_kernel_is_chosen_by_the_environment(monkeypatch):
-    """DSPARK_GEMV_ROWS_KERNEL=deferred (read at import) gives T > 1 the deferred sums in K
-    blocks of 64; one row keeps its kernel; an unknown name is refused with the choices."""
-    monkeypatch.setattr(gemv_triton, "ROWS_KERNEL", "deferred")
-    assert default_config(960, 576, rows=8) == GemvConfig(4, 64, 2, deferred=True)
-    assert default_config(576, 1536, rows=2) == GemvConfig(2, 64, 2, deferred=True)
-    assert default_config(960, 576, rows=1) == GemvConfig(4, 1024, 2)
-    monkeypatch.setenv("DSPARK_GEMV_ROWS_KERNEL", "deferred")
-    assert gemv_triton.rows_kernel_from_env() == "deferred"
-    monkeypatch.setenv("DSPARK_GEMV_ROWS_KERNEL", "fast")
-    with pytest.raises(ValueError, match="DSPARK_GEMV_ROWS_KERNEL='fast'.*registers.*deferred"):
-        gemv_triton.rows_kernel_from_env()
 
 
 def _prologue_inputs(prologue, device, dtype, rows, g):
@@ -140,8 +123,7 @@ def test_gemv_prologues_equal_the_unfused_ops(device, dtype, rows, prologue):
     g = torch.Generator().manual_seed(rows)
     x, res, norm_w, w = _prologue_inputs(prologue, device, dtype, rows, g)
     eps = 1e-5
-    deferred = GemvConfig(4, 64 if device.type == "cuda" else 32, 2, deferred=True)
-    configs = [None, deferred] if device.type == "cuda" else [None, GemvConfig(4, 32, 2), deferred]
+    configs = [None] if device.type == "cuda" else [None, GemvConfig(4, 32, 2)]
     for config in configs:
         if prologue == "silu_mul":
             got = _launch("silu_mul", x, w, None, None, None, 0.0, None, config)[0]

@@ -26,15 +26,18 @@ The host reserves pages for the most N can emit. Anything the host needs N's cou
 N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a plain step in
 flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens;
 a request's last token is not one: it is verified as an empty window among the windows),
-a waiting request that could be admitted, a token budget the windows could exhaust, too few
-free pages for the worst case (Scheduler.ahead_blocker). A continuation whose request nears
+a waiting request that could be admitted (unless a captured mixed step's tail takes it:
+Scheduler.mixed_ahead), a token budget the windows could exhaust, too few free pages for the
+worst case (Scheduler.ahead_blocker). A continuation whose request nears
 max_tokens or max_model_len has its window shortened on the device, to the length the
 synchronous engine gives it (runner/continuations.py); one whose in-flight window could emit
 its last token, or whose drafter block could run past max_model_len, skips one step
 (deferred) instead. Every window is the one the synchronous
 engine would give its request, so outputs are the same token for token.
-A drafting step of any other layout (mixed with plain rows, packed windows) waits for its own
-results, and the in-flight step is finished before it is scheduled.
+A mixed step (windows, then a tail of prefill chunks) may have a step launched behind it; the
+requests whose first token its tail samples get their first window one step later. A drafting
+step of any other layout (packed windows, plain rows) waits for its own results, and the
+in-flight step is finished before it is scheduled.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class LLMEngine:
             COMPILE_WATCH.install()
         if self.runner.spec_runner is not None:  # prefill beside windows keeps their graph
             self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
+            self.scheduler.mixed_ahead = config.spec().mixed_steps_ahead
         self.scheduler.decode_mixed_limits = self.runner.decode_mixed_limits  # beside decodes
         self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)
@@ -319,15 +323,19 @@ class LLMEngine:
             if previous is not None and not previous.window_rows:
                 if not self.runner.can_feed(plan, previous):
                     outputs, previous = self._finish(previous), None
-            elif previous is not None:  # behind a step of windows: windows only
-                assert all(r.num_draft or r.empty_window for r in plan.rows), (
-                    "ahead_blocker let a plain row by"
-                )
-                self.runner.stats["spec_steps_launched_ahead"] += 1
+            elif previous is not None:  # behind a step of windows: windows, then admissions
+                windows = [bool(r.num_draft or r.empty_window) for r in plan.rows]
+                prefill = [r.start < r.request.num_prompt_tokens for r in plan.rows]
+                assert all(map(max, windows, prefill)), "ahead_blocker let a plain row by"
+                stats = self.runner.stats
+                stats["spec_steps_launched_ahead"] += 1
+                stats["spec_steps_launched_ahead_admitting"] += not all(windows)
+                stats["spec_steps_launched_behind_mixed"] += not previous.is_uniform
             self.scheduler.advance(plan)
             step = self.runner.launch(plan)
-            if step.window_rows and not step.is_uniform:  # nothing launches behind it
-                assert previous is None, "a step of windows launched ahead is uniform"
+            behind = step.is_uniform or (step.windows_first and self.scheduler.mixed_ahead)
+            if step.window_rows and not behind:  # nothing launches behind it
+                assert previous is None, "a step launched ahead lays its windows out K + 1 wide"
                 outputs += self._finish(step)
             else:
                 self._in_flight = step

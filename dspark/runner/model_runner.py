@@ -61,6 +61,7 @@ class InFlightStep:
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
     is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it
+    windows_first: bool = False  # its windows K + 1 wide in rows 0..n-1, a tail after or not
     sampled_serials: np.ndarray | None = None  # [len(plain)] the requests of `tokens`
     done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
 
@@ -226,9 +227,9 @@ class ModelRunner:
             self.stats["eager_steps"] += 1
         sampled = staged.sampled_rows
         step = InFlightStep(plan, sampled.tolist())
-        # (a mixed step is not: the next step needs its tail's sampled tokens on the host)
-        step.is_uniform = bool(window_rows) and layout.window_width is not None
-        step.is_uniform &= not layout.tail_rows
+        # (a mixed step is not: a step behind it defers its tail's requests, scheduler.py)
+        step.windows_first = bool(window_rows) and layout.window_width is not None
+        step.is_uniform = step.windows_first and not layout.tail_rows
         if sampled.size:
             tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged)
             self._last_tokens = tokens

@@ -3,7 +3,8 @@
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
-     "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16}
+     "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
+     "mixed_steps_ahead": true}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -49,6 +50,10 @@ benchmark's arms can compare values side by side (docs/PERFORMANCE.md, seventeen
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
+"mixed_steps_ahead" (default true) lets those mixed steps into the async pipeline: a step of
+windows launched ahead admits waiting requests into its tail, and a step may launch behind a
+mixed one (engine/scheduler.py); false finishes the step in flight for every admission and
+the mixed step itself before the next, as before 2026-12-05.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ from typing import Any
 METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
         "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
-        "persistence", "scheduler", "dwell_steps", "stale_price_half_life")  # fmt: skip
+        "persistence", "scheduler", "dwell_steps", "stale_price_half_life",
+        "mixed_steps_ahead")  # fmt: skip
 SCHEDULERS = ("lagged", "sync")
 UNOBSERVED = ("confident", "population")
 
@@ -83,6 +89,7 @@ class SpecConfig:
     scheduler: str = "lagged"  # who chooses verify lengths (SCHEDULERS; module docstring)
     dwell_steps: int = 8  # plain steps drafting stays off once the policy turned it off
     stale_price_half_life: float = 16.0  # steps (0: an unmeasured price never reverts)
+    mixed_steps_ahead: bool = True  # mixed steps in the async pipeline (module docstring)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -132,6 +139,7 @@ class SpecConfig:
             )
         realised = _flag(d, "realised_costs", True)
         persistence = _flag(d, "persistence", True)
+        mixed_ahead = _flag(d, "mixed_steps_ahead", True)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
         dwell = d.get("dwell_steps", 8)
         if isinstance(dwell, bool) or not isinstance(dwell, int) or not 0 <= dwell <= 10_000:
@@ -149,7 +157,8 @@ class SpecConfig:
                    trimmed_widths=tuple(sorted(set(widths))),
                    realised_costs=realised, persistence=persistence,
                    scheduler=scheduler, dwell_steps=dwell,
-                   stale_price_half_life=float(stale))  # fmt: skip
+                   stale_price_half_life=float(stale),
+                   mixed_steps_ahead=mixed_ahead)  # fmt: skip
 
 
 def _flag(d: dict[str, Any], key: str, default: bool) -> bool:

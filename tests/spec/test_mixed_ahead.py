@@ -1,0 +1,102 @@
+"""Mixed steps in the async pipeline (Scheduler.mixed_ahead): a step of windows scheduled ahead
+admits waiting requests into a mixed step's tail, and a step is scheduled behind a mixed one,
+the requests whose first token its tail samples deferred one step. Outputs equal the
+synchronous engine's. CPU, tiny models, the live and the padded (graph) layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.runner.mixed_layout import MAX_TAIL_ROWS
+from tests.helpers import assert_same_logprobs
+from tests.spec.eager_replay import EagerReplay
+from tests.tiny_models import make_tiny_drafter
+
+# more prompts than seats: requests are admitted while others draft
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
+           [7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7], [6, 6],
+           [2, 9, 4, 11, 5], [10, 3], [8, 8, 8]]  # fmt: skip
+TAIL = 16  # tail tokens of a mixed step (the 20-token prompt takes two chunks)
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_mixed_ahead"),
+                             taps=(0,))  # fmt: skip
+
+
+def _llm(tiny_vocab_dir, drafter, async_scheduling: bool, padded: bool, mixed_ahead: bool = True):
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=128,
+              max_num_seqs=4, max_model_len=64, async_scheduling=async_scheduling,
+              speculative_config={"model": str(drafter), "num_speculative_tokens": 3})  # fmt: skip
+    spec_runner, scheduler = llm.engine.runner.spec_runner, llm.engine.scheduler
+    spec_runner.uniform_windows = True
+    spec_runner.max_tail_tokens = TAIL
+    scheduler.mixed_limits = (MAX_TAIL_ROWS, TAIL)  # the same chunks in every run
+    scheduler.mixed_ahead = mixed_ahead
+    if padded:
+        spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4], (TAIL,))
+    return llm
+
+
+def _params():
+    return [
+        SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, max_tokens=n, ignore_eos=True,
+                       logprobs=1 if i < 4 else None)
+        for i, n in enumerate([9, 14, 5, 21, 8, 12, 9, 16, 7, 11])
+    ]  # fmt: skip
+
+
+def _seen(outputs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["live", "padded"])
+def test_admissions_ahead_and_steps_behind_mixed_ones_equal_sync(tiny_vocab_dir, drafter, padded):
+    sync = _llm(tiny_vocab_dir, drafter, False, padded)
+    expected = sync.generate(PROMPTS, _params(), use_tqdm=False)
+    llm = _llm(tiny_vocab_dir, drafter, True, padded)
+    got = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    assert _seen(got) == _seen(expected)
+    assert_same_logprobs(got, expected)
+    spec = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # the same windows
+    assert [[o.metrics[k] for k in spec] for o in got] == [
+        [o.metrics[k] for k in spec] for o in expected
+    ]
+    stats, e = llm.engine.runner.stats, llm.engine
+    assert stats["spec_steps_launched_ahead_admitting"] > 0, dict(stats)  # not vacuous
+    assert stats["spec_steps_launched_behind_mixed"] > 0, dict(stats)
+    assert e.scheduler.num_first_windows_deferred > 0
+    assert stats["spec_graph_steps_mixed"] > 0 if padded else stats["mixed_spec_steps"] > 0
+    assert e.allocator.num_free == e.allocator.num_usable
+    assert not e.scheduler.has_unfinished and e._in_flight is None
+
+
+def test_without_mixed_ahead_an_arrival_finishes_the_step_in_flight(tiny_vocab_dir, drafter):
+    """"mixed_steps_ahead": false (Scheduler.mixed_ahead): the same tokens, no admission
+    ahead, nothing behind a mixed step, and more steps not launched ahead for a waiting
+    request."""
+    on = _llm(tiny_vocab_dir, drafter, True, True)
+    off = _llm(tiny_vocab_dir, drafter, True, True, mixed_ahead=False)
+    want = _seen(on.generate(PROMPTS, _params(), use_tqdm=False))
+    assert _seen(off.generate(PROMPTS, _params(), use_tqdm=False)) == want
+    s_on, s_off = on.engine.runner.stats, off.engine.runner.stats
+    assert s_off["spec_steps_launched_ahead_admitting"] == 0
+    assert s_off["spec_steps_launched_behind_mixed"] == 0
+    assert off.engine.scheduler.num_first_windows_deferred == 0
+    waiting = "spec_steps_not_ahead_waiting_requests"
+    assert s_on[waiting] < s_off[waiting], (dict(s_on), dict(s_off))
+    assert s_on["spec_steps_launched_ahead"] > s_off["spec_steps_launched_ahead"]
+
+
+def test_mixed_steps_ahead_is_a_speculative_config_key(tiny_vocab_dir, drafter):
+    from dspark.spec.config import SpecConfig
+
+    assert SpecConfig.from_dict({"method": "dspark"}).mixed_steps_ahead
+    spec = {"model": str(drafter), "mixed_steps_ahead": False}
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=16,
+              speculative_config=spec)  # fmt: skip
+    assert not llm.engine.scheduler.mixed_ahead
+    with pytest.raises(ValueError, match='"mixed_steps_ahead" must be true or false, got 0'):
+        SpecConfig.from_dict({"method": "dspark", "mixed_steps_ahead": 0})

@@ -102,7 +102,7 @@ class Scheduler:
         self.burst_requests = burst_requests_from_env()
         # admissions ahead, into a mixed step's tail, and steps behind mixed ones (docstring;
         # set by the engine from speculative_config's "mixed_steps_ahead")
-        self.mixed_ahead = True
+        self.mixed_ahead = False
         # first windows put off because the request's first token is in flight (mixed_ahead)
         self.num_first_windows_deferred = 0
 

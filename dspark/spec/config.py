@@ -4,7 +4,7 @@
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
-     "mixed_steps_ahead": true}
+     "mixed_steps_ahead": false}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -50,10 +50,12 @@ benchmark's arms can compare values side by side (docs/PERFORMANCE.md, seventeen
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
-"mixed_steps_ahead" (default true) lets those mixed steps into the async pipeline: a step of
-windows launched ahead admits waiting requests into its tail, and a step may launch behind a
-mixed one (engine/scheduler.py); false finishes the step in flight for every admission and
-the mixed step itself before the next, as before 2026-12-05.
+"mixed_steps_ahead" lets those mixed steps into the async pipeline: a step of windows launched
+ahead admits waiting requests into its tail, and a step may launch behind a mixed one
+(engine/scheduler.py). Off (false, the default) every admission finishes the step in flight,
+and the mixed step itself, before the next is scheduled: on the H200 drafting steps with
+arrivals took 48% of a closed loop at 64 requests, at 4.6 ms against 2.1 (docs/PERFORMANCE.md,
+twenty-third look). Tested on the CPU against the synchronous engine; off until the GPU A/B.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class SpecConfig:
     scheduler: str = "lagged"  # who chooses verify lengths (SCHEDULERS; module docstring)
     dwell_steps: int = 8  # plain steps drafting stays off once the policy turned it off
     stale_price_half_life: float = 16.0  # steps (0: an unmeasured price never reverts)
-    mixed_steps_ahead: bool = True  # mixed steps in the async pipeline (module docstring)
+    mixed_steps_ahead: bool = False  # mixed steps in the async pipeline (module docstring)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -139,7 +141,7 @@ class SpecConfig:
             )
         realised = _flag(d, "realised_costs", True)
         persistence = _flag(d, "persistence", True)
-        mixed_ahead = _flag(d, "mixed_steps_ahead", True)
+        mixed_ahead = _flag(d, "mixed_steps_ahead", False)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
         dwell = d.get("dwell_steps", 8)
         if isinstance(dwell, bool) or not isinstance(dwell, int) or not 0 <= dwell <= 10_000:

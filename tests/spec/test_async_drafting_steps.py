@@ -71,15 +71,9 @@ def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
     got = fast.generate(PROMPTS, params, use_tqdm=False)
     assert _seen(got) == _seen(expected)
     assert_same_logprobs(got, expected)
-    # the same windows, in requests never preempted: a request whose first window waits for
-    # its first token (behind a mixed step) shifts by a step, and with it which request the
-    # synchronous-only preemption picks, and a preempted request drafts its recomputed tokens
-    spec = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    kept = [i for i, (a, b) in enumerate(zip(got, expected, strict=True))
-            if a.metrics["num_preemptions"] == b.metrics["num_preemptions"] == 0]  # fmt: skip
-    assert len(kept) >= len(PROMPTS) // 2, kept
-    assert [[got[i].metrics[k] for k in spec] for i in kept] == [
-        [expected[i].metrics[k] for k in spec] for i in kept
+    spec = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # the same windows
+    assert [[o.metrics[k] for k in spec] for o in got] == [
+        [o.metrics[k] for k in spec] for o in expected
     ]
     stats, e = fast.engine.runner.stats, fast.engine
     assert stats["spec_steps_launched_ahead"] > 0, dict(stats)  # not vacuous

@@ -93,10 +93,11 @@ def test_without_mixed_ahead_an_arrival_finishes_the_step_in_flight(tiny_vocab_d
 def test_mixed_steps_ahead_is_a_speculative_config_key(tiny_vocab_dir, drafter):
     from dspark.spec.config import SpecConfig
 
-    assert SpecConfig.from_dict({"method": "dspark"}).mixed_steps_ahead
-    spec = {"model": str(drafter), "mixed_steps_ahead": False}
-    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=16,
-              speculative_config=spec)  # fmt: skip
-    assert not llm.engine.scheduler.mixed_ahead
+    assert not SpecConfig.from_dict({"method": "dspark"}).mixed_steps_ahead  # off by default
+    for on in (True, False):
+        spec = {"model": str(drafter), "mixed_steps_ahead": on}
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=16,
+                  speculative_config=spec)  # fmt: skip
+        assert llm.engine.scheduler.mixed_ahead is on
     with pytest.raises(ValueError, match='"mixed_steps_ahead" must be true or false, got 0'):
         SpecConfig.from_dict({"method": "dspark", "mixed_steps_ahead": 0})

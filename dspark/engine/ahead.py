@@ -1,0 +1,100 @@
+"""Speculative steps scheduled ahead (async scheduling of drafting steps): a window row emits a
+number of tokens only verification knows, so between advance and update its request has
+`num_windows_in_flight` = 1 and its token_ids and num_computed_tokens stop at the window's
+anchor. The engine schedules step N+1 while N's windows are in flight only when
+`ahead_blocker()` finds nothing in the way; then every row of N+1 is a full window (what the
+synchronous engine would give it, so outputs do not change), either
+  - a continuation (`ScheduledRow.is_continuation`): its anchor is the last token its window in
+    N emits, at a position only the device knows; pages are reserved for the most N can emit, or
+  - a request with no window in flight, its anchor on the host as usual.
+N is updated before N+1, so update() of a continuation reads where the request stands then.
+
+Mixed steps in the pipeline (`mixed_ahead`: speculative_config "mixed_steps_ahead"): a step of
+windows scheduled ahead may also admit waiting requests into a captured mixed step's tail
+(their prompt tokens are on the host), and a mixed step may have a step scheduled behind it.
+There, a request whose prefill the tail completed has its first token in flight (a
+PENDING_TOKEN with no window): it gets no row (deferred), and its first window one step later,
+the window the synchronous engine gives it. Without this each arrival finished the step in
+flight and the mixed step itself before the next was scheduled: two host turns with the GPU
+idle (docs/PERFORMANCE.md, twenty-third look).
+"""
+
+from __future__ import annotations
+
+from dspark.engine.kv_cache import pages_for
+from dspark.request import PENDING_TOKEN, Request
+
+
+class AheadRules:
+    """The scheduler's rules for a step scheduled ahead (module docstring). A mixin of
+    Scheduler: it reads the scheduler's queues, limits and per-request helpers
+    (_is_windowed, _num_draft, _empty_window, _is_burst)."""
+
+    def ahead_blocker(self, max_rows: int) -> str | None:
+        """Why the next step may not be scheduled while the in-flight step's windows are
+        unresolved (None: nothing; max_rows: the most windows one step can lay out).
+
+        Scheduled ahead, every row is a window the synchronous engine would give its request
+        too, or a waiting request's prefill in a mixed step's tail (mixed_ahead; without it,
+        nobody waiting who could be admitted; either way a request that stops in the in-flight
+        step frees its seat one step later than it would synchronously), no plain row, a token
+        budget no window can exhaust, and the pages for the most every request can reach free
+        now (preempting on a worst-case guess would preempt where the synchronous engine does
+        not). A request in flight whose next window
+        max_tokens or max_model_len shortens, depending on what the in-flight one emits, gets
+        it shortened on the device. One whose in-flight window could emit its last token, or
+        whose drafter block could run past max_model_len, is deferred: it gets that window one
+        step later, once its count is known (its windows, so its tokens, are the same; only
+        their step changes).
+        """
+        if self.waiting and len(self.running) < self.max_num_seqs and not self._admits_ahead():
+            return "waiting_requests"
+        if len(self.running) > max_rows:
+            return "too_many_rows"
+        if len(self.running) * (1 + self.max_verify) > self.max_num_batched_tokens:
+            return "token_budget"
+        pages = rows = 0  # rows: the requests with a window in the next step
+        for req in self.running:
+            if req.num_windows_in_flight and not self._continues(req):
+                continue  # deferred
+            if not req.num_windows_in_flight and req.token_ids[-1] == PENDING_TOKEN:
+                if req.num_tokens >= req.max_num_tokens:
+                    continue  # its pending token is its last: no row
+                if self.mixed_ahead and self._is_windowed(req):
+                    continue  # its first token in flight: deferred (module docstring)
+                return "plain_rows"
+            most = self._most_tokens(req) + self.draft_len  # + the drafter block
+            rows += 1
+            if not req.num_windows_in_flight and self._num_draft(req, self.max_verify + 1) == 0:
+                if not self._empty_window(req):
+                    return "plain_rows"
+                most = req.num_tokens  # its anchor's slot
+            pages += pages_for(most, self.page_size) - len(req.page_ids)
+        if not rows and self.waiting and len(self.running) < self.max_num_seqs:
+            return "waiting_requests"  # no window to put an admission's tail behind
+        return "kv_pages" if pages > self.allocator.num_free else None
+
+    def _admits_ahead(self) -> bool:
+        """May a step scheduled ahead admit the waiting requests? Only into a captured mixed
+        step's capped tail (not a burst, which runs uncapped and eagerly)."""
+        limits = self.mixed_limits
+        return self.mixed_ahead and limits is not None and not self._is_burst(limits)
+
+    def _continues(self, req: Request) -> bool:
+        """Can the in-flight req have its next window now, whatever its in-flight one emits?
+        The window is staged at full length; near the request's end the device shortens it to
+        what max_tokens and max_model_len allow, as _num_draft would (runner/continuations.py).
+        So it needs a window at all, a token left after the most its in-flight windows can
+        emit (else the window could come after its last token: a step of a dead row), and the
+        drafter block's K slots from the furthest anchor inside max_model_len."""
+        most = self._most_tokens(req)
+        return (
+            self._is_windowed(req)
+            and most < req.max_num_tokens
+            and most + self.draft_len <= self.max_model_len
+        )
+
+    def _most_tokens(self, req: Request) -> int:
+        """The most tokens req can have when its next window runs: one anchor past all that
+        its in-flight window (if any) can emit."""
+        return req.num_tokens + (1 + self.max_verify) * req.num_windows_in_flight

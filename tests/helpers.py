@@ -51,3 +51,11 @@ def assert_same_logprobs(got, expected):
         for lg, le in zip(g.outputs[0].logprobs or [], e.outputs[0].logprobs or [], strict=True):
             assert lg.keys() == le.keys()
             assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
+
+
+def assert_same_windows(got, expected):
+    """Request by request the same windows: drafts, drafted tokens and accepted tokens."""
+    counts = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    assert [[o.metrics[k] for k in counts] for o in got] == [
+        [o.metrics[k] for k in counts] for o in expected
+    ]

@@ -12,7 +12,7 @@ from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.input_buffers import InputBuffers
 from dspark.spec.spec_buffers import SpecBuffers
-from tests.helpers import assert_same_logprobs
+from tests.helpers import assert_same_logprobs, assert_same_windows
 from tests.tiny_models import make_tiny_drafter
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
@@ -71,10 +71,7 @@ def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
     got = fast.generate(PROMPTS, params, use_tqdm=False)
     assert _seen(got) == _seen(expected)
     assert_same_logprobs(got, expected)
-    spec = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # the same windows
-    assert [[o.metrics[k] for k in spec] for o in got] == [
-        [o.metrics[k] for k in spec] for o in expected
-    ]
+    assert_same_windows(got, expected)
     stats, e = fast.engine.runner.stats, fast.engine
     assert stats["spec_steps_launched_ahead"] > 0, dict(stats)  # not vacuous
     assert stats["continuation_windows"] > 0, dict(stats)

@@ -27,10 +27,14 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_llama_gguf(path: Path, hf_config, weights: dict[str, torch.Tensor], qtype, arch="llama"):
+def write_llama_gguf(path: Path, hf_config, weights: dict[str, torch.Tensor], qtype, arch="llama",
+                     more_fields=None):  # fmt: skip
+    """more_fields: called with the GGUFWriter to add metadata fields of its own."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
+    if more_fields is not None:
+        more_fields(w)
     w.add_block_count(hf_config.num_hidden_layers)
     w.add_context_length(hf_config.max_position_embeddings)
     w.add_embedding_length(hf_config.hidden_size)

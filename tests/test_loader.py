@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.models import file_cache
+from dspark.models import file_cache, gguf_file
 from dspark.models.gguf_file import INDEX_VERSION, CheckpointError
 from dspark.models.llama import build_model
 from dspark.models.loader import load_checkpoint, resolve_model
@@ -93,7 +93,7 @@ def test_the_gguf_index_is_cached_and_rebuilt_when_unreadable(tmp_path, tiny_dir
         assert all(torch.equal(got[1][k], want[k]) for k in want)
 
     with monkeypatch.context() as m:  # the second load reads the cached index
-        m.setattr(gguf, "GGUFReader", parse)
+        m.setattr(gguf_file, "scan_gguf", parse)
         same(load_checkpoint(resolve_model(str(path))))
     for bad in ("{ not json", json.dumps({"version": 0, "fields": {}, "tensors": []})):
         cached.write_text(bad)

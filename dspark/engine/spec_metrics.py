@@ -58,6 +58,11 @@ def spec_metrics(
         # shortened on the device near their requests' ends (runner/continuations.py)
         "continuation_windows_shortened": stats["continuation_windows_shortened"],
         "windows_deferred": scheduler.num_windows_deferred,
+        # with "mixed_steps_ahead" (engine/ahead.py): launched ahead admitting into a mixed
+        # step's tail, launched behind a mixed step, first windows put off a step
+        "admitting": stats["spec_steps_launched_ahead_admitting"],
+        "behind_mixed": stats["spec_steps_launched_behind_mixed"],
+        "first_windows_deferred": scheduler.num_first_windows_deferred,
         "not_ahead": {k.removeprefix("spec_steps_not_ahead_"): n for k, n in stats.items()
                       if k.startswith("spec_steps_not_ahead_")},
     }  # fmt: skip

@@ -66,6 +66,10 @@ def test_admissions_ahead_and_steps_behind_mixed_ones_equal_sync(tiny_vocab_dir,
     assert stats["spec_steps_launched_behind_mixed"] > 0, dict(stats)
     assert e.scheduler.num_first_windows_deferred > 0
     assert stats["spec_graph_steps_mixed"] > 0 if padded else stats["mixed_spec_steps"] > 0
+    counts = llm.get_metrics()["async_spec_steps"]  # (the same counters, reported)
+    assert counts["admitting"] == stats["spec_steps_launched_ahead_admitting"]
+    assert counts["behind_mixed"] == stats["spec_steps_launched_behind_mixed"]
+    assert counts["first_windows_deferred"] == e.scheduler.num_first_windows_deferred
     assert e.allocator.num_free == e.allocator.num_usable
     assert not e.scheduler.has_unfinished and e._in_flight is None
 

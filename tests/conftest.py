@@ -59,3 +59,17 @@ def tiny_llm(tiny_llama_dir):
     from dspark import LLM
 
     return LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_pages=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved as an HF checkpoint (untied LM head), its config and
+    weights: the source the GGUF tests write files of each tensor type from."""
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import _llama_config, save_random_model
+
+    d = tmp_path_factory.mktemp("tiny_gguf")
+    config = _llama_config(256, tie_word_embeddings=False)
+    save_random_model(d, config)
+    return d, config, load_file(d / "model.safetensors")

@@ -12,7 +12,6 @@ import pytest
 
 from dspark.models.gguf_scan import scan_gguf
 from tests.gguf_writer import write_llama_gguf
-from tests.tiny_models import _llama_config, save_random_model
 
 Q = gguf.GGMLQuantizationType
 
@@ -32,16 +31,6 @@ def _reader_index(path):
     return fields, tensors
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from safetensors.torch import load_file
-
-    d = tmp_path_factory.mktemp("tiny_scan")
-    config = _llama_config(256, tie_word_embeddings=False)
-    save_random_model(d, config)
-    return d, config, load_file(d / "model.safetensors")
-
-
 def _fields(w):
     """Fields of every value type, arrays of strings, numbers, bools and arrays among them."""
     w.add_string("test.text", "héllo")
@@ -58,9 +47,10 @@ def _fields(w):
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
-def test_the_scan_equals_the_reader(tiny, qtype):
-    d, config, weights = tiny
-    path = write_llama_gguf(d / f"{qtype.name}.gguf", config, weights, qtype, more_fields=_fields)
+def test_the_scan_equals_the_reader(tiny_dir, qtype):
+    d, config, weights = tiny_dir
+    path = write_llama_gguf(d / f"scan_{qtype.name}.gguf", config, weights, qtype,
+                            more_fields=_fields)  # fmt: skip
     fields, tensors = scan_gguf(path)
     want_fields, want_tensors = _reader_index(path)
     # an array of arrays: its elements (2) here; the reader's parts count its leaves (3)
@@ -78,9 +68,9 @@ def test_the_scan_equals_the_reader_on_the_default_model(default_gguf):
     assert fields["tokenizer.ggml.tokens#length"] == 49152 and len(tensors) == 272
 
 
-def test_a_file_it_cannot_read_is_refused_with_the_reason(tmp_path, tiny):
-    d, config, weights = tiny
-    good = write_llama_gguf(d / "good.gguf", config, weights, Q.Q8_0).read_bytes()
+def test_a_file_it_cannot_read_is_refused_with_the_reason(tmp_path, tiny_dir):
+    d, config, weights = tiny_dir
+    good = write_llama_gguf(d / "scan_good.gguf", config, weights, Q.Q8_0).read_bytes()
     cases = {
         "magic": (b"GGUX" + good[4:], "bad magic"),
         "version": (good[:4] + struct.pack("<I", 1) + good[8:], "GGUF version 1"),

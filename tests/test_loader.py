@@ -9,7 +9,6 @@ import shutil
 import gguf
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dspark.models import file_cache, gguf_file
 from dspark.models.gguf_file import INDEX_VERSION, CheckpointError
@@ -18,18 +17,9 @@ from dspark.models.loader import load_checkpoint, resolve_model
 from dspark.models.model_config import UnsupportedModelError
 from tests.gguf_writer import write_llama_gguf
 from tests.helpers import full_logits
-from tests.tiny_models import _llama_config, save_random_model
 
 Q = gguf.GGMLQuantizationType
 IDS = [5, 6, 7, 8, 100, 3, 9]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_gguf")
-    config = _llama_config(256, tie_word_embeddings=False)
-    save_random_model(d, config)
-    return d, config, load_file(d / "model.safetensors")
 
 
 def _ours(path) -> torch.nn.Module:

@@ -40,14 +40,14 @@ class AheadRules:
         step frees its seat one step later than it would synchronously), no plain row, a token
         budget no window can exhaust, and the pages for the most every request can reach free
         now (preempting on a worst-case guess would preempt where the synchronous engine does
-        not). A request in flight whose next window
-        max_tokens or max_model_len shortens, depending on what the in-flight one emits, gets
-        it shortened on the device. One whose in-flight window could emit its last token, or
-        whose drafter block could run past max_model_len, is deferred: it gets that window one
-        step later, once its count is known (its windows, so its tokens, are the same; only
-        their step changes).
+        not). A request in flight whose next window max_tokens or max_model_len shortens,
+        depending on what the in-flight one emits, gets it shortened on the device. One whose
+        in-flight window could emit its last token, or whose drafter block could run past
+        max_model_len, is deferred: it gets that window one step later, once its count is
+        known (its windows, so its tokens, are the same; only their step changes).
         """
-        if self.waiting and len(self.running) < self.max_num_seqs and not self._admits_ahead():
+        admissible = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        if admissible and not self._admits_ahead():
             return "waiting_requests"
         if len(self.running) > max_rows:
             return "too_many_rows"
@@ -70,7 +70,7 @@ class AheadRules:
                     return "plain_rows"
                 most = req.num_tokens  # its anchor's slot
             pages += pages_for(most, self.page_size) - len(req.page_ids)
-        if not rows and self.waiting and len(self.running) < self.max_num_seqs:
+        if admissible and not rows:
             return "waiting_requests"  # no window to put an admission's tail behind
         return "kv_pages" if pages > self.allocator.num_free else None
 

@@ -324,12 +324,13 @@ class LLMEngine:
                 if not self.runner.can_feed(plan, previous):
                     outputs, previous = self._finish(previous), None
             elif previous is not None:  # behind a step of windows: windows, then admissions
-                windows = [bool(r.num_draft or r.empty_window) for r in plan.rows]
-                prefill = [r.start < r.request.num_prompt_tokens for r in plan.rows]
-                assert all(map(max, windows, prefill)), "ahead_blocker let a plain row by"
+                tail = [r for r in plan.rows if not (r.num_draft or r.empty_window)]
+                assert all(r.start < r.request.num_prompt_tokens for r in tail), (
+                    "ahead_blocker let a plain row by"
+                )
                 stats = self.runner.stats
                 stats["spec_steps_launched_ahead"] += 1
-                stats["spec_steps_launched_ahead_admitting"] += not all(windows)
+                stats["spec_steps_launched_ahead_admitting"] += bool(tail)
                 stats["spec_steps_launched_behind_mixed"] += not previous.is_uniform
             self.scheduler.advance(plan)
             step = self.runner.launch(plan)

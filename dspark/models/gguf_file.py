@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -107,7 +106,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFIndex:
 def _parse_index(path: Path) -> GGUFIndex:
     try:
         fields, tensors = scan_gguf(path)
-    except (ValueError, struct.error, UnicodeDecodeError) as e:  # (bad or missing bytes)
+    except ValueError as e:  # (bad or missing bytes; UnicodeDecodeError is one too)
         raise CheckpointError(
             f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
         ) from e

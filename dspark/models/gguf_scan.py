@@ -46,8 +46,15 @@ _ITEM_DTYPES = {Q.F16: "<f2", Q.F32: "<f4", Q.F64: "<f8", Q.I8: "|i1", Q.I16: "<
 def scan_gguf(path: Path) -> tuple[dict, list[tuple]]:
     """(fields, tensors) of the file: fields maps each scalar or string key to its value and
     each array key + "#length" to its element count; a tensor is (name, ggml type, shape,
-    dtype, offset from the file's start, n_bytes). Raises ValueError (or struct.error on a
-    file cut short) for what it cannot read."""
+    dtype, offset from the file's start, n_bytes). Raises ValueError, naming the reason, for
+    what it cannot read (a file cut short among them)."""
+    try:
+        return _scan(path)
+    except struct.error as e:  # (unpack_from past the file's end)
+        raise ValueError(f"the file ends inside its header: {e}") from e
+
+
+def _scan(path: Path) -> tuple[dict, list[tuple]]:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         magic, version, num_tensors, num_fields = struct.unpack_from("<IIQQ", buf, 0)
         if magic != GGUF_MAGIC:

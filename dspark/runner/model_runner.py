@@ -227,7 +227,7 @@ class ModelRunner:
             self.stats["eager_steps"] += 1
         sampled = staged.sampled_rows
         step = InFlightStep(plan, sampled.tolist())
-        # (a mixed step is not: a step behind it defers its tail's requests, scheduler.py)
+        # (a mixed step is not: a step behind it defers its tail's requests, engine/ahead.py)
         step.windows_first = bool(window_rows) and layout.window_width is not None
         step.is_uniform = step.windows_first and not layout.tail_rows
         if sampled.size:

@@ -1,7 +1,7 @@
 """Print each arm's steps by path, eager fallbacks, the drafting policy's decisions and its
 realised / table cost ratios per level from a `dspark bench` JSON, and per repeat its
 throughput with the GPU's SM clock and temperature before and after it (where the bench could
-read them: dspark/benchmarks/gpu_state.py).
+read them: dspark/benchmarks/gpu_state.py), and the cyclic collector's pauses in it.
 
 python bench/arm_steps.py bench/results/.../bench_arms_waves.json
 """
@@ -15,6 +15,14 @@ def clocks(state):
     if not state:
         return "-"
     return f"{state.get('sm_clock_mhz')} MHz {state.get('temperature_c')} C"
+
+
+def gc_pauses(gc_ms):
+    """ ", gc gen0 9.7 / gen2 254.4 ms": the collector's pauses in a repeat, where recorded."""
+    if gc_ms is None:
+        return ""
+    each = " / ".join(f"gen{g} {ms:.1f}" for g, ms in gc_ms.items())
+    return f", gc {each} ms" if each else ", gc none"
 
 
 for path in sys.argv[1:]:
@@ -33,8 +41,10 @@ for path in sys.argv[1:]:
             if s.get("realised_cost_ratios"):
                 print(f"{'':>12} realised / table {s['realised_cost_ratios']}")
             states = level.get("gpu_state_runs") or []
+            pauses = level.get("gc_ms_runs") or [None] * len(states)  # (older files: none)
             runs = level["output_tokens_per_s_runs"]
-            for i, (run, state) in enumerate(zip(runs, states, strict=False)):  # older: none
+            for i, (run, state, gc_ms) in enumerate(zip(runs, states, pauses, strict=False)):
                 if state and (state.get("before") or state.get("after")):
                     print(f"{'':>12} repeat {i}: {run:>9.0f} tok/s, GPU "
-                          f"{clocks(state.get('before'))} -> {clocks(state.get('after'))}")
+                          f"{clocks(state.get('before'))} -> {clocks(state.get('after'))}"
+                          f"{gc_pauses(gc_ms)}")

@@ -286,6 +286,11 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
             assert ("speculation" in lv) == (name == "k2")
             # on the CPU there are no clocks to read: one empty record per repeat
             assert lv["gpu_state_runs"] == [{"before": None, "after": None}] * 2
+            # the collector's pauses per repeat: {generation: ms}, as many as collections
+            assert len(lv["gc_ms_runs"]) == len(lv["gc_collections_runs"]) == 2
+            for ms, n in zip(lv["gc_ms_runs"], lv["gc_collections_runs"], strict=True):
+                assert ms.keys() == n.keys() <= {"0", "1", "2"}
+                assert all(v >= 0 for v in ms.values()) and all(v > 0 for v in n.values())
     assert all(lv["speculation"]["num_drafts"] > 0 for lv in arms["k2"]["levels"])
     for row in results["arm_ratios"]:
         plain, k2 = row["output_tokens_per_s"]["plain"], row["output_tokens_per_s"]["k2"]

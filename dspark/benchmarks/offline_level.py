@@ -26,6 +26,7 @@ from dspark.benchmarks.gpu_state import held_down, read_gpu_state
 from dspark.benchmarks.hf_peer import synchronize
 from dspark.benchmarks.offline_config import BenchConfig
 from dspark.benchmarks.prompts import output_lengths
+from dspark.server.gc_pauses import GCPauses
 
 
 def run_dspark_once(
@@ -49,6 +50,8 @@ def run_dspark_once(
         for i, n in enumerate(lengths)
     ]
     synchronize(llm.engine.device)
+    gc_pauses = GCPauses()  # the cyclic collector's pauses inside the timed window
+    gc_pauses.install()
     start = time.perf_counter()
     if max_in_flight is None or max_in_flight >= len(prompts):
         submit = [time.monotonic()] * len(prompts)  # the clock RequestOutput.metrics uses
@@ -58,6 +61,7 @@ def run_dspark_once(
         outputs, submit = _closed_loop(llm, prompts, params, max_in_flight)
     synchronize(llm.engine.device)
     wall = time.perf_counter() - start
+    gc_pauses.uninstall()
     num_tokens = [len(o.outputs[0].token_ids) for o in outputs]
     ttft = [o.metrics["first_token_time"] - t for o, t in zip(outputs, submit, strict=True)]
     tpot = [
@@ -73,6 +77,8 @@ def run_dspark_once(
         ttft=ttft,
         tpot=tpot,
         preemptions=preemptions,
+        gc_ms={g: round(1e3 * s, 2) for g, s in sorted(gc_pauses.seconds.items())},
+        gc_collections=dict(sorted(gc_pauses.counts.items())),
     )
 
 
@@ -121,6 +127,9 @@ def summarize_level(prompts: list[list[int]], runs: list[dict], concurrency: int
         "ttft_ms": percentiles_ms([t for r in runs for t in r["ttft"]]),
         "tpot_ms": percentiles_ms([t for r in runs for t in r["tpot"]]),
         "num_preemptions": sum(r["preemptions"] for r in runs),
+        # per repeat, the cyclic collector's pauses in it, by generation (server/gc_pauses.py)
+        "gc_ms_runs": [r["gc_ms"] for r in runs],
+        "gc_collections_runs": [r["gc_collections"] for r in runs],
         # per repeat, the GPU's clocks before and after it (None where nvidia-smi cannot say)
         "gpu_state_runs": [r.get("gpu_state") for r in runs],
     }

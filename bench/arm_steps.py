@@ -45,6 +45,8 @@ for path in sys.argv[1:]:
             runs = level["output_tokens_per_s_runs"]
             for i, (run, state, gc_ms) in enumerate(zip(runs, states, pauses, strict=False)):
                 if state and (state.get("before") or state.get("after")):
-                    print(f"{'':>12} repeat {i}: {run:>9.0f} tok/s, GPU "
-                          f"{clocks(state.get('before'))} -> {clocks(state.get('after'))}"
-                          f"{gc_pauses(gc_ms)}")
+                    print(
+                        f"{'':>12} repeat {i}: {run:>9.0f} tok/s, GPU "
+                        f"{clocks(state.get('before'))} -> {clocks(state.get('after'))}"
+                        f"{gc_pauses(gc_ms)}"
+                    )

@@ -94,9 +94,10 @@ class LLMEngine:
         )
         del weights
         drafter_dir, target_hash = resolve_drafter(config, source)
+        use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and backend == "triton"
         self.kv_plan = plan_kv(
             config, self.model, self.dtype, self.device, drafter_layers(drafter_dir),
-            verified_positions(drafter_dir),
+            verified_positions(drafter_dir), spec_graphs=use_graphs and drafter_dir is not None,
         )  # fmt: skip
         self.max_model_len = self.kv_plan.max_model_len
         kv_caches = allocate_kv_caches(
@@ -116,7 +117,6 @@ class LLMEngine:
             draft_len=self.spec.draft_len if self.spec else 0,
             max_verify=self.spec.num_verify if self.spec else 0,
         )
-        use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and backend == "triton"
         if use_graphs and self.spec is not None and config.spec().scheduler == "sync":
             raise ValueError('speculative_config "scheduler": "sync" plans on the host between '
                              "drafting and verifying, so it runs eagerly: set use_cuda_graphs="

@@ -2,7 +2,8 @@
 
 On CUDA the KV cache gets what is left of `gpu_memory_utilization` x total memory after the
 weights, the activations of the largest step (measured by running one) and the sampler's
-temporaries. On the CPU it gets `kv_cache_memory_gb` (1 GB by default). An explicit
+temporaries, and, when speculative steps are captured, the graphs' memory pool
+(sampler_bytes). On the CPU it gets `kv_cache_memory_gb` (1 GB by default). An explicit
 `num_kv_pages` or `kv_cache_memory_gb` always wins.
 """
 
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 # sampler temporaries per sampled row: logits, probs, sorted logits, uniforms (float32 x vocab)
 SAMPLER_BUFFERS = 6
+# what a captured speculative step keeps in the graphs' pool per verified position, in float32
+# rows of the vocabulary: every temporary of the sampled step is live at once there (sampler_bytes)
+GRAPH_POOL_BUFFERS = 11
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ def plan_kv(
     device: torch.device,
     extra_layers: int = 0,  # the DSpark drafter's layers: its context cache shares the pages
     positions_per_row: int = 1,  # positions a row samples or verifies in a step (K + 1)
+    spec_graphs: bool = False,  # speculative steps will be captured (CUDA graphs)
 ) -> KVPlan:
     mc = model.config
     per_layer = kv_bytes_per_token(mc, dtype) // mc.num_layers
@@ -52,7 +57,7 @@ def plan_kv(
     if config.num_kv_pages is not None:
         num_pages = config.num_kv_pages
     else:
-        budget = _kv_budget_bytes(config, model, dtype, device, positions_per_row)
+        budget = _kv_budget_bytes(config, model, dtype, device, positions_per_row, spec_graphs)
         num_pages = max(2, int(budget // page_bytes))
     plan = KVPlan(num_pages, _max_model_len(config, mc, num_pages), config.page_size)
     logger.info(
@@ -86,7 +91,9 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig, num_pages: int) -> int
     return config.max_model_len
 
 
-def sampler_bytes(config: EngineConfig, vocab_size: int, positions_per_row: int = 1) -> int:
+def sampler_bytes(
+    config: EngineConfig, vocab_size: int, positions_per_row: int = 1, spec_graphs: bool = False
+) -> int:
     """The sampler's temporaries at the largest batch: SAMPLER_BUFFERS float32 rows of the
     vocabulary per sampled position. A speculative step verifies K + 1 positions a row, each
     with its distribution at temperature > 0:
@@ -94,8 +101,20 @@ def sampler_bytes(config: EngineConfig, vocab_size: int, positions_per_row: int 
       max_num_seqs 512, K 7, vocab 49,152: 6 x 512 x 8 x 49,152 x 4 B = 4.5 GiB
       (one softmax over those 4,096 rows is 768 MiB; without this reserve a sampled verify at
       G = 512 ran out of memory on the H200: docs/PERFORMANCE.md, eleventh look)
+
+    With speculative graphs (spec_graphs), GRAPH_POOL_BUFFERS rows more per position: the
+    graphs share one pool, captured largest first, and it keeps every temporary of the largest
+    sampled step live at once (the top-p sort's int64 order, the mask, the cumulative sums,
+    the drafter's logits), while each later cell's eager run before its capture needs the
+    sampler's temporaries again beside it. On an H100 (80 GB), max_num_seqs 256 and K = 7,
+    that pool held 3.96 GiB (~42 B per verified position and vocabulary entry) when the next
+    cell's eager run failed to find 1.13 GiB, with only the first reserve made
+    (docs/PERFORMANCE.md, twenty-fourth look):
+
+      max_num_seqs 256, K 7, vocab 49,152, graphs: (6 + 11) x 256 x 8 x 49,152 x 4 B = 6.4 GiB
     """
-    return SAMPLER_BUFFERS * config.max_num_seqs * positions_per_row * vocab_size * 4
+    buffers = SAMPLER_BUFFERS + (GRAPH_POOL_BUFFERS if spec_graphs else 0)
+    return buffers * config.max_num_seqs * positions_per_row * vocab_size * 4
 
 
 def _kv_budget_bytes(
@@ -104,6 +123,7 @@ def _kv_budget_bytes(
     dtype: torch.dtype,
     device: torch.device,
     positions_per_row: int = 1,
+    spec_graphs: bool = False,
 ) -> float:
     if config.kv_cache_memory_gb is not None:
         return config.kv_cache_memory_gb * 2**30
@@ -112,7 +132,7 @@ def _kv_budget_bytes(
     _, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
     activations = _profile_step_bytes(config, model, dtype, device)
-    sampler = sampler_bytes(config, model.config.vocab_size, positions_per_row)
+    sampler = sampler_bytes(config, model.config.vocab_size, positions_per_row, spec_graphs)
     budget = total * config.gpu_memory_utilization - weights - activations - sampler
     logger.info(
         "GPU memory: %.1f GB total, weights %.2f GB, step activations %.2f GB, sampler %.2f GB",

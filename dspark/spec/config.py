@@ -55,7 +55,9 @@ ahead admits waiting requests into its tail, and a step may launch behind a mixe
 (engine/scheduler.py). Off (false, the default) every admission finishes the step in flight,
 and the mixed step itself, before the next is scheduled: on the H200 drafting steps with
 arrivals took 48% of a closed loop at 64 requests, at 4.6 ms against 2.1 (docs/PERFORMANCE.md,
-twenty-third look). Tested on the CPU against the synchronous engine; off until the GPU A/B.
+twenty-third look). On the H200 it won alone (fixed K = 7: 1.25x at 64 requests, 1.14x at 256)
+and lost under the drafting policy at 256 (0.81-0.90x offline, 0.67x served: the policy drafted
+four times as many windows), so it stays off (twenty-fourth look).
 """
 
 from __future__ import annotations

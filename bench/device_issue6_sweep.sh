@@ -6,6 +6,8 @@
 #
 #   TEMPERATURE=0 bash bench/device_issue6_sweep.sh        # then TEMPERATURE=1.0
 #
+# MIN_REQUESTS (32: a level's requests are 4 C, at least this many, so C = 1 runs 32 in a row,
+# not 4: PERFORMANCE.md twenty-fourth look),
 # LEVELS (default 1,2,4,8,16,32,64,128,256,512), REPEATS (3: each level's median; a speculative
 # arm's first run of a level can be much slower than its next ones, PERFORMANCE.md sixteenth look), COST_TABLE (a path for the
 # scheduled arm; default: the table shipped beside the drafter, if its fingerprint matches),
@@ -30,7 +32,8 @@ TRACES=/tmp/policy_traces_t$T
 if [ -n "${POLICY_TRACE:-}" ]; then rm -rf "$TRACES"; export DSPARK_POLICY_TRACE=$TRACES; fi
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
   --concurrency "${LEVELS:-1,2,4,8,16,32,64,128,256,512}" \
-  --output-len 256 --output-len-spread 0.5 --waves 4 --repeats "${REPEATS:-3}" \
+  --output-len 256 --output-len-spread 0.5 --waves 4 --min-requests "${MIN_REQUESTS:-32}" \
+  --repeats "${REPEATS:-3}" \
   --temperature "$T" --arms "$ARMS" --out "$OUT/$name.json" 2>&1 | grep -v "^INFO" \
   > "$OUT/$name.txt"
 python3 bench/arm_steps.py "$OUT/$name.json" > "$OUT/${name}_steps.txt"

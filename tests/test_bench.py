@@ -351,6 +351,26 @@ def test_waves_keep_c_requests_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
         BenchConfig(waves=2, use_hf=True)
 
 
+def test_min_requests_give_low_levels_more_requests(tiny_llama_dir, tmp_path):
+    """--min-requests 5 with --waves 2: C = 1 runs 5 requests, C = 4 its 8; recorded; zero
+    or with the HF peer (a closed loop at the low levels) refused."""
+    out = tmp_path / "min_requests.json"
+    args = _cpu_bench(tiny_llama_dir, out, "--concurrency", "1,4", "--output-len", "3",
+                      "--max-prompt-len", "48", "--waves", "2", "--min-requests", "5",
+                      "--no-plot")  # fmt: skip
+    assert args.func(args) == 0
+    results = json.loads(out.read_text())
+    levels = results["dspark"]["levels"]
+    assert [(lv["concurrency"], lv["num_requests"]) for lv in levels] == [(1, 5), (4, 8)]
+    assert [lv["output_tokens"] for lv in levels] == [15, 24]
+    assert (results["waves"], results["min_requests"]) == (2, 5)
+    with pytest.raises(ValueError, match="min_requests must be >= 1, got 0"):
+        BenchConfig(min_requests=0)
+    with pytest.raises(ValueError, match="--min-requests 8 runs a closed loop"):
+        BenchConfig(concurrency=(4,), min_requests=8, use_hf=True)
+    assert BenchConfig(concurrency=(4,), min_requests=4, use_hf=True).num_requests(4) == 4
+
+
 def test_output_len_spread_gives_seeded_lengths_the_same_for_every_arm(tiny_llama_dir, tmp_path):
     """--output-len-spread 0.5: lengths in [output_len / 2, 3 output_len / 2], from the seed;
     a closed loop's level emits exactly their sum; out of range or with the HF peer refused."""

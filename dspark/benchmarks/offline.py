@@ -73,6 +73,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "most C in flight (a closed loop, the tail of one wave no longer sets the wall time)",
     )
     p.add_argument(
+        "--min-requests",
+        type=int,
+        default=1,
+        help="at least this many requests per level, at most C in flight (a closed loop where "
+        "it exceeds W * C): low levels then do enough work to time",
+    )
+    p.add_argument(
         "--output-len-spread",
         type=float,
         default=0.0,
@@ -129,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_prompt_len=args.max_prompt_len,
         repeats=args.repeats,
         waves=args.waves,
+        min_requests=args.min_requests,
         output_len_spread=args.output_len_spread,
         temperature=args.temperature,
         prompts_dir=args.prompts_dir,

@@ -36,6 +36,10 @@ class BenchConfig:
     # requests per level in units of C: 1, one wave of C submitted at once; W > 1, W * C
     # requests with at most C in flight, the next submitted as one ends (a closed loop)
     waves: int = 1
+    # at least this many requests per level, still at most C in flight (a closed loop where it
+    # is more than W * C): a low level then does enough work to time (at C = 1 with 4 waves,
+    # 4 requests spread the issue-6 sweep's repeats by 0.84-1.09x, PERFORMANCE.md 24th look)
+    min_requests: int = 1
     # request i's length is output_len * (1 - S + 2 S u_i), u_i uniform in [0, 1) from the
     # seed, the same for every arm and repeat; 0: every request output_len tokens. With
     # waves > 1, requests then end at different steps and admissions meet running requests,
@@ -56,7 +60,8 @@ class BenchConfig:
     plot: Path | None = None  # None: no plot
 
     def __post_init__(self) -> None:
-        for name in ("output_len", "max_prompt_len", "repeats", "hf_max_concurrency", "waves"):
+        for name in ("output_len", "max_prompt_len", "repeats", "hf_max_concurrency", "waves",
+                     "min_requests"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -87,8 +92,17 @@ class BenchConfig:
                 f"--waves {self.waves} runs a closed loop, the HF peer static batches of C: run "
                 "the peer with --waves 1"
             )
+        if self.min_requests > min(self.concurrency) * self.waves and self.use_hf:
+            raise ValueError(
+                f"--min-requests {self.min_requests} runs a closed loop at the levels below it, "
+                "the HF peer static batches of C: run the peer without it"
+            )
         if self.arms is not None and not self.use_dspark:
             raise ValueError("--arms are dspark engines: they cannot run with --hf-only")
+
+    def num_requests(self, concurrency: int) -> int:
+        """A level's requests: W C (--waves), at least min_requests."""
+        return max(concurrency * self.waves, self.min_requests)
 
     @property
     def max_output_len(self) -> int:

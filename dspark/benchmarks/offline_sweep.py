@@ -136,11 +136,11 @@ def run_offline_bench(
         if llms
         else load_tokenizer(resolve_model(config.model))
     )
-    most = max(config.concurrency) * config.waves
+    most = max(config.num_requests(c) for c in config.concurrency)
     full = [tokenizer.apply_chat_template(c) for c in cycle(conversations, most)]
     prompt_ids = [truncate(ids, config.max_prompt_len) for ids in full]
     results["prompts"]["num_truncated"] = sum(len(ids) > config.max_prompt_len for ids in full)
-    batches = {c: prompt_ids[: c * config.waves] for c in config.concurrency}
+    batches = {c: prompt_ids[: config.num_requests(c)] for c in config.concurrency}
     if llms:
         # the warm-up takes the list's last prompts, so it never pre-runs a measured one
         warmup = render(tokenizer, conversations[-WARMUP_REQUESTS:], config.max_prompt_len)
@@ -184,6 +184,8 @@ def metadata(
         "temperature": config.temperature,
         "max_prompt_len": config.max_prompt_len,
         "repeats": config.repeats,
+        "waves": config.waves,
+        "min_requests": config.min_requests,
         "concurrency": list(config.concurrency),
         "sources": list(config.sources),
         "seed": config.seed,

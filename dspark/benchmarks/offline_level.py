@@ -9,9 +9,9 @@ wall time of the whole generate call gives output tokens/s; each request's metri
 `--waves W` runs W C requests with at most C in flight (a closed loop); `--min-requests N`
 makes that at least N (C = 1 with 4 waves and N 32 runs 32 requests, one at a time). With one
 length for all, plain decoding stays in lockstep: each wave ends at one step and the next is
-admitted at once, which a server never sees. `--output-len-spread S` gives the requests seeded lengths in
-output_len * [1 - S, 1 + S], the same for every arm, so they end at different steps and
-admissions meet running requests.
+admitted at once, which a server never sees. `--output-len-spread S` gives the requests
+seeded lengths in output_len * [1 - S, 1 + S], the same for every arm, so they end at
+different steps and admissions meet running requests.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ How each request's survivals are estimated (smoothing, the population of recent 
 persistence, online recalibration) is spec/survival_estimates.py's; DraftingPolicy extends it.
 
 Probing. While drafting is off nothing refreshes the survivals. They go stale after
-(t_full / t_plain - 1) / probe_budget steps at the step's G, so the probe (one drafting step
-that refreshes them) costs at most probe_budget of the time spent not drafting: about 80
-steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256 (3.9) with the 1% default. A step
+(t_full / t_plain - 1) / probe_budget steps at the step's G, priced as the choice prices it
+(realised step costs included), so the probe (one drafting step that refreshes them) costs at
+most probe_budget of the time spent not drafting: about 80 steps at G = 1 (t_full / t_plain =
+1.8) and 290 at G = 256 (3.9) with the 1% default. A step
 priced by the sampled cells sets it by those (G = 4 on the H200: 118 steps at 2.18, where the
 greedy cells' 1.29 gave 29 and a sampled batch probed four times its budget).
 Load that falls (a smaller G, where the full block costs relatively less), new requests and
@@ -200,9 +201,14 @@ class DraftingPolicy(SurvivalEstimates):
         """Steps after which a request's survivals are stale at graph size G (module doc), by
         the cells that price the step: a sampled drafting step costs more than a greedy one
         (on the H200 at G = 4, 2.2 plain steps against 1.3), so probing it is rarer for the
-        same budget."""
+        same budget. The prices are the realised ones where the engine measured them, since
+        that is what a probe costs: at G = 256 on the H200 a drafting step cost 3.1-3.7 plain
+        ones where the table said 2.04, and probes every 104 steps (the table's horizon) spent
+        ~5% of a closed loop at 256, not 1% (docs/PERFORMANCE.md, twenty-fourth look)."""
         table = self.sampled_table if sampled and self.sampled_table is not None else self.table
         row = table.cells[g]
+        if self.realised_costs is not None:
+            row = self.realised_costs.priced(g, row, table is self.sampled_table)
         ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
         return max(1, math.ceil((ratio - 1) / self.probe_budget))
 

@@ -15,6 +15,7 @@ from dspark.cli import main as cli_main
 from dspark.spec.cost_table import CostTable, parse_table
 from dspark.spec.drafting_policy import Decision, DraftingPolicy
 from dspark.spec.profile import profile_cost_table, reference_drift
+from dspark.spec.realised_costs import RealisedCosts
 from tests.tiny_models import make_tiny_drafter
 
 K = 7
@@ -64,6 +65,20 @@ def test_stale_survivals_count_as_fully_confident():
     assert p.survival_sum(_ids(2), 64) == 2 * K
     with pytest.raises(ValueError, match="probe_budget must be in"):
         _policy(probe_budget=0)
+
+
+def test_staleness_follows_the_realised_prices():
+    """A probe costs what a drafting step realises: G = 64's full block priced 2.4 plain steps
+    by the table (stale after 140 steps) but realised at 1.5x it, 3.6: stale after
+    ceil(2.6 / 0.01) = 260."""
+    p = _policy(realised_costs=RealisedCosts(min_steps=2))
+    assert p.stale_after(64) == 140  # nothing measured yet: the table's prices
+    plain, full = Decision(False, "no drafting", (64, 64)), Decision(True, "full block", (64, 512))
+    for _ in range(2):
+        p.record_step(plain, 1.0)
+        p.record_step(full, 1.5 * 2.4)
+    assert p.stale_after(64) == 260
+    assert p.stale_after(1) == 50  # G = 1 measured nothing: its table's
 
 
 def test_a_sampled_step_sets_staleness_by_the_sampled_cells():

@@ -142,6 +142,7 @@ def build_policy(
     policy = DraftingPolicy(
         table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
         unobserved=spec_config.unobserved,
+        regression_target=spec_config.regression_target,
         fit_persistence=spec_config.persistence,
         min_dwell_steps=spec_config.dwell_steps,
         trimmed_widths=spec_runner.trimmed_widths,

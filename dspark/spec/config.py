@@ -4,7 +4,7 @@
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
-     "mixed_steps_ahead": false}
+     "mixed_steps_ahead": false, "regression_target": "population"}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -50,6 +50,9 @@ benchmark's arms can compare values side by side (docs/PERFORMANCE.md, seventeen
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
+"regression_target" is what an aged survival estimate is pulled toward: "population" (the
+default: the recent requests' mean) or "request" (the request's own mean, shrunk toward the
+population's), spec/survival_estimates.py; a key for the A/B that decides between them.
 "mixed_steps_ahead" lets those mixed steps into the async pipeline: a step of windows launched
 ahead admits waiting requests into its tail, and a step may launch behind a mixed one
 (engine/scheduler.py). Off (false, the default) every admission finishes the step in flight,
@@ -70,9 +73,10 @@ METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
         "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
         "persistence", "scheduler", "dwell_steps", "stale_price_half_life",
-        "mixed_steps_ahead")  # fmt: skip
+        "mixed_steps_ahead", "regression_target")  # fmt: skip
 SCHEDULERS = ("lagged", "sync")
 UNOBSERVED = ("confident", "population")
+REGRESSION_TARGETS = ("population", "request")
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class SpecConfig:
     dwell_steps: int = 8  # plain steps drafting stays off once the policy turned it off
     stale_price_half_life: float = 16.0  # steps (0: an unmeasured price never reverts)
     mixed_steps_ahead: bool = False  # mixed steps in the async pipeline (module docstring)
+    regression_target: str = "population"  # an aged estimate's pull (REGRESSION_TARGETS)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -145,6 +150,7 @@ class SpecConfig:
         persistence = _flag(d, "persistence", True)
         mixed_ahead = _flag(d, "mixed_steps_ahead", False)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
+        target = _choice(d, "regression_target", REGRESSION_TARGETS, "population")
         dwell = d.get("dwell_steps", 8)
         if isinstance(dwell, bool) or not isinstance(dwell, int) or not 0 <= dwell <= 10_000:
             raise ValueError(
@@ -162,7 +168,7 @@ class SpecConfig:
                    realised_costs=realised, persistence=persistence,
                    scheduler=scheduler, dwell_steps=dwell,
                    stale_price_half_life=float(stale),
-                   mixed_steps_ahead=mixed_ahead)  # fmt: skip
+                   mixed_steps_ahead=mixed_ahead, regression_target=target)  # fmt: skip
 
 
 def _flag(d: dict[str, Any], key: str, default: bool) -> bool:

@@ -30,6 +30,16 @@ the H200 (2026-12-03) the policy drafted 33 of 166 steps at concurrency 1 for 1.
 decoding where fixed K gave 1.65x. Where plain decoding wins on the population's own mean
 (under load), the pull changes nothing.
 
+With regression_target="request" an aged estimate is pulled toward the request's own mean
+instead: the mean of every block it kept so far, shrunk toward the population mean by
+REQUEST_PRIOR_BLOCKS pseudo-blocks. The population's blocks are the ones that drafted, so they
+over-represent requests that draft well. At concurrency 1 on the H200 (docs/PERFORMANCE.md,
+twenty-fourth look) a request whose blocks kept 0.5-0.8 drafts was pulled from 0.67 to 1.28
+(population 1.9) within the 8-step dwell, drafted again, read 0.78 and 0.52, and went off: 28
+two-step stretches a run, with the persistence fit at rho 0.95. Its own mean keeps such a
+request off, and still brings back one whose weak block was a dip in a good history. Off
+("population") by default until the GPU compares them.
+
 Two corrections keep lagged estimates honest:
 - Persistence, measured. How much a request's past blocks say about its next one is measured,
   not assumed: for full blocks verified from rows that had an estimate (at most 16 rows a
@@ -59,6 +69,8 @@ from dspark.spec.lagged import survival
 # what a request's lagged survivals rest on (SurvivalEstimates.estimate_totals)
 FRESH, STALE, UNSEEN = 0, 1, 2
 PERSISTENCE_PAIRS_PER_STEP = 16  # rows a drafting step adds to the persistence fit
+REGRESSION_TARGETS = ("population", "request")  # what an aged estimate is pulled toward
+REQUEST_PRIOR_BLOCKS = 4.0  # population-mean pseudo-blocks in a request's own mean
 
 
 class SurvivalEstimates:
@@ -76,12 +88,16 @@ class SurvivalEstimates:
         min_population_blocks: float = 16.0,
         block_half_life: float = 1.0,  # blocks, of a request's smoothed survival sum
         regression_half_life: float = 8.0,  # steps, of a request's pull to the population mean
+        regression_target: str = "population",  # or "request" (module docstring)
         fit_persistence: bool = True,  # False: rho = 1 (a row's own survivals count in full)
         min_persistence_blocks: float = 32.0,  # fitted pairs before rho is used (module doc)
         keep_vectors: bool = False,  # keep each request's survivals per position (trimmed cells)
     ) -> None:
         if unobserved not in ("confident", "population"):
             raise ValueError(f'unobserved must be "confident" or "population", got {unobserved!r}')
+        if regression_target not in REGRESSION_TARGETS:
+            raise ValueError(f"regression_target must be one of {list(REGRESSION_TARGETS)}, "
+                             f"got {regression_target!r}")  # fmt: skip
         if block_half_life < 0 or regression_half_life <= 0:
             raise ValueError(f"block_half_life must be >= 0 and regression_half_life > 0, got "
                              f"{block_half_life} and {regression_half_life}")  # fmt: skip
@@ -95,6 +111,9 @@ class SurvivalEstimates:
         # weight of a request's newest block in its smoothed sum (1: the last block alone)
         self._block_weight = 1.0 - 0.5 ** (1.0 / block_half_life) if block_half_life else 1.0
         self._regression_half_life = regression_half_life
+        self.regression_target = regression_target
+        # with regression_target "request": request id -> [sum of its blocks' sums, blocks]
+        self._request_blocks: dict[str, list[float]] = {}
         # the persistence fit (module docstring): weighted pairs and their sums x, y, xx, xy
         self.fit_persistence = fit_persistence
         self.min_persistence_blocks = min_persistence_blocks
@@ -129,6 +148,11 @@ class SurvivalEstimates:
             seen = self._survival_sums.get(rid)
             smoothed = total if seen is None else seen[0] + w * (total - seen[0])
             self._survival_sums[rid] = (smoothed, self._step)
+        if self.regression_target == "request":
+            for rid, total in zip(request_ids, sums, strict=True):
+                blocks = self._request_blocks.setdefault(rid, [0.0, 0.0])
+                blocks[0] += total
+                blocks[1] += 1.0
         decay = self._decay ** len(sums)
         self._population_sum = self._population_sum * decay + sum(sums)
         if self.keep_vectors:
@@ -207,6 +231,7 @@ class SurvivalEstimates:
 
     def forget(self, request_id: str) -> None:
         self._survival_sums.pop(request_id, None)
+        self._request_blocks.pop(request_id, None)
         self._survival_vectors.pop(request_id, None)
 
     def estimate_totals(
@@ -216,9 +241,16 @@ class SurvivalEstimates:
         before step fresh_since) or UNSEEN.
 
         A fresh row's estimate is its smoothed sum, its distance from the population mean
-        scaled by the measured persistence rho and halved every regression_half_life steps
-        of age (module docstring), once the population has min_population_blocks blocks of
-        evidence; stale and unseen rows count K, or unseen ones the population's mean.
+        (or with regression_target "request", from its own shrunk mean) scaled by the
+        measured persistence rho and halved every regression_half_life steps of age (module
+        docstring), once the population has min_population_blocks blocks of evidence; stale
+        and unseen rows count K, or unseen ones the population's mean.
+
+          smoothed sum 0.6 (blocks 0.6, 0.7, 0.5), population mean 1.9, correction 1, rho 1,
+          age 8 steps, half-life 8:
+          population: 1.9 + (0.6 - 1.9) / 2 = 1.25
+          request:    target (1.8 + 4 x 1.9) / (3 + 4) = 1.34; 1.34 + (0.6 - 1.34) / 2 = 0.97
+
         (Called before every step: plain floats, no numpy.)
         """
         scale, k = self.correction, self.draft_len
@@ -226,6 +258,8 @@ class SurvivalEstimates:
         mean = self.population_mean()
         decay = 0.5 ** (1.0 / self._regression_half_life)
         rho = self.persistence
+        blocks = self._request_blocks if self.regression_target == "request" else None
+        prior = REQUEST_PRIOR_BLOCKS
         totals, kinds = [], []
         for rid in request_ids:
             seen = self._survival_sums.get(rid)
@@ -238,7 +272,10 @@ class SurvivalEstimates:
             else:
                 own = min(k, scale * seen[0])
                 if mean is not None:
-                    own = mean + (own - mean) * rho * decay ** (self._step - seen[1])
+                    target = mean
+                    if blocks is not None and (history := blocks.get(rid)) is not None:
+                        target = min(k, (scale * history[0] + prior * mean) / (history[1] + prior))
+                    own = target + (own - target) * rho * decay ** (self._step - seen[1])
                 totals.append(own)
                 kinds.append(FRESH)
         return totals, kinds

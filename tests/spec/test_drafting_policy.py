@@ -196,6 +196,35 @@ def test_one_weak_block_neither_stops_drafting_nor_keeps_it_off():
         _policy(regression_half_life=0)
 
 
+def test_an_aged_estimate_pulled_toward_the_request_or_the_population():
+    """G = 1 at plain 1.0, full 2.5: drafting pays above ~1.6 kept drafts a block. The
+    population (64 rows) keeps most drafts. A request that kept nothing in 12 blocks is pulled
+    back over the line within the dwell's reach by the population mean, not by its own
+    (shrunk) mean; one whose 4 weak blocks follow 10 strong ones comes back either way."""
+    table = CostTable({}, {1: {1: 1.0, 8: 2.5}, 64: {64: 1.0, 512: 2.4}})
+    strong, weak = torch.full((1, K), 3.0), torch.full((1, K), -10.0)
+    resumed = {}
+    for target in ("population", "request"):
+        p = _policy(table, dwell=2, regression_target=target)
+        for _ in range(4):
+            p.observe(_ids(64), strong.expand(64, K), [False] * 64)
+        for _ in range(12):
+            p.observe(["poor"], weak, [False])
+        for _ in range(10):
+            p.observe(["dip"], strong, [False])
+        for _ in range(4):
+            p.observe(["dip"], weak, [False])
+        assert not p.decide(["poor"]).drafting and not p.decide(["dip"]).drafting
+        resumed[target] = (any(p.decide(["poor"]).drafting for _ in range(40)),
+                           any(p.decide(["dip"]).drafting for _ in range(40)))  # fmt: skip
+        assert p.stale_after(1) == 150  # (within 40 steps nothing went stale)
+    assert resumed == {"population": (True, True), "request": (False, True)}
+    p.forget("poor")
+    assert "poor" not in p._request_blocks
+    with pytest.raises(ValueError, match="regression_target must be one of"):
+        _policy(regression_target="elsewhere")
+
+
 def _blocks(policy, qualities, rounds):
     """Full blocks from rows r0.. of the given qualities (a callable: row, round -> strong?),
     each keeping the drafts its confidences predict (6 of a strong block, 0 of a weak one)."""
@@ -396,6 +425,24 @@ def test_the_dwell_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_p
     for bad in (-1, 1.5, True, 10_001):
         with pytest.raises(ValueError, match=r'"dwell_steps" must be an integer in \[0, 10000\]'):
             LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, dwell_steps=bad), **KW)
+
+
+def test_the_regression_target_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):
+    """"regression_target": "request" reaches the policy, and near break-even, where estimates
+    decide every few steps, the tokens stay the target's greedy ones."""
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    assert probe.engine.config.spec().regression_target == "population"  # the default
+    edge = _write_table(tmp_path / "edge.json", probe, 1e-3, 1.2e-3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS, params, use_tqdm=False)
+    spec = _spec(drafter, cost_table=str(edge), dwell_steps=0, regression_target="request")
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    assert llm.engine.policy.regression_target == "request"
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["drafting_policy"]["steps_drafting"] > 0
+    with pytest.raises(ValueError, match='"regression_target" must be one of'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, regression_target="x"), **KW)
 
 
 def test_speculation_metrics_add_up(tiny_vocab_dir, drafter):

@@ -59,3 +59,11 @@ def assert_same_windows(got, expected):
     assert [[o.metrics[k] for k in counts] for o in got] == [
         [o.metrics[k] for k in counts] for o in expected
     ]
+
+
+def assert_same_run(got, expected, seen):
+    """An engine's outputs equal a reference engine's: what `seen` reads of them, then their
+    logprobs and their windows."""
+    assert seen(got) == seen(expected)
+    assert_same_logprobs(got, expected)
+    assert_same_windows(got, expected)

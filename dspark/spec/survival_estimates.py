@@ -64,12 +64,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dspark.spec.config import REGRESSION_TARGETS  # what an aged estimate is pulled toward
 from dspark.spec.lagged import survival
 
 # what a request's lagged survivals rest on (SurvivalEstimates.estimate_totals)
 FRESH, STALE, UNSEEN = 0, 1, 2
 PERSISTENCE_PAIRS_PER_STEP = 16  # rows a drafting step adds to the persistence fit
-REGRESSION_TARGETS = ("population", "request")  # what an aged estimate is pulled toward
 REQUEST_PRIOR_BLOCKS = 4.0  # population-mean pseudo-blocks in a request's own mean
 
 

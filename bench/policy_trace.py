@@ -9,6 +9,9 @@ Per segment (between the bench's marks: arm, concurrency, repeat):
   to a power of two stands in);
 - with a policy, the realised step periods it was taught by cell, split by arrivals, as
   medians;
+- the medians of each step's host CPU and its wait in the host synchronisation beside the
+  period (traces that record them): a period well above their sum is time the engine thread
+  did not run;
 - every stretch without drafting: where it began (G, the full block's price over plain's as
   priced and in the table, the expected tokens per row drafting, the rows by kind, arrivals)
   and what ended it (the first drafting decision's reason and its stale and unseen rows),
@@ -69,6 +72,20 @@ def step_periods(lines: list[dict]) -> dict[tuple[int, bool, bool], list[float]]
     for line, after in pairwise(lines):
         if line["R"]:
             out[(graph_size(line), line["drafting"], arrivals(line))].append(after["t"] - line["t"])
+    return out
+
+
+def host_split(lines: list[dict]) -> dict[tuple[int, bool, bool], tuple[list[float], list[float]]]:
+    """(G, drafting, arrivals) -> each step's engine-thread CPU seconds and its seconds waiting
+    in the host synchronisation (the differences of cpu_s and wait_s to the next line), the
+    keys of step_periods; empty for a trace written without them."""
+    out: dict[tuple[int, bool, bool], tuple[list[float], list[float]]] = {}
+    for line, after in pairwise(lines):
+        if line["R"] and "cpu_s" in line:
+            key = (graph_size(line), line["drafting"], arrivals(line))
+            cpu, wait = out.setdefault(key, ([], []))
+            cpu.append(after["cpu_s"] - line["cpu_s"])
+            wait.append(after["wait_s"] - line["wait_s"])
     return out
 
 
@@ -134,11 +151,17 @@ def report(path: str, max_stretches: int = 20) -> str:
         else:
             what = "no policy: " + ("fixed K" if lines[0]["drafting"] else "plain decoding")
         out.append(f"== {label}: {len(lines)} steps over {wall * 1e3:.1f} ms, {what}")
-        for (g, d, arr), seconds in sorted(step_periods(lines).items()):
+        split = host_split(lines)
+        for key, seconds in sorted(step_periods(lines).items()):
+            g, d, arr = key
             mode, when = "drafting" if d else "plain", "arrivals" if arr else "steady"
-            out.append(f"   G={g:<4} {mode:8} {when:8} {len(seconds):5d} steps "
-                       f"{sum(seconds) * 1e3:9.1f} ms, median "
-                       f"{statistics.median(seconds) * 1e3:.3f} ms")  # fmt: skip
+            median_ms = statistics.median(seconds) * 1e3
+            text = (f"   G={g:<4} {mode:8} {when:8} {len(seconds):5d} steps "
+                    f"{sum(seconds) * 1e3:9.1f} ms, median {median_ms:.3f} ms")  # fmt: skip
+            if key in split:  # the period's parts: host CPU, waiting for the GPU
+                cpu, wait = (statistics.median(x) * 1e3 for x in split[key])
+                text += f" (host cpu {cpu:.3f}, sync wait {wait:.3f})"
+            out.append(text)
         for (g, v, arr), seconds in sorted(periods(lines).items()):
             median_ms = statistics.median(seconds) * 1e3
             out.append(f"   taught G={g} V={v} {'arrivals' if arr else 'steady'}: "

@@ -149,7 +149,7 @@ class LLMEngine:
         self.policy, self.scheduling_status = build_policy(
             config, self.spec, self.runner.spec_runner, drafter_dir, self.cost_fingerprint
         )
-        self.policy_trace = PolicyTrace.from_env(self.policy)  # (DSPARK_POLICY_TRACE=DIR)
+        self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)  # (DSPARK_POLICY_TRACE)
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids

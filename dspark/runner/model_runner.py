@@ -20,6 +20,7 @@ samples, and reads the results back.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -99,6 +100,9 @@ class ModelRunner:
             device,
         )  # fmt: skip
         self.stats: Counter[str] = Counter()
+        # wall seconds spent waiting in each step's one host synchronisation (collect): the
+        # part of a step period the host was not the bottleneck (the policy trace reports it)
+        self.sync_wait_s = 0.0
         # the rows' block tables and sampling parameters, applied by their changes each step
         self.sampling_rows = SamplingRows(max_rows, self.vocab_size)
         self.batch = PersistentBatch(self.buffers, self.sampling_rows)
@@ -314,7 +318,9 @@ class ModelRunner:
         plan = step.plan
         # sync: the one host synchronisation of the step; the host copies were queued behind it
         if step.done is not None:
+            start = time.perf_counter()
             step.done.synchronize()
+            self.sync_wait_s += time.perf_counter() - start
         if step.plain and step.logprobs is None and len(step.plain) == len(plan.rows):
             # a decode step: one token per row, each SampledTokens((tok,)) built by tuple.__new__
             # (the NamedTuple's generated __new__ is a Python call, 256 times per step)

@@ -16,8 +16,8 @@ engine: compare traced arms with traced arms.
 
 A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 
-  {"t": 1.234, "R": 64, "waiting": 3, "seats": 0, "prefilling": 1, "sampled": false,
-   "drafting": false, "reason": "no drafting", "cell": [64, 64],
+  {"t": 1.234, "cpu_s": 1.101, "wait_s": 0.052, "R": 64, "waiting": 3, "seats": 0,
+   "prefilling": 1, "sampled": false, "drafting": false, "reason": "no drafting", "cell": [64, 64],
    "priced": {"64": 0.00148, "512": 0.00282}, "table": {"64": 0.00106, "512": 0.00174},
    "survival_sum": 51.2, "fresh": 60, "stale": 0, "unseen": 4, "correction": 0.92,
    "persistence": 0.61, "population_mean": 1.71, "stale_after": 65,
@@ -33,9 +33,14 @@ A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 - period: the realised step cost this decision taught (spec/realised_costs.py StepPeriods),
   or null; stats: the runner's counters that moved since the previous decision (what the
   pipeline ran in between).
+- cpu_s, wait_s: the engine thread's CPU seconds (time.thread_time) and the wall seconds it
+  waited in the steps' host synchronisation (ModelRunner.sync_wait_s), both since the trace
+  began; a step's differences split its period into host work and waiting for the GPU. (A
+  period that grows with neither is time the thread was not running: descheduled, or in a
+  collector pause.)
 - A line {"t": ..., "mark": {...}} is the caller's label (a bench's arm, level and repeat).
-- An engine without a policy writes {"t", "R", "waiting", "seats", "prefilling", "drafting",
-  "stats"} per step ("drafting": whether its steps draft, fixed K).
+- An engine without a policy writes {"t", "cpu_s", "wait_s", "R", "waiting", "seats",
+  "prefilling", "drafting", "stats"} per step ("drafting": whether its steps draft, fixed K).
 
 `python bench/policy_trace.py FILE` summarises a trace: time by graph size and mode, and
 every stretch without drafting with what started and ended it.
@@ -59,25 +64,36 @@ _engines = itertools.count()  # this process's traced engines, in creation order
 
 
 class PolicyTrace:
-    def __init__(self, policy: DraftingPolicy | None, path: str | Path) -> None:
+    def __init__(
+        self,
+        policy: DraftingPolicy | None,
+        path: str | Path,
+        runner=None,  # its sync_wait_s
+    ) -> None:
         self.policy = policy
+        self._runner = runner
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # line-buffered: an engine process ends without running atexit (multiprocessing)
         self._file = self.path.open("w", buffering=1)
         self._start = time.perf_counter()
+        self._cpu_start = time.thread_time()
+        self._wait_start = self._waited()
         self._stats: dict[str, int] = {}
         atexit.register(self.close)
 
     @classmethod
-    def from_env(cls, policy: DraftingPolicy | None) -> PolicyTrace | None:
+    def from_env(cls, policy: DraftingPolicy | None, runner=None) -> PolicyTrace | None:
         """A trace under $DSPARK_POLICY_TRACE (None when it is unset); `policy` None: an engine
-        without a drafting policy."""
+        without a drafting policy; `runner`: the ModelRunner whose sync wait is reported."""
         directory = os.environ.get(TRACE_ENV)
         if not directory:
             return None
         name = f"policy_trace_{os.getpid()}_{next(_engines)}.jsonl"
-        return cls(policy, Path(directory) / name)
+        return cls(policy, Path(directory) / name, runner)
+
+    def _waited(self) -> float:
+        return self._runner.sync_wait_s if self._runner is not None else 0.0
 
     def decided(
         self,
@@ -119,6 +135,8 @@ class PolicyTrace:
         running = scheduler.running
         return {
             "t": round(now - self._start, 6),
+            "cpu_s": round(time.thread_time() - self._cpu_start, 6),
+            "wait_s": round(self._waited() - self._wait_start, 6),
             "R": len(running),
             "waiting": len(scheduler.waiting),
             "seats": scheduler.max_num_seqs - len(running),

@@ -71,6 +71,11 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     assert counters["drafting_switches"] >= 4, counters
     times = [line["t"] for line in lines]
     assert times == sorted(times)
+    # the engine thread's CPU and its sync wait since the trace began: cumulative, and within
+    # the wall clock (on the CPU the runner never waits on a device)
+    cpu = [line["cpu_s"] for line in lines]
+    assert cpu == sorted(cpu) and 0 < cpu[-1] - cpu[0] <= 1.05 * (times[-1] - times[0]) + 0.01
+    assert all(line["wait_s"] == 0 for line in lines)
 
     priced = [line for line in lines if line["cell"] is not None]
     for line in priced:
@@ -103,11 +108,14 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     periods = summary.step_periods(segment)  # every step but the last, idle ones left out
     assert sum(map(len, periods.values())) == sum(1 for line in lines[:-1] if line["R"])
     assert {g for g, _, _ in periods} <= {1, 2, 4}
+    split = summary.host_split(segment)  # each step's host CPU and sync wait, by the same keys
+    assert split.keys() == periods.keys()
+    assert all(len(cpu) == len(wait) == len(periods[k]) for k, (cpu, wait) in split.items())
     causes = {summary.end_cause(s) for s in stretches}
     assert causes <= {"stale rows", "smaller G", "new requests", "prices", "none"}, causes
     text = summary.report(str(trace.path))
     assert "== arm=edge repeat=0" in text and f"{len(stretches)} stretches without drafting" in text
-    assert "price full/plain 1.20 (table 1.20)" in text
+    assert "price full/plain 1.20 (table 1.20)" in text and "sync wait 0.000" in text
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -129,8 +137,8 @@ def test_engines_without_a_policy_trace_each_step(tiny_vocab_dir, drafter, tmp_p
 
     lines = [json.loads(text) for text in engine.policy_trace.path.read_text().splitlines()]
     assert len(lines) == len(steps) > 0
-    assert all(line.keys() == {"t", "R", "waiting", "seats", "prefilling", "drafting", "stats"}
-               and line["drafting"] == speculative for line in lines)  # fmt: skip
+    keys = {"t", "cpu_s", "wait_s", "R", "waiting", "seats", "prefilling", "drafting", "stats"}
+    assert all(line.keys() == keys and line["drafting"] == speculative for line in lines)
     assert lines[0]["R"] == 0 and lines[0]["waiting"] == len(PROMPTS)  # (before admission)
     assert max(line["R"] for line in lines) == KW["max_num_seqs"]
     kind = "fixed K" if speculative else "plain decoding"

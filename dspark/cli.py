@@ -94,7 +94,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from dspark.benchmarks.gpu_state import describe, held_down, read_gpu_state
     from dspark.llm import LLM
-    from dspark.spec.cost_table import flatness_reason
+    from dspark.spec.cost_table import flatness_reason, table_file_name, user_tables_dir
     from dspark.spec.profile import format_table, profile_cost_table
 
     spec = dict(args.speculative_config or {"method": "dspark"})
@@ -132,22 +132,29 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if why:
         print(f"dspark profile: not writing {args.out}: {why}", file=sys.stderr)
         return 1
+    if args.out is None:  # the user's tables, where an engine like this one finds it
+        out = user_tables_dir() / table_file_name(table.fingerprint)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table.to_json())
+        print(f"wrote {out}: engines with this fingerprint use it (speculative_config's "
+              f'"cost_table" names another)')  # fmt: skip
+        return 0
     Path(args.out).write_text(table.to_json())
     print(f'wrote {args.out}: pass it as speculative_config\'s "cost_table"')
     return 0
 
 
 def _compare_to_reference(table, llm, path: str | None) -> None:
-    """The new table against --compare-to (or the table shipped for this engine, if any): the
-    median ratio of their cells, and a warning when it is off by more than DRIFT_WARNING."""
+    """The new table against --compare-to (or the table an engine like this one uses, if any):
+    the median ratio of their cells, and a warning when it is off by more than DRIFT_WARNING."""
     from pathlib import Path
 
-    from dspark.engine.spec_setup import shipped_cost_table
+    from dspark.engine.spec_setup import matching_cost_table
     from dspark.spec.cost_table import parse_table
     from dspark.spec.profile import DRIFT_WARNING, reference_drift
 
     engine = llm.engine
-    path = path or shipped_cost_table(engine.drafter_dir, engine.cost_fingerprint)
+    path = path or matching_cost_table(engine.drafter_dir, engine.cost_fingerprint)
     if path is None:
         return
     drift = reference_drift(table, parse_table(Path(path).read_text()))
@@ -184,9 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--greedy-only", action="store_true",
                       help="skip the cells measured at temperature 1 (sampled_cells)")  # fmt: skip
     prof.add_argument("--compare-to", default=None,
-                      help="a table to compare the new one with (default: the table shipped "
-                      "for this engine, if any)")  # fmt: skip
-    prof.add_argument("--out", default="cost_table.json")
+                      help="a table to compare the new one with (default: the table an "
+                      "engine like this one uses, if any)")  # fmt: skip
+    prof.add_argument("--out", help="where to write the table (default: the user's tables, "
+                      "cost_tables/ under $DSPARK_CACHE_DIR or ~/.cache/dspark, where engines "
+                      "with its fingerprint find it)")  # fmt: skip
     prof.set_defaults(func=cmd_profile)
     from dspark.benchmarks.offline import add_bench_parser
     from dspark.benchmarks.serve_bench import add_serve_bench_parser

@@ -23,7 +23,7 @@ from dspark.models.loader import ModelSource, checkpoint_hash
 from dspark.models.model_config import ModelConfig
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
-from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table
+from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table, user_tables_dir
 from dspark.spec.drafting_policy import DraftingPolicy
 from dspark.spec.realised_costs import RealisedCosts
 from dspark.spec.spec_decoder import SpecDecoder
@@ -131,7 +131,7 @@ def build_policy(
     spec_config = config.spec()
     if spec is None or not spec_config.scheduling:
         return None, "fixed K: scheduling off"
-    path = spec_config.cost_table or shipped_cost_table(drafter_dir, fingerprint)
+    path = spec_config.cost_table or matching_cost_table(drafter_dir, fingerprint)
     if path is None:
         return None, "fixed K: no cost table for this engine's fingerprint"
     if not spec.drafter.config.use_confidence:
@@ -162,17 +162,24 @@ def build_policy(
     return policy, f"drafting policy, cost table {path}"
 
 
-def shipped_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> Path | None:
-    """A table in the drafter's cost_tables/ measured on an engine like this one (its
-    fingerprint equal to the live one), or None: then every step drafts (fixed K), and the
-    log says how to measure a table."""
-    tables = sorted((drafter_dir / COST_TABLES_DIR).glob("*.json"))
+def matching_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> Path | None:
+    """A table measured on an engine like this one (its fingerprint equal to the live one):
+    first those shipped in the drafter's cost_tables/, then the user's own (`dspark profile`
+    writes there by default: cost_table.user_tables_dir). None: every step drafts (fixed K),
+    and a warning says how to measure a table: a GPU other than the ones the drafter ships
+    tables for would otherwise draft at every load, which at high load costs throughput (on an
+    H100 at 256 requests, fixed K = 7 ran 0.62-0.72x plain decoding: docs/PERFORMANCE.md,
+    twenty-fifth look)."""
+    directories = (drafter_dir / COST_TABLES_DIR, user_tables_dir())
+    tables = [path for d in directories for path in sorted(d.glob("*.json"))]
     live = fingerprint()
     for path in tables:
         if load_cost_table(path, live)[0] is not None:
             return path
-    logger.info("speculation: no cost table for this engine (%d in %s, none with its "
-                "fingerprint): every step drafts the full block (fixed K); measure one with "
-                "`dspark profile --out TABLE` and pass it as speculative_config's "
-                '"cost_table"', len(tables), drafter_dir / COST_TABLES_DIR)  # fmt: skip
+    logger.warning("speculation: no cost table for this engine (%d in %s and %s, none with "
+                   "its fingerprint, GPU %s): every step drafts the full block (fixed K), which "
+                   "at high load is slower than plain decoding; `dspark profile` (with this "
+                   "model and speculative_config) measures one in about a minute and saves it "
+                   "where the engine finds it", len(tables), *directories,
+                   live.get("gpu"))  # fmt: skip
     return None

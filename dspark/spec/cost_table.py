@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +44,32 @@ FINGERPRINT_DEFAULTS = {"trimmed_widths": []}
 # tables shipped beside a drafter (one per engine they were measured on), used when their
 # fingerprint matches and speculative_config names none
 COST_TABLES_DIR = "cost_tables"
+# the user's own tables (user_tables_dir): where `dspark profile` writes by default, searched
+# after the drafter's
+CACHE_ENV = "DSPARK_CACHE_DIR"
 # a table whose step time varies less than this across the cells of every G is flat
 MIN_SPREAD = 0.05
+
+
+def user_tables_dir() -> Path:
+    """The directory of the tables `dspark profile` measured on this machine:
+    $DSPARK_CACHE_DIR/cost_tables, else $XDG_CACHE_HOME/dspark/cost_tables, else
+    ~/.cache/dspark/cost_tables. A table there is used like one shipped beside the drafter:
+    when its fingerprint equals the live engine's."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(cache) / "dspark"
+    return Path(root) / COST_TABLES_DIR
+
+
+def table_file_name(fingerprint: dict) -> str:
+    """A file name that tells tables of different engines apart, e.g.
+    "nvidia_h100_80gb_hbm3_5b106d5f638fe6b5_k7_torch2.11.0_cu130.json" (the fingerprint inside
+    is what authenticates it, not the name)."""
+    parts = (fingerprint["gpu"], fingerprint["drafter_hash"], f"k{fingerprint['draft_len']}",
+             f"torch{fingerprint['torch']}")  # fmt: skip
+    return re.sub(r"[^a-z0-9.]+", "_", "_".join(map(str, parts)).lower()).strip("_") + ".json"
 
 
 @dataclass(frozen=True)

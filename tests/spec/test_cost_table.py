@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from dspark.spec.cost_table import (
+    CACHE_ENV,
     CostTable,
     flatness_reason,
     full_block_tokens,
     load_cost_table,
     make_fingerprint,
     parse_table,
+    table_file_name,
+    user_tables_dir,
 )
 
 K = 7
@@ -89,3 +92,18 @@ def test_flat_tables_are_refused(live):
     assert "flat: step time varies by at most 3.0%" in flatness_reason(flat)
     single = _table(live, {1: {8: 1e-3}})
     assert "single cell" in flatness_reason(single)
+
+
+def test_the_users_tables_live_in_the_cache_directory(monkeypatch, tmp_path, live):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert user_tables_dir() == tmp_path / "mine" / "cost_tables"
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_tables_dir() == tmp_path / "xdg" / "dspark" / "cost_tables"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_tables_dir() == tmp_path / "home" / ".cache" / "dspark" / "cost_tables"
+    # a name per GPU, drafter, K and torch (the fingerprint inside authenticates it)
+    h100 = dict(live, gpu="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130")
+    assert table_file_name(h100) == "nvidia_h100_80gb_hbm3_dddddddd_k7_torch2.11.0_cu130.json"
+    assert table_file_name(live) != table_file_name(h100)

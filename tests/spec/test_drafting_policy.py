@@ -313,6 +313,36 @@ def _write_table(path, llm, plain, full):
     return path
 
 
+def test_a_table_profiled_here_is_found_in_the_users_tables(
+    tiny_vocab_dir, drafter, tmp_path, monkeypatch, caplog
+):
+    """`dspark profile` without --out writes to the user's tables, where every engine with the
+    table's fingerprint finds it; without one, the engine warns that it drafts every step."""
+    import dspark.spec.cost_table as cost_table
+
+    monkeypatch.setenv(cost_table.CACHE_ENV, str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="dspark.engine.spec_setup"):
+        probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    assert probe.engine.policy is None and "no cost table for this engine (0 in" in caplog.text
+    assert str(tmp_path / "cache" / "cost_tables") in caplog.text
+    # (the tiny model's steps are alike: a flat table, which the profiler would not write)
+    monkeypatch.setattr(cost_table, "flatness_reason", lambda table: None)
+    rc = cli_main(["profile", "--model", str(tiny_vocab_dir), "--device", "cpu", "--dtype",
+                   "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--batch", "1,2,4",
+                   "--steps", "5", "--warmup", "1", "--rounds", "1", "--greedy-only",
+                   "--speculative-config", json.dumps(_spec(drafter))])  # fmt: skip
+    assert rc == 0
+    fingerprint = probe.engine.cost_fingerprint()
+    written = tmp_path / "cache" / "cost_tables" / cost_table.table_file_name(fingerprint)
+    assert parse_table(written.read_text()).fingerprint == fingerprint
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    assert llm.get_metrics()["scheduling"] == f"drafting policy, cost table {written}"
+    # another engine (here K = 2) does not take it
+    other = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, num_speculative_tokens=2),
+                **KW)  # fmt: skip
+    assert other.engine.policy is None
+
+
 def test_engine_stops_drafting_when_the_table_says_so(tiny_vocab_dir, drafter, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS, params, use_tqdm=False)

@@ -9,9 +9,8 @@ Per segment (between the bench's marks: arm, concurrency, repeat):
   to a power of two stands in);
 - with a policy, the realised step periods it was taught by cell, split by arrivals, as
   medians;
-- the medians of each step's host CPU and its wait in the host synchronisation beside the
-  period (traces that record them): a period well above their sum is time the engine thread
-  did not run;
+- beside the period, the medians of its parts (traces that record them, host_split): the
+  wait in the host synchronisation (the GPU's share), host work, and time off the CPU;
 - every stretch without drafting: where it began (G, the full block's price over plain's as
   priced and in the table, the expected tokens per row drafting, the rows by kind, arrivals)
   and what ended it (the first drafting decision's reason and its stale and unseen rows),
@@ -75,17 +74,21 @@ def step_periods(lines: list[dict]) -> dict[tuple[int, bool, bool], list[float]]
     return out
 
 
-def host_split(lines: list[dict]) -> dict[tuple[int, bool, bool], tuple[list[float], list[float]]]:
-    """(G, drafting, arrivals) -> each step's engine-thread CPU seconds and its seconds waiting
-    in the host synchronisation (the differences of cpu_s and wait_s to the next line), the
-    keys of step_periods; empty for a trace written without them."""
-    out: dict[tuple[int, bool, bool], tuple[list[float], list[float]]] = {}
+def host_split(lines: list[dict]) -> dict[tuple[int, bool, bool], list[tuple[float, ...]]]:
+    """(G, drafting, arrivals) -> each step's (waiting in the host synchronisation, host work,
+    off the CPU) in seconds, the keys of step_periods; empty for a trace written without them.
+
+    The CUDA synchronisation spins, so the engine thread's CPU time includes its wait: host
+    work is CPU time less the wait, and what the period holds beyond the CPU time is time the
+    thread did not run (descheduled, or the GIL elsewhere)."""
+    out: dict[tuple[int, bool, bool], list[tuple[float, ...]]] = defaultdict(list)
     for line, after in pairwise(lines):
         if line["R"] and "cpu_s" in line:
+            cpu = after["cpu_s"] - line["cpu_s"]
+            wait = after["wait_s"] - line["wait_s"]
+            period = after["t"] - line["t"]
             key = (graph_size(line), line["drafting"], arrivals(line))
-            cpu, wait = out.setdefault(key, ([], []))
-            cpu.append(after["cpu_s"] - line["cpu_s"])
-            wait.append(after["wait_s"] - line["wait_s"])
+            out[key].append((wait, cpu - wait, period - cpu))
     return out
 
 
@@ -158,9 +161,10 @@ def report(path: str, max_stretches: int = 20) -> str:
             median_ms = statistics.median(seconds) * 1e3
             text = (f"   G={g:<4} {mode:8} {when:8} {len(seconds):5d} steps "
                     f"{sum(seconds) * 1e3:9.1f} ms, median {median_ms:.3f} ms")  # fmt: skip
-            if key in split:  # the period's parts: host CPU, waiting for the GPU
-                cpu, wait = (statistics.median(x) * 1e3 for x in split[key])
-                text += f" (host cpu {cpu:.3f}, sync wait {wait:.3f})"
+            if key in split:  # the period's parts (medians of each part)
+                parts = zip(*split[key], strict=True)
+                wait, work, off = (statistics.median(x) * 1e3 for x in parts)
+                text += f" (sync wait {wait:.3f}, host work {work:.3f}, off CPU {off:.3f})"
             out.append(text)
         for (g, v, arr), seconds in sorted(periods(lines).items()):
             median_ms = statistics.median(seconds) * 1e3

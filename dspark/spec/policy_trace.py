@@ -35,9 +35,10 @@ A decision's line (times in seconds, `t` from the trace's start, perf_counter):
   pipeline ran in between).
 - cpu_s, wait_s: the engine thread's CPU seconds (time.thread_time) and the wall seconds it
   waited in the steps' host synchronisation (ModelRunner.sync_wait_s), both since the trace
-  began; a step's differences split its period into host work and waiting for the GPU. (A
-  period that grows with neither is time the thread was not running: descheduled, or in a
-  collector pause.)
+  began. The CUDA synchronisation spins, so CPU time includes the wait: a step's host work is
+  its CPU time less its wait, and its period beyond its CPU time is time the thread did not
+  run (descheduled). On the H100 at C = 1 a fixed-K drafting step's 1.34 ms period was 0.66 ms
+  of wait and 0.68 of host work (docs/PERFORMANCE.md, twenty-fifth look).
 - A line {"t": ..., "mark": {...}} is the caller's label (a bench's arm, level and repeat).
 - An engine without a policy writes {"t", "cpu_s", "wait_s", "R", "waiting", "seats",
   "prefilling", "drafting", "stats"} per step ("drafting": whether its steps draft, fixed K).

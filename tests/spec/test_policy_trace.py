@@ -108,14 +108,17 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     periods = summary.step_periods(segment)  # every step but the last, idle ones left out
     assert sum(map(len, periods.values())) == sum(1 for line in lines[:-1] if line["R"])
     assert {g for g, _, _ in periods} <= {1, 2, 4}
-    split = summary.host_split(segment)  # each step's host CPU and sync wait, by the same keys
+    split = summary.host_split(segment)  # each step's wait, host work, off CPU, by the same keys
     assert split.keys() == periods.keys()
-    assert all(len(cpu) == len(wait) == len(periods[k]) for k, (cpu, wait) in split.items())
+    for key, parts in split.items():
+        assert len(parts) == len(periods[key])
+        for (wait, work, off), period in zip(parts, periods[key], strict=True):
+            assert wait == 0 and work > 0 and work + off == pytest.approx(period, abs=1e-5)
     causes = {summary.end_cause(s) for s in stretches}
     assert causes <= {"stale rows", "smaller G", "new requests", "prices", "none"}, causes
     text = summary.report(str(trace.path))
     assert "== arm=edge repeat=0" in text and f"{len(stretches)} stretches without drafting" in text
-    assert "price full/plain 1.20 (table 1.20)" in text and "sync wait 0.000" in text
+    assert "price full/plain 1.20 (table 1.20)" in text and "(sync wait 0.000, host work" in text
 
 
 @pytest.mark.parametrize("speculative", [False, True])

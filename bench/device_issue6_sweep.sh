@@ -13,6 +13,8 @@
 # scheduled arm; default: the table shipped beside the drafter, if its fingerprint matches),
 # TRIMMED_TABLE (a table profiled with trimmed_widths TRIMMED_WIDTHS, default [2,3,4]: adds the
 # arm "trimmed", the policy with those cells), ARMS_JSON (a whole `dspark bench --arms` object),
+# With no cost table for this GPU shipped or saved, `dspark profile` measures one first
+# (ensure_cost_table, bench/device_setup.sh; its output in $OUT/cost_table.txt).
 # POLICY_TRACE=1 (each policy's decisions step by step, dspark/spec/policy_trace.py: the traces
 # in $OUT/policy_traces.tgz, their summaries in ${name}_policy_trace.txt).
 set -u
@@ -27,6 +29,8 @@ ARMS="{\"plain\": null,
   \"k7\": {\"method\": \"dspark\", \"scheduling\": false},
   \"scheduled\": {\"method\": \"dspark\"${TABLE}}${TRIMMED_TABLE:+, \"trimmed\": {\"method\": \"dspark\", \"trimmed_widths\": ${TRIMMED_WIDTHS:-[2,3,4]}, \"cost_table\": \"$TRIMMED_TABLE\"\}}}"
 ARMS=${ARMS_JSON:-$ARMS}
+# the policy arms need a table for this GPU (the model's default drafter; COST_TABLE overrides)
+[ -n "${COST_TABLE:-}" ] || ensure_cost_table "${MODEL:-default}" > "$OUT/cost_table.txt" 2>&1
 name=issue6_sweep_t${T}
 TRACES=/tmp/policy_traces_t$T
 if [ -n "${POLICY_TRACE:-}" ]; then rm -rf "$TRACES"; export DSPARK_POLICY_TRACE=$TRACES; fi

@@ -25,6 +25,8 @@ set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
 python3 -c "import fastapi, uvicorn, httpx" || exit 1
+# a drafting policy needs a table for this GPU: measured first if none is shipped or saved
+[ "${MODEL:-default}" = default ] && ensure_cost_table > "$OUT/cost_table.txt" 2>&1
 LEVELS=${LEVELS:-1,64,256}
 MODEL=${MODEL:-default}
 COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"

@@ -27,3 +27,27 @@ wait_healthy() {
   done
   return 1
 }
+
+# ensure_cost_table [MODEL]: when no cost table for this GPU, torch and triton is shipped beside
+# the default drafter or saved in the user's tables, measure one with `dspark profile` (about
+# 30 s on an H100), which saves it where the engine finds it. Without it the policy arms of a
+# sweep run as fixed K (docs/PERFORMANCE.md, twenty-fifth look: the first H100 sweep).
+ensure_cost_table() {
+  python3 - <<'PY' && return 0
+import json, sys, torch, triton
+from pathlib import Path
+import dspark.drafters
+from dspark.spec.cost_table import user_tables_dir
+live = (torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+shipped = Path(dspark.drafters.__file__).parent.glob("*/cost_tables/*.json")
+for path in [*shipped, *user_tables_dir().glob("*.json")]:
+    fp = json.loads(path.read_text())["fingerprint"]
+    if (fp["gpu"], fp["torch"], fp["triton"]) == live:
+        print(f"cost table for {live[0]}: {path}")
+        sys.exit(0)
+sys.exit(1)
+PY
+  echo "no cost table for this GPU: dspark profile"
+  python3 -m dspark.cli profile --model "${1:-default}" \
+    --speculative-config '{"method": "dspark"}' 2>&1 | grep -v "^INFO" | tail -12
+}

@@ -52,7 +52,9 @@ with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a p
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
 "regression_target" is what an aged survival estimate is pulled toward: "population" (the
 default: the recent requests' mean) or "request" (the request's own mean, shrunk toward the
-population's), spec/survival_estimates.py; a key for the A/B that decides between them.
+population's), spec/survival_estimates.py. On an H100 at C = 1 "request" drafted 35% of the
+steps where "population" drafted 63-97%, and ran 1,409 against 1,586 tok/s (docs/PERFORMANCE.md,
+twenty-fifth look): a request that dipped below the line once stays off.
 "mixed_steps_ahead" lets those mixed steps into the async pipeline: a step of windows launched
 ahead admits waiting requests into its tail, and a step may launch behind a mixed one
 (engine/scheduler.py). Off (false, the default) every admission finishes the step in flight,

@@ -27,6 +27,21 @@ microseconds:
 host does around a GPU step, whose forward (a graph replay) neither takes host time nor evicts
 the host's caches the way the CPU forward does; the default runs the real forward.
 `--profile` also prints the top functions by own time under cProfile.
+
+`--drafting` times the speculative engine's drafting steps instead (a random drafter, fixed
+K = --k, windows laid out K + 1 wide and launched ahead as with speculative graphs), with
+these phases in place of sample:
+
+  feed_check    the engine's ahead check (Scheduler.ahead_blocker: may step N+1 launch?)
+  forward       SpecDecoder.step: drafting, verification, acceptance (a graph replay on the GPU)
+  continuations SpecRunner._feed_continuations (anchors from the step in flight; a Triton
+                launch on the GPU, torch ops here)
+  queue         SpecRunner.queue_results (host copies of the windows' results)
+  read_back     ModelRunner.collect less assign; assign: SpecRunner.assign (verified tokens
+                per row, the confidences' sinks)
+
+(With random weights nearly every draft is rejected, so a window emits one or two tokens;
+the per-row work does not depend on how many.)
 """
 
 from __future__ import annotations
@@ -59,6 +74,10 @@ PHASES = (
     "other",
     "host",
 )
+DRAFTING_PHASES = (
+    "schedule", "feed_check", "stage", "continuations", "launch_rest", "forward", "queue",
+    "read_back", "assign", "update", "outputs", "other", "host",
+)  # fmt: skip
 
 
 def _tiny_model(directory: Path, vocab_size: int, num_layers: int) -> Path:
@@ -75,10 +94,13 @@ def _tiny_model(directory: Path, vocab_size: int, num_layers: int) -> Path:
     return directory
 
 
-def _build(model_dir: Path, batch: int, drafter: Path | None = None) -> LLM:
-    spec = None if drafter is None else {"model": str(drafter), "scheduling": False}
+def _build(
+    model_dir: Path, batch: int, drafter: Path | None = None, drafting: bool = False, k: int = 7
+) -> LLM:
+    spec = None if drafter is None else {"model": str(drafter), "scheduling": False,
+                                         "num_speculative_tokens": k}  # fmt: skip
     llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_pages=64 * batch,
-              max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+              max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * (k + 1)),
               speculative_config=spec)  # fmt: skip
     e = llm.engine
     e.runner = ModelRunner(  # the GPU's layout: batches padded to the graph ladder, run eagerly
@@ -86,7 +108,9 @@ def _build(model_dir: Path, batch: int, drafter: Path | None = None) -> LLM:
         e.config.max_num_seqs, e.max_model_len, e.device, graph_sizes=graph_ladder(batch),
         capture_graphs=False, spec=e.runner.spec,
     )  # fmt: skip
-    if drafter is not None:
+    if drafting:  # windows K + 1 wide, launched ahead: the layout of the speculative graphs
+        e.runner.spec_runner.uniform_windows = True
+    elif drafter is not None:
         e.scheduler.drafting = False  # the speculative engine's plain steps (drafting off)
     return llm
 
@@ -109,6 +133,24 @@ class PhaseTimer:
             return out
 
         setattr(owner, name, timed)
+
+
+def _instrument_drafting(llm: LLM, timer: PhaseTimer) -> None:
+    e, r = llm.engine, llm.engine.runner
+    sr = r.spec_runner
+    timer.wrap(e.scheduler, "schedule", "schedule")
+    timer.wrap(e.scheduler, "advance", "schedule")
+    timer.wrap(e, "_ahead_blocker", "feed_check")
+    timer.wrap(r.stager, "stage", "stage")
+    timer.wrap(r.buffers, "upload", "stage")
+    timer.wrap(sr, "_feed_continuations", "continuations")
+    timer.wrap(sr.spec, "step", "forward")
+    timer.wrap(sr, "queue_results", "queue")
+    timer.wrap(r, "launch", "launch_rest", minus=("stage", "continuations", "forward", "queue"))
+    timer.wrap(sr, "assign", "assign")
+    timer.wrap(r, "collect", "read_back", minus=("assign",))
+    timer.wrap(e.scheduler, "update", "update")
+    timer.wrap(e, "_update", "outputs", minus=("update",))
 
 
 def _instrument(llm: LLM, timer: PhaseTimer) -> None:
@@ -158,16 +200,22 @@ def main() -> None:
         action="store_true",
         help="the speculative engine (a random drafter) with drafting off",
     )
+    parser.add_argument("--drafting", action="store_true",
+                        help="the speculative engine's drafting steps, launched ahead")  # fmt: skip
+    parser.add_argument("--k", type=int, default=7, help="with --drafting: drafts per window")
     args = parser.parse_args()
+    if args.drafting and (args.no_forward or args.temperature):
+        parser.error("--drafting runs the real forward, greedy")
+    phases = DRAFTING_PHASES if args.drafting else PHASES
     torch.set_num_threads(1)  # (the host of a GPU step does no tensor math on the CPU)
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_model(Path(tmp) / "model", args.vocab, args.layers)
         drafter = None
-        if args.spec:
+        if args.spec or args.drafting:
             from tests.tiny_models import make_tiny_drafter
 
-            drafter = make_tiny_drafter(model, Path(tmp) / "drafter", (0,))
-        llm = _build(model, args.batch, drafter)
+            drafter = make_tiny_drafter(model, Path(tmp) / "drafter", (0,), draft_len=args.k)
+        llm = _build(model, args.batch, drafter, args.drafting, args.k)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 200,
                             ignore_eos=True, seed=1, output_kind=args.output_kind)  # fmt: skip
     _start(llm, args.batch, args.prompt_len, params)
@@ -175,7 +223,7 @@ def main() -> None:
         runner = llm.engine.runner
         runner._forward = lambda layout: torch.zeros(layout.num_logits, runner.vocab_size)
     timer = PhaseTimer()
-    _instrument(llm, timer)
+    (_instrument_drafting if args.drafting else _instrument)(llm, timer)
     per_phase: dict[str, list[int]] = defaultdict(list)
     profiler = cProfile.Profile() if args.profile else None
     for _ in range(args.steps):
@@ -189,15 +237,19 @@ def main() -> None:
             profiler.disable()
         timer.step["host"] = wall - timer.step["forward"]
         timer.step["other"] = timer.step["host"] - sum(
-            timer.step[p] for p in PHASES if p not in ("forward", "host", "other")
+            timer.step[p] for p in phases if p not in ("forward", "host", "other")
         )
-        for phase in PHASES:
+        for phase in phases:
             per_phase[phase].append(timer.step[phase])
     assert len(llm.engine.scheduler.running) == args.batch, "every request decodes throughout"
     print(f"batch {args.batch}, {args.steps} steps, temperature {args.temperature}, "
           f"{args.output_kind} outputs (median us per step):")  # fmt: skip
-    for phase in PHASES:
-        print(f"  {phase:>9}: {statistics.median(per_phase[phase]) / 1e3:7.0f}")
+    if args.drafting:
+        stats = llm.engine.runner.stats
+        print(f"drafting steps launched ahead: {stats['spec_steps_launched_ahead']}, "
+              f"continuation windows: {stats['continuation_windows']}")  # fmt: skip
+    for phase in phases:
+        print(f"  {phase:>13}: {statistics.median(per_phase[phase]) / 1e3:7.0f}")
     print(f"  runner stats: {dict(llm.engine.runner.stats)}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,12 @@ def user_tables_dir() -> Path:
     when its fingerprint equals the live engine's."""
     root = os.environ.get(CACHE_ENV)
     if not root:
-        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        cache = os.environ.get("XDG_CACHE_HOME")
+        if not cache:
+            try:
+                cache = Path.home() / ".cache"
+            except RuntimeError:  # no home directory (a bare container's user)
+                cache = Path(tempfile.gettempdir())
         root = Path(cache) / "dspark"
     return Path(root) / COST_TABLES_DIR
 

@@ -55,7 +55,8 @@ class AheadRules:
             return "token_budget"
         pages = rows = 0  # rows: the requests with a window in the next step
         for req in self.running:
-            if req.num_windows_in_flight and not self._continues(req):
+            most = self._most_tokens(req)
+            if req.num_windows_in_flight and not self._continues(req, most):
                 continue  # deferred
             if not req.num_windows_in_flight and req.token_ids[-1] == PENDING_TOKEN:
                 if req.num_tokens >= req.max_num_tokens:
@@ -63,7 +64,7 @@ class AheadRules:
                 if self.mixed_ahead and self._is_windowed(req):
                     continue  # its first token in flight: deferred (module docstring)
                 return "plain_rows"
-            most = self._most_tokens(req) + self.draft_len  # + the drafter block
+            most += self.draft_len  # + the drafter block
             rows += 1
             if not req.num_windows_in_flight and self._num_draft(req, self.max_verify + 1) == 0:
                 if not self._empty_window(req):
@@ -80,14 +81,16 @@ class AheadRules:
         limits = self.mixed_limits
         return self.mixed_ahead and limits is not None and not self._is_burst(limits)
 
-    def _continues(self, req: Request) -> bool:
+    def _continues(self, req: Request, most: int | None = None) -> bool:
         """Can the in-flight req have its next window now, whatever its in-flight one emits?
         The window is staged at full length; near the request's end the device shortens it to
         what max_tokens and max_model_len allow, as _num_draft would (runner/continuations.py).
         So it needs a window at all, a token left after the most its in-flight windows can
         emit (else the window could come after its last token: a step of a dead row), and the
-        drafter block's K slots from the furthest anchor inside max_model_len."""
-        most = self._most_tokens(req)
+        drafter block's K slots from the furthest anchor inside max_model_len. `most`:
+        _most_tokens(req), where the caller has it (a few hundred rows a step)."""
+        if most is None:
+            most = self._most_tokens(req)
         return (
             self._is_windowed(req)
             and most < req.max_num_tokens

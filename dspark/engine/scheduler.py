@@ -121,8 +121,13 @@ class Scheduler(AheadRules):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
             if req.num_windows_in_flight:  # scheduled ahead: ahead_blocker() found no obstacle
-                most = self._most_tokens(req) + self.draft_len  # + the drafter block
-                if self._continues(req) and self._reserve(req, most, preempt=False):
+                most = self._most_tokens(req)
+                # (pages checked inline, as for the common decode row below: most requests
+                # own the pages for their next window already)
+                if self._continues(req, most) and (
+                    -(-(most + self.draft_len) // page_size) <= len(req.page_ids)
+                    or self._reserve(req, most + self.draft_len, preempt=False)
+                ):
                     num_draft = min(self.max_verify, budget - 1)
                     rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
                     budget -= 1 + num_draft
@@ -324,7 +329,20 @@ class Scheduler(AheadRules):
                 verified = num_draft if out.num_draft is None else out.num_draft
                 req.num_drafts += 1 if verified else 0
                 req.num_draft_tokens += verified
-                req.num_accepted_tokens += len(out.token_ids) - 1
+                count = len(out.token_ids)
+                req.num_accepted_tokens += count - 1
+                # as the common plain row below: a window whose tokens cannot stop it (no stop
+                # id among them, all short of its length) needs none of the per-token checks
+                stop_ids = req.sampling_params.stop_token_ids
+                if (
+                    out.logprobs is None
+                    and first + count < req.max_num_tokens
+                    and req.eos_token_id not in out.token_ids
+                    and not (stop_ids and any(t in stop_ids for t in out.token_ids))
+                ):
+                    emitted.append((req, first, count))
+                    num_generated += count
+                    continue
             else:
                 first = start + num_tokens
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)

@@ -31,7 +31,9 @@ wait_healthy() {
 # ensure_cost_table [MODEL]: when no cost table for this GPU, torch and triton is shipped beside
 # the default drafter or saved in the user's tables, measure one with `dspark profile` (about
 # 30 s on an H100), which saves it where the engine finds it. Without it the policy arms of a
-# sweep run as fixed K (docs/PERFORMANCE.md, twenty-fifth look: the first H100 sweep).
+# sweep run as fixed K (docs/PERFORMANCE.md, twenty-fifth look: the first H100 sweep). It
+# compares only the GPU and library versions, without building an engine; the engine itself
+# authenticates the whole fingerprint (spec_setup.matching_cost_table).
 ensure_cost_table() {
   python3 - <<'PY' && return 0
 import json, sys, torch, triton

@@ -205,10 +205,7 @@ class DraftingPolicy(SurvivalEstimates):
         that is what a probe costs: at G = 256 on the H200 a drafting step cost 3.1-3.7 plain
         ones where the table said 2.04, and probes every 104 steps (the table's horizon) spent
         ~5% of a closed loop at 256, not 1% (docs/PERFORMANCE.md, twenty-fourth look)."""
-        table = self.sampled_table if sampled and self.sampled_table is not None else self.table
-        row = table.cells[g]
-        if self.realised_costs is not None:
-            row = self.realised_costs.priced(g, row, table is self.sampled_table)
+        _, row, _ = self.priced_cells(g, sampled)  # (G is one of the table's: it prices itself)
         ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
         return max(1, math.ceil((ratio - 1) / self.probe_budget))
 

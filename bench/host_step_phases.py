@@ -26,7 +26,8 @@ microseconds:
 `--no-forward` replaces the model's forward by zero logits (every row samples token 0): what the
 host does around a GPU step, whose forward (a graph replay) neither takes host time nor evicts
 the host's caches the way the CPU forward does; the default runs the real forward.
-`--profile` also prints the top functions by own time under cProfile.
+`--profile` also prints the top functions by own time under cProfile, the forward left out
+(the profiler is off inside it): the host work alone.
 
 `--drafting` times the speculative engine's drafting steps instead (a random drafter, fixed
 K = --k, windows laid out K + 1 wide and launched ahead as with speculative graphs), with
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import tempfile
@@ -171,6 +173,22 @@ def _instrument(llm: LLM, timer: PhaseTimer) -> None:
     timer.wrap(e, "_update", "outputs", minus=("update",))
 
 
+def _unprofiled_forward(llm: LLM, profiler: cProfile.Profile, drafting: bool) -> None:
+    """Turn the profiler off inside the forward (CPU math, a graph replay on the GPU)."""
+    r = llm.engine.runner
+    owner, name = (r.spec_runner.spec, "step") if drafting else (r, "_forward")
+    fn = getattr(owner, name)
+
+    def forward(*args, **kwargs):
+        profiler.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            profiler.enable()
+
+    setattr(owner, name, forward)
+
+
 def _start(llm: LLM, batch: int, prompt_len: int, params: SamplingParams) -> None:
     e = llm.engine
     vocab = e.model_config.vocab_size
@@ -226,6 +244,9 @@ def main() -> None:
     (_instrument_drafting if args.drafting else _instrument)(llm, timer)
     per_phase: dict[str, list[int]] = defaultdict(list)
     profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        _unprofiled_forward(llm, profiler, args.drafting)
+    collections_before = [g["collections"] for g in gc.get_stats()]
     for _ in range(args.steps):
         timer.step.clear()
         if profiler:
@@ -241,6 +262,8 @@ def main() -> None:
         )
         for phase in phases:
             per_phase[phase].append(timer.step[phase])
+    collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections_before,
+                                                          strict=True)]  # fmt: skip
     assert len(llm.engine.scheduler.running) == args.batch, "every request decodes throughout"
     print(f"batch {args.batch}, {args.steps} steps, temperature {args.temperature}, "
           f"{args.output_kind} outputs (median us per step):")  # fmt: skip
@@ -251,8 +274,9 @@ def main() -> None:
     for phase in phases:
         print(f"  {phase:>13}: {statistics.median(per_phase[phase]) / 1e3:7.0f}")
     print(f"  runner stats: {dict(llm.engine.runner.stats)}")
+    print(f"  the cyclic collector's collections in the timed steps, by generation: {collections}")
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
 
 
 if __name__ == "__main__":

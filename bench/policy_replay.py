@@ -54,6 +54,7 @@ MAX_MODEL_LEN = 1024  # the benchmark's prompts and 256 tokens fit
 def tables(gpu: CostTable, fingerprint: dict, draft_len: int, folder: Path) -> dict[str, Path]:
     """The GPU table's cells under this engine's fingerprint, and the never / always drafting
     tables of the plain and fixed-K arms (the same G, V cells)."""
+
     def scaled(table: CostTable | None, full_over_plain: float) -> dict | None:
         if table is None:  # (no sampled cells)
             return None
@@ -109,14 +110,17 @@ def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
     }  # fmt: skip
 
 
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--table", required=True, help="a GPU's cost table (dspark profile)")
-    ap.add_argument("--arms", default='{"scheduled": {}}',
-                    help="JSON: name -> speculative_config keys of a policy arm")
+    ap.add_argument(
+        "--arms",
+        default='{"scheduled": {}}',
+        help="JSON: name -> speculative_config keys of a policy arm",
+    )
     ap.add_argument("--concurrency", default="1")
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--output-len", type=int, default=256)
@@ -144,8 +148,7 @@ def main() -> int:
     for c in (int(x) for x in args.concurrency.split(",")):
         results = {}
         for name, spec in arms.items():
-            results[name] = run_arm(model, spec, prompts, args.output_len, c, gpu,
-                                    args.temperature)
+            results[name] = run_arm(model, spec, prompts, args.output_len, c, gpu, args.temperature)
             r = results[name]
             print(f"C={c} {name}: {r['drafting_steps']} drafting + {r['plain_steps']} plain "
                   f"steps, {r['modeled_ms']:.0f} ms modeled ({r['cpu_seconds']:.0f} s on the "
@@ -157,10 +160,14 @@ def main() -> int:
 
     g1 = (gpu.for_sampling() if args.temperature > 0 else gpu).cells[1]
     kind = f"temperature {args.temperature:g}" if args.temperature > 0 else "greedy"
-    print(f"{len(prompts)} prompts x {args.output_len} {kind} tokens; GPU table t(1,1) "
-          f"{g1[1] * 1e3:.3f} ms, t(1,{k + 1}) {g1[full_block_tokens(1, k)] * 1e3:.3f} ms")
-    print(f"{'C':>4} {'arm':>12} {'drafting':>9} {'plain':>7} {'tau':>5} {'switches':>9} "
-          f"{'modeled ms':>11} {'x plain':>8} {'x k7':>6}")
+    print(
+        f"{len(prompts)} prompts x {args.output_len} {kind} tokens; GPU table t(1,1) "
+        f"{g1[1] * 1e3:.3f} ms, t(1,{k + 1}) {g1[full_block_tokens(1, k)] * 1e3:.3f} ms"
+    )
+    print(
+        f"{'C':>4} {'arm':>12} {'drafting':>9} {'plain':>7} {'tau':>5} {'switches':>9} "
+        f"{'modeled ms':>11} {'x plain':>8} {'x k7':>6}"
+    )
     for level in levels:
         arms_ = level["arms"]
         for name, r in arms_.items():

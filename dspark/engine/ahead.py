@@ -21,7 +21,6 @@ idle (docs/PERFORMANCE.md, twenty-third look).
 
 from __future__ import annotations
 
-from dspark.engine.kv_cache import pages_for
 from dspark.request import PENDING_TOKEN, Request
 
 
@@ -55,9 +54,12 @@ class AheadRules:
             return "token_budget"
         pages = rows = 0  # rows: the requests with a window in the next step
         for req in self.running:
-            most = self._most_tokens(req)
-            if req.num_windows_in_flight and not self._continues(req, most):
-                continue  # deferred
+            if req.num_windows_in_flight:
+                most = self._continuing_most(req)
+                if most is None:
+                    continue  # deferred
+            else:
+                most = len(req.token_ids)  # (no window in flight: its anchor is its last token)
             if not req.num_windows_in_flight and req.token_ids[-1] == PENDING_TOKEN:
                 if req.num_tokens >= req.max_num_tokens:
                     continue  # its pending token is its last: no row
@@ -70,7 +72,7 @@ class AheadRules:
                 if not self._empty_window(req):
                     return "plain_rows"
                 most = req.num_tokens  # its anchor's slot
-            pages += pages_for(most, self.page_size) - len(req.page_ids)
+            pages += -(-most // self.page_size) - len(req.page_ids)  # (pages_for, written out)
         if admissible and not rows:
             return "waiting_requests"  # no window to put an admission's tail behind
         return "kv_pages" if pages > self.allocator.num_free else None
@@ -81,23 +83,29 @@ class AheadRules:
         limits = self.mixed_limits
         return self.mixed_ahead and limits is not None and not self._is_burst(limits)
 
-    def _continues(self, req: Request, most: int | None = None) -> bool:
-        """Can the in-flight req have its next window now, whatever its in-flight one emits?
+    def _continuing_most(self, req: Request) -> int | None:
+        """The most tokens the in-flight req can have when its next window runs (one anchor
+        past all that its in-flight window can emit), if it can have that window now, whatever
+        the in-flight one emits; None: deferred.
+
         The window is staged at full length; near the request's end the device shortens it to
-        what max_tokens and max_model_len allow, as _num_draft would (runner/continuations.py).
-        So it needs a window at all, a token left after the most its in-flight windows can
-        emit (else the window could come after its last token: a step of a dead row), and the
-        drafter block's K slots from the furthest anchor inside max_model_len. `most`:
-        _most_tokens(req), where the caller has it (a few hundred rows a step)."""
-        if most is None:
-            most = self._most_tokens(req)
-        return (
-            self._is_windowed(req)
+        what max_tokens and max_model_len allow, as _num_draft would
+        (runner/continuations.py). So it needs a window at all (_is_windowed), a token left
+        after the most its in-flight windows can emit (else the window could come after its
+        last token: a step of a dead row), and the drafter block's K slots from the furthest
+        anchor inside max_model_len.
+
+        (One call per row where the ahead check and schedule each run over a few hundred rows
+        a step: _is_windowed is written out here.)
+        """
+        tokens, sp = req.token_ids, req.sampling_params
+        most = len(tokens) + (1 + self.max_verify) * req.num_windows_in_flight
+        if (
+            self.drafting
+            and sp.use_speculation
+            and len(tokens) - len(req.prompt_token_ids) >= sp.min_tokens
             and most < req.max_num_tokens
             and most + self.draft_len <= self.max_model_len
-        )
-
-    def _most_tokens(self, req: Request) -> int:
-        """The most tokens req can have when its next window runs: one anchor past all that
-        its in-flight window (if any) can emit."""
-        return req.num_tokens + (1 + self.max_verify) * req.num_windows_in_flight
+        ):
+            return most
+        return None

@@ -68,7 +68,7 @@ from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import DeltaOutput, RequestOutput
-from dspark.request import FinishReason, Request
+from dspark.request import FinishReason, Request, RequestStatus
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
@@ -370,18 +370,17 @@ class LLMEngine:
         self.stats_log.maybe_log(self)
         outputs = []
         cursors, interval = self._cursors, self.config.stream_interval
+        detokenizers, finished = self._detokenizers, RequestStatus.FINISHED
         for req, first, count in emitted:
             if req.first_token_time is None:
                 req.first_token_time = now
-            hit = self._detokenizers[req.request_id].add_tokens(
-                req.token_ids[first : first + count]
-            )
+            hit = detokenizers[req.request_id].add_tokens(req.token_ids[first : first + count])
             if hit is not None:
                 del req.token_ids[first + hit.num_tokens :]  # after the stop (placeholders too)
                 del req.logprobs[req.num_output_tokens :]
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.STOP, hit.stop)
-            if req.is_finished:
+            if req.status is finished:
                 outputs.append(self._report(req))
             elif (cursor := cursors.get(req.request_id)) is not None:
                 cursor.num_unreported += count

@@ -41,10 +41,8 @@ from collections import deque
 from dspark.engine.ahead import AheadRules
 from dspark.engine.burst import burst_requests_from_env
 from dspark.engine.kv_cache import PageAllocator, pages_for
-from dspark.engine.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head
+from dspark.engine.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
-
-_new_row = tuple.__new__
 
 
 class Scheduler(AheadRules):
@@ -121,15 +119,20 @@ class Scheduler(AheadRules):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
             if req.num_windows_in_flight:  # scheduled ahead: ahead_blocker() found no obstacle
-                most = self._most_tokens(req)
+                most = self._continuing_most(req)
                 # (pages checked inline, as for the common decode row below: most requests
                 # own the pages for their next window already)
-                if self._continues(req, most) and (
+                if most is not None and (
                     -(-(most + self.draft_len) // page_size) <= len(req.page_ids)
                     or self._reserve(req, most + self.draft_len, preempt=False)
                 ):
                     num_draft = min(self.max_verify, budget - 1)
-                    rows.append(ScheduledRow.continuation(req, num_draft, self.max_verify))
+                    # a continuation (built as the decode row below): a window behind the
+                    # in-flight one, whose anchor lands 1 .. max_verify + 1 positions on;
+                    # start is the furthest
+                    start = req.num_computed_tokens + 1 + self.max_verify
+                    rows.append(new_tuple(ScheduledRow, (req, start, 1 + num_draft, True,
+                                                        num_draft, True, False)))  # fmt: skip
                     budget -= 1 + num_draft
                     is_decode, has_head, reorder = False, True, reorder or num_tail > 0
                 else:
@@ -151,13 +154,13 @@ class Scheduler(AheadRules):
                 continue
             # the common row, a decode token, runs this loop hundreds of times per step: the
             # page check is inlined (a request owning the pages it needs skips _reserve), and
-            # the row is built by tuple.__new__ (ScheduledRow's generated __new__ is a Python
+            # the row is built by new_tuple (ScheduledRow's generated __new__ is a Python
             # call; the fields are those of ScheduledRow(req, start, 1, True))
             start = req.num_computed_tokens
             if num_tokens - start == 1 and budget:
                 if start // page_size < len(req.page_ids) or self._reserve(req, num_tokens, True):
                     empty = drafting and self._empty_window(req)
-                    rows.append(_new_row(ScheduledRow, (req, start, 1, True, 0, False, empty)))
+                    rows.append(new_tuple(ScheduledRow, (req, start, 1, True, 0, False, empty)))
                     budget -= 1
                     if not drafting:  # a decode row: the head of a mixed decode step
                         if limits is not None:  # (no mixed decode graphs: order as it came)
@@ -311,7 +314,7 @@ class Scheduler(AheadRules):
         (aborted, stopped at an earlier step) are skipped; preempted ones still get their token.
         """
         emitted = []
-        finished, num_generated = RequestStatus.FINISHED, 0
+        finished, running, num_generated = RequestStatus.FINISHED, RequestStatus.RUNNING, 0
         for row, out in zip(plan.rows, sampled, strict=True):
             req, start, num_tokens, _, num_draft, is_continuation, _ = row  # (unpacked: per row)
             if num_draft:
@@ -319,9 +322,9 @@ class Scheduler(AheadRules):
             if out is None or req.status is finished:
                 continue
             if num_draft:
-                first = req.num_tokens  # one past the anchor
+                first = len(req.token_ids)  # one past the anchor
                 assert is_continuation or first - 1 == start, (req.request_id, first)
-                if req.status == RequestStatus.RUNNING:  # (preempted: its KV is recomputed)
+                if req.status is running:  # (preempted: its KV is recomputed)
                     req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
                 # a window emits its accepted drafts and one recovered-or-bonus token (the

@@ -14,6 +14,11 @@ from typing import NamedTuple
 
 from dspark.request import Request, TokenLogprobs
 
+# a NamedTuple built from all its fields, in order, without its generated __new__ (a Python
+# call): for the per-row tuples of a step, a few hundred at high load
+#   new_tuple(ScheduledRow, (req, 5, 1, True, 0, False, False)) == ScheduledRow(req, 5, 1, True)
+new_tuple = tuple.__new__
+
 
 class ScheduledRow(NamedTuple):
     """One request's share of a step: tokens [start, start + num_tokens) of its token_ids.
@@ -45,13 +50,6 @@ class ScheduledRow(NamedTuple):
     def window(cls, request: Request, num_draft: int) -> ScheduledRow:
         """[anchor, num_draft drafts]: the drafts are made on the device during the step."""
         return cls(request, request.num_computed_tokens, 1 + num_draft, True, num_draft)
-
-    @classmethod
-    def continuation(cls, request: Request, num_draft: int, max_verify: int) -> ScheduledRow:
-        """A window behind the request's in-flight one (anchor at num_computed_tokens, at most
-        max_verify drafts): its anchor lands 1 .. max_verify + 1 positions further on."""
-        start = request.num_computed_tokens + 1 + max_verify
-        return cls(request, start, 1 + num_draft, True, num_draft, is_continuation=True)
 
     @property
     def end(self) -> int:

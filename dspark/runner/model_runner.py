@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dspark.engine.kv_cache import pages_for
-from dspark.engine.step_plan import SampledTokens, StepPlan
+from dspark.engine.step_plan import SampledTokens, StepPlan, new_tuple
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
@@ -42,8 +42,6 @@ from dspark.sample.sampling_rows import SamplingRows
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
-
-_new_tuple = tuple.__new__
 
 
 @dataclass
@@ -322,9 +320,9 @@ class ModelRunner:
             step.done.synchronize()
             self.sync_wait_s += time.perf_counter() - start
         if step.plain and step.logprobs is None and len(step.plain) == len(plan.rows):
-            # a decode step: one token per row, each SampledTokens((tok,)) built by tuple.__new__
+            # a decode step: one token per row, each SampledTokens((tok,)) built by new_tuple
             # (the NamedTuple's generated __new__ is a Python call, 256 times per step)
-            return [_new_tuple(SampledTokens, ((tok,), None)) for tok in step.tokens.tolist()]
+            return [new_tuple(SampledTokens, ((tok,), None)) for tok in step.tokens.tolist()]
         results: list[SampledTokens | None] = [None] * len(plan.rows)
         if step.verified is not None:
             self.spec_runner.assign(step, results)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dspark.engine.step_plan import SampledTokens, StepPlan
+from dspark.engine.step_plan import SampledTokens, StepPlan, new_tuple
 from dspark.request import TokenLogprobs
 from dspark.runner.chosen_lengths import planned_step, trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
@@ -218,17 +218,16 @@ class SpecRunner:
         graph_size: int | None,
         graph_tail: int,
     ) -> SpecStepOutput:
-        cu = layout.cu_num_tokens_cpu
+        cu, plan_rows, vocab_size = layout.cu_num_tokens_cpu, plan.rows, self.vocab_size
         rows = []
-        for i in window_rows:
-            r = plan.rows[i]
-            req, sp = r.request, r.request.sampling_params
+        for i in window_rows:  # (a few hundred a step at high load: WindowRow by new_tuple)
+            req, start, _, _, num_draft, is_continuation, _ = plan_rows[i]
+            sp = req.sampling_params
             # (a continuation's anchor is written on the device: see _feed_continuations)
-            anchor = PAD_TOKEN_ID if r.is_continuation else req.token_ids[r.start]
-            rows.append(WindowRow(
-                anchor, r.start, r.num_draft, cu[i], i, sp.temperature,
-                sp.top_k if sp.top_k > 0 else self.vocab_size, sp.top_p, req.seed,
-            ))  # fmt: skip
+            anchor = PAD_TOKEN_ID if is_continuation else req.token_ids[start]
+            top_k = sp.top_k if sp.top_k > 0 else vocab_size
+            fields = (anchor, start, num_draft, cu[i], i, sp.temperature, top_k, sp.top_p, req.seed)
+            rows.append(new_tuple(WindowRow, fields))
         mode = SamplingMode.of(rows, self.vocab_size)
         width, table = layout.window_width, self.buffers.np("block_table")
         trimmed = self._trimmed_tokens(plan, layout, rows, graph_size)
@@ -352,30 +351,31 @@ class SpecRunner:
         the counters and observers see the step."""
         plan = step.plan
         emitted, accepted = (x.tolist() for x in step.verified)
-        greedy = [plan.rows[i].request.sampling_params.is_greedy for i in step.window_rows]
+        rows = plan.rows
+        greedy = [rows[i].request.sampling_params.temperature == 0 for i in step.window_rows]
         # what the host allowed; a trimmed cell, or a continuation near its request's end,
         # verified fewer (window logprobs are packed by these)
         caps = step.verify_len
         if step.device_verify_len is not None:
             step.verify_len = step.device_verify_len.tolist()
         self.spec.record(step.verify_len, accepted, step.confidence, greedy)
-        if step.confidence is not None:
+        if step.confidence is not None and self.confidence_sinks:
             # (an empty window's block drafted over scratch-page slots: no evidence)
-            rows, confidence = step.window_rows, step.confidence
+            seen_rows, confidence = step.window_rows, step.confidence
             seen_greedy, seen_accepted, verify_len = greedy, accepted, step.verify_len
             if 0 in caps:
                 seen = [j for j, v in enumerate(caps) if v]
-                rows, confidence = [rows[j] for j in seen], confidence[seen]
+                seen_rows, confidence = [seen_rows[j] for j in seen], confidence[seen]
                 seen_greedy = [greedy[j] for j in seen]
                 seen_accepted = [accepted[j] for j in seen]
                 verify_len = [verify_len[j] for j in seen]
-            ids = [plan.rows[i].request.request_id for i in rows]
+            ids = [rows[i].request.request_id for i in seen_rows]
             for sink in self.confidence_sinks:
                 sink(ids, confidence, seen_greedy, seen_accepted, verify_len)
-        if step.device_verify_len is not None:  # (continuations near their requests' ends)
+        if step.verify_len != caps:  # (continuations near their requests' ends)
             self.stats["continuation_windows_shortened"] += sum(
                 1 for j, i in enumerate(step.window_rows)
-                if plan.rows[i].is_continuation and step.verify_len[j] < caps[j]
+                if rows[i].is_continuation and step.verify_len[j] < caps[j]
             )  # fmt: skip
         wlp = None
         if step.window_logprobs is not None:
@@ -383,9 +383,8 @@ class SpecRunner:
         row0 = 0
         for j, i in enumerate(step.window_rows):
             toks = tuple(emitted[j][: accepted[j] + 1])
-            n = plan.rows[i].request.sampling_params.logprobs
             logprobs = None
-            if n is not None and wlp is not None:
+            if wlp is not None and (n := rows[i].request.sampling_params.logprobs) is not None:
                 chosen, top_ids, top_vals = wlp
                 logprobs = tuple(
                     TokenLogprobs(t, chosen[row0 + k], dict(zip(top_ids[row0 + k][:n],
@@ -393,7 +392,8 @@ class SpecRunner:
                     for k, t in enumerate(toks)
                 )  # fmt: skip
             verified = step.verify_len[j]
-            results[i] = SampledTokens(toks, logprobs, None if verified == caps[j] else verified)
+            fewer = None if verified == caps[j] else verified
+            results[i] = new_tuple(SampledTokens, (toks, logprobs, fewer))
             row0 += 1 + caps[j]
 
     def _window_logprobs(

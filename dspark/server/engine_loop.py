@@ -54,6 +54,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from time import perf_counter
 
 from dspark.engine.detokenizer import Detokenizer
 from dspark.sampling_params import SamplingParams
@@ -194,6 +195,20 @@ class EngineLoop:
             self.loop_lag.take().summary(),
         )  # fmt: skip
 
+    def _log_start_up(self, freeze_s: float) -> None:
+        """The server loop's start-up, apart from what serving logs after it: the READY
+        message (its receive time is the tokenizer's unpickling, on this loop), the collection
+        and freeze after it, the collections and the loop's lag while the engine loaded. The
+        clocks start again for serving."""
+        reads = self.read_times.take()
+        logger.info(
+            "engine process %d ready: serving; the server's start-up: %d reads of the engine's "
+            "pipe, %.0f ms in all; collect and freeze %.0f ms; %s; %s", self.info.pid,
+            reads.counts["receive"], 1e3 * reads.seconds["receive"], 1e3 * freeze_s,
+            self.gc_pauses.take().summary(), self.loop_lag.restart().summary(),
+        )  # fmt: skip
+        self.read_times.restart()  # (the READY message's routing lap, the freeze, not counted)
+
     def _dispatch(self, message: tuple) -> None:
         tag = message[0]
         if tag == wire.STEP:
@@ -204,12 +219,13 @@ class EngineLoop:
             self.info = message[1]
             if self.state == EngineState.LOADING:
                 self.state = EngineState.SERVING
-            logger.info("engine process %d ready: serving", self.info.pid)
             # what exists by now (the app, its routes, the tokenizer the engine sent) lives as
             # long as the server: frozen, full collections skip it (the engine process does the
             # same; vLLM freezes its heap after start-up too)
+            start = perf_counter()
             gc.collect()
             gc.freeze()
+            self._log_start_up(perf_counter() - start)
         elif tag == wire.FAILED:
             self._die(message[1])
         else:

@@ -55,6 +55,15 @@ class LoopLag:
         self.samples = []
         return taken
 
+    def restart(self) -> LoopLag:
+        """take(), and the wake-up in progress dropped: how late it wakes is the lag of what
+        ran before now (the server's start-up), not of what follows."""
+        taken = self.take()
+        if self._task is not None:
+            self.stop()
+            self.start()
+        return taken
+
     def summary(self) -> str:
         """The lag's median, 99th percentile and maximum (ms)."""
         n = len(self.samples)

@@ -127,14 +127,18 @@ class SpecBuffers:
         n = len(rows)
         assert n <= num_rows <= self.max_rows, (n, num_rows, self.max_rows)
         k = np.arange(K)
+        # the rows' fields, one tuple each (WindowRow's order): one pass over the rows
+        columns = zip(*rows, strict=True) if n else ((),) * len(WindowRow._fields)
+        (anchors, positions, verify_lens, token_offsets, table_rows, temperatures, top_ks,
+         top_ps, seeds) = columns  # fmt: skip
         anchor_pos = np.zeros(num_rows, dtype=np.int64)
-        anchor_pos[:n] = [r.anchor_pos for r in rows]
+        anchor_pos[:n] = positions
         block_pos = anchor_pos[:, None] + k[None, :]  # [G, K]
         verify_len = np.full(num_rows, pad_verify_len, dtype=np.int64)
-        verify_len[:n] = [r.verify_len for r in rows]
+        verify_len[:n] = verify_lens
         slots = np.full((num_rows, K), SCRATCH_PAGE * ps, dtype=np.int64)
         if n:  # position p of row j: its page block_table[table_row, p // ps], offset p % ps
-            table_rows = np.array([r.table_row for r in rows], dtype=np.int64)
+            table_rows = np.array(table_rows, dtype=np.int64)
             pages = block_table[table_rows[:, None], block_pos[:n] // ps].astype(np.int64)
             live = pages * ps + block_pos[:n] % ps
             # an empty window owns its anchor's slot alone: the rest stay on the scratch page
@@ -142,11 +146,10 @@ class SpecBuffers:
             slots[:n] = live
         window_len = verify_len + 1 if window_width is None else np.full(num_rows, window_width)
         offsets = np.empty(num_rows, dtype=np.int64)
-        offsets[:n] = [r.token_offset for r in rows]
+        offsets[:n] = token_offsets
         offsets[n:] = pad_token_offset + (pad_verify_len + 1) * np.arange(num_rows - n)
         dst = np.where(k[None, :] < verify_len[:, None], offsets[:, None] + 1 + k, offsets[:, None])
-        pad = num_rows - n
-        self.np("anchors")[:num_rows] = [r.anchor for r in rows] + [0] * pad
+        self._write_rows("anchors", anchors, n, num_rows, 0)
         self.np("anchor_pos")[:num_rows] = anchor_pos
         self.np("verify_len")[:num_rows] = verify_len
         self.np("verify_cap")[:num_rows] = np.where(np.arange(num_rows) < n, verify_len, 0)
@@ -155,11 +158,18 @@ class SpecBuffers:
         self.np("block_slots")[: num_rows * K] = slots.reshape(-1)
         self.np("block_seq_lens")[:num_rows] = anchor_pos + K
         self.np("draft_dst")[:num_rows] = dst
-        self.np("temperature")[:num_rows] = [r.temperature for r in rows] + [0.0] * pad
-        self.np("top_k")[:num_rows] = [r.top_k for r in rows] + [1] * pad
-        self.np("top_p")[:num_rows] = [r.top_p for r in rows] + [1.0] * pad
-        self.np("seeds")[:num_rows] = [r.seed for r in rows] + [0] * pad
-        self.block_seq_lens_host = tuple(int(x) for x in anchor_pos + K)
+        self._write_rows("temperature", temperatures, n, num_rows, 0.0)
+        self._write_rows("top_k", top_ks, n, num_rows, 1)
+        self._write_rows("top_p", top_ps, n, num_rows, 1.0)
+        self._write_rows("seeds", seeds, n, num_rows, 0)
+        self.block_seq_lens_host = tuple((anchor_pos + K).tolist())
+
+    def _write_rows(self, name: str, values: tuple, n: int, num_rows: int, pad) -> None:
+        """Rows 0..n-1 of a per-row buffer from the live rows' values, then pad rows up to
+        num_rows."""
+        host = self.np(name)
+        host[:n] = values
+        host[n:num_rows] = pad
 
     def upload(self, num_rows: int) -> None:
         if self.device.type == "cpu":

@@ -129,6 +129,8 @@ def test_two_api_processes_serve_count_together_and_stop_together(two_servers):
         time.sleep(0.1)
     text = log.read_text()
     assert "serving with 2 API processes" in text and "engine ready: serving 2" in text
+    # each API process logs its start-up apart from serving (the tokenizer's READY message)
+    assert text.count("ready: serving; the server's start-up: ") == 2, text
 
 
 def test_a_worker_that_dies_leaves_the_main_server_serving(two_servers):

@@ -44,6 +44,13 @@ def test_greedy_speculation_equals_plain_decoding(tiny_vocab_dir, vocab_drafter,
     m = spec_llm.engine.get_metrics()
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0, m
     assert m["mean_acceptance_length"] > 1.0
+    # the per-position and per-length counters add up to the totals (SpecDecoder.record)
+    spec = spec_llm.engine.spec
+    counts = spec.verify_len_counts
+    assert sum(spec.accepted_per_position) == m["num_accepted_tokens"]
+    assert spec.accepted_per_position == sorted(spec.accepted_per_position, reverse=True)
+    assert sum(v * n for v, n in enumerate(counts)) == m["num_draft_tokens"]
+    assert sum(counts[1:]) == m["num_drafts"]
     e = spec_llm.engine
     assert e.allocator.num_free == e.allocator.num_usable
     if kv_pages == 8:

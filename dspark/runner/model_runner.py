@@ -218,7 +218,7 @@ class ModelRunner:
         spec_out = None
         if window_rows:
             spec_out = self.spec_runner.run(plan, layout, window_rows, graph_size,
-                                            staged.graph_tail)  # fmt: skip
+                                            staged.graph_tail, staged.serials)  # fmt: skip
             logits = spec_out.logits
         elif graph_size is not None and self.stager.graphs is not None:
             logits = self.stager.graphs.replay(graph_size, staged.graph_tail)

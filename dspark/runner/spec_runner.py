@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dspark.engine.step_plan import SampledTokens, StepPlan, new_tuple
@@ -51,6 +52,7 @@ from dspark.runner.mixed_layout import (
     capture_layout,
     prepare_capture,
 )
+from dspark.runner.persistent_batch import NOT_FOUND, index_of
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import top_logprobs
 from dspark.spec.ragged import TrimmedCell
@@ -101,9 +103,9 @@ class SpecRunner:
         # None (the engine sets it with its drafting policy): the synchronous planner's prices
         self.step_prices: Callable[[int, bool], tuple[int, dict, bool] | None] | None = None
         # the next anchors (positions, tokens; [R] on the device) of the last uniform step's
-        # windows, and each window's row there by request serial: continuations read them
+        # windows, and each window's request serial [R] (host): continuations read them
         self._next_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._next_anchor_row: dict[int, int] = {}
+        self._next_anchor_serials = np.empty(0, dtype=np.int64)
         # called after each speculative step's sync with the windows' request ids, raw
         # confidence logits [R, K] (host), greedy flags, accepted drafts and verify lengths:
         # the drafting policy's survivals and its online recalibration
@@ -197,17 +199,17 @@ class SpecRunner:
         layout: StepLayout,
         window_rows: list[int],
         graph_size: int | None,
-        graph_tail: int = 0,  # a mixed step's captured P (0: a step of windows only)
+        graph_tail: int,  # a mixed step's captured P (0: a step of windows only)
+        serials: np.ndarray,  # [R] the plan rows' request serials (Staged.serials)
     ) -> SpecStepOutput:
         """Stage the windows and run the speculative step: a captured graph when the step is
         all windows, or windows then a tail, of a captured size, else eagerly."""
-        out = self._run(plan, layout, window_rows, graph_size, graph_tail)
+        out = self._run(plan, layout, window_rows, graph_size, graph_tail, serials)
         if layout.window_width is not None:  # a step may be launched behind this one
             R = len(window_rows)
             anchor_pos = self.spec.buffers.anchor_pos[:R]  # (this step's: the next is staged later)
             self._next_anchors = next_anchors(anchor_pos, out.tokens[:R], out.num_accepted[:R])
-            self._next_anchor_row = {plan.rows[i].request.serial: j
-                                     for j, i in enumerate(window_rows)}  # fmt: skip
+            self._next_anchor_serials = serials[window_rows]
         return out
 
     def _run(
@@ -217,6 +219,7 @@ class SpecRunner:
         window_rows: list[int],
         graph_size: int | None,
         graph_tail: int,
+        serials: np.ndarray,
     ) -> SpecStepOutput:
         cu, plan_rows, vocab_size = layout.cu_num_tokens_cpu, plan.rows, self.vocab_size
         rows = []
@@ -234,13 +237,13 @@ class SpecRunner:
         if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
             self.spec.stage(rows, graph_size, pad_token_offset=cu[len(plan.rows)],
                             window_width=width, block_table=table)  # fmt: skip
-            self._feed_continuations(plan, width)
+            self._feed_continuations(plan, width, serials)
             self.stats["spec_graph_steps"] += 1
             self.stats["spec_graph_steps_mixed"] += bool(graph_tail)
             self.stats["spec_graph_steps_trimmed"] += trimmed is not None
             return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
-        self._feed_continuations(plan, width)
+        self._feed_continuations(plan, width, serials)
         self.stats["eager_spec_steps"] += 1
         if self.sync_planning and width is not None and not layout.tail_rows:
             return self._planned_step(rows, mode)
@@ -285,16 +288,22 @@ class SpecRunner:
     def _trimmed_step(self, num_rows: int, num_tokens: int) -> tuple[TargetStep, TrimmedCell]:
         return trimmed_target(self.buffers, self.spec, self.run_model, num_rows, num_tokens)
 
-    def _feed_continuations(self, plan: StepPlan, width: int | None) -> None:
+    def _feed_continuations(self, plan: StepPlan, width: int | None, serials: np.ndarray) -> None:
         """The continuation rows' anchors, from the previous step's verification on the device,
-        into this step's staged inputs (after their upload, before the step runs)."""
-        feed = [(i, self._next_anchor_row[r.request.serial], r.request.max_num_tokens)
-                for i, r in enumerate(plan.rows) if r.is_continuation]  # fmt: skip
-        if not feed:
+        into this step's staged inputs (after their upload, before the step runs). Each
+        continuation's anchor comes from its request's window in that step: row src there.
+
+          previous windows' serials [7, 4, 9], continuations' serials [4, 9, 7] -> src [1, 2, 0]
+        """
+        rows = [i for i, r in enumerate(plan.rows) if r.is_continuation]
+        if not rows:
             return
         assert width is not None, "continuations only run in steps of uniform windows"
-        rows, src, limits = host_to_device(list(zip(*feed, strict=True)), torch.int64,
-                                           self.device)  # fmt: skip
+        src = index_of(self._next_anchor_serials, serials[rows])
+        assert (src != NOT_FOUND).all(), "a continuation without a window in the step before"
+        limits = [plan.rows[i].request.max_num_tokens for i in rows]
+        rows, src, limits = host_to_device(np.array([rows, src, limits], dtype=np.int64),
+                                           torch.int64, self.device)  # fmt: skip
         next_pos, next_tok = self._next_anchors
         b, sb = self.buffers, self.spec.buffers
         if self.device.type == "cuda":  # one launch instead of two dozen small ops
@@ -308,7 +317,7 @@ class SpecRunner:
             )  # fmt: skip
         else:
             write_continuations(b, sb, rows, next_pos[src], next_tok[src], limits, width)
-        self.stats["continuation_windows"] += len(feed)
+        self.stats["continuation_windows"] += len(limits)
 
     def _target_step(self, layout: StepLayout, block_table: torch.Tensor) -> TargetStep:
         b, t = self.buffers, layout.num_tokens

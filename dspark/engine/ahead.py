@@ -21,6 +21,7 @@ idle (docs/PERFORMANCE.md, twenty-third look).
 
 from __future__ import annotations
 
+from dspark.engine.kv_cache import pages_for
 from dspark.request import PENDING_TOKEN, Request
 
 
@@ -72,7 +73,7 @@ class AheadRules:
                 if not self._empty_window(req):
                     return "plain_rows"
                 most = req.num_tokens  # its anchor's slot
-            pages += -(-most // self.page_size) - len(req.page_ids)  # (pages_for, written out)
+            pages += pages_for(most, self.page_size) - len(req.page_ids)
         if admissible and not rows:
             return "waiting_requests"  # no window to put an admission's tail behind
         return "kv_pages" if pages > self.allocator.num_free else None

@@ -231,7 +231,7 @@ class SpecRunner:
             top_k = sp.top_k if sp.top_k > 0 else vocab_size
             fields = (anchor, start, num_draft, cu[i], i, sp.temperature, top_k, sp.top_p, req.seed)
             rows.append(new_tuple(WindowRow, fields))
-        mode = SamplingMode.of(rows, self.vocab_size)
+        mode = SamplingMode.of(rows, vocab_size)
         width, table = layout.window_width, self.buffers.np("block_table")
         trimmed = self._trimmed_tokens(plan, layout, rows, graph_size)
         if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
@@ -361,7 +361,7 @@ class SpecRunner:
         plan = step.plan
         emitted, accepted = (x.tolist() for x in step.verified)
         rows = plan.rows
-        greedy = [rows[i].request.sampling_params.temperature == 0 for i in step.window_rows]
+        greedy = [rows[i].request.sampling_params.is_greedy for i in step.window_rows]
         # what the host allowed; a trimmed cell, or a continuation near its request's end,
         # verified fewer (window logprobs are packed by these)
         caps = step.verify_len

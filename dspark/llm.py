@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dspark.config import EngineConfig
+from dspark.engine.collector import steady_collector
 from dspark.engine.engine import LLMEngine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
@@ -100,18 +101,19 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
+        with bar, steady_collector():
             while pending:
                 for out in self.engine.step():
                     if out.finished and out.request_id in pending:
                         finished[out.request_id] = out
                         pending.discard(out.request_id)
                         bar.update(1)
-        # a step launched ahead may still be in flight for requests that ended in the step
-        # before it: collect it, so the engine is idle when generate returns
-        engine = self.engine
-        while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished:
-            engine.step()
+            # a step launched ahead may still be in flight for requests that ended in the step
+            # before it: collect it, so the engine is idle when generate returns
+            engine = self.engine
+            while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished:
+                engine.step()
         return [finished[r] for r in request_ids]
 
 

@@ -27,6 +27,7 @@ from dspark.benchmarks.gpu_state import held_down, read_gpu_state
 from dspark.benchmarks.hf_peer import synchronize
 from dspark.benchmarks.offline_config import BenchConfig
 from dspark.benchmarks.prompts import output_lengths
+from dspark.engine.collector import steady_collector
 from dspark.server.gc_pauses import GCPauses
 
 
@@ -92,16 +93,18 @@ def _closed_loop(llm, prompts: list[list[int]], params: list, max_in_flight: int
     outputs: dict[int, object] = {}
     submit: dict[int, float] = {}
     next_prompt = 0
-    while len(outputs) < len(prompts):
-        while next_prompt < len(prompts) and next_prompt - len(outputs) < max_in_flight:
-            submit[next_prompt] = time.monotonic()
-            engine.add_request(f"{tag}-{next_prompt}", prompts[next_prompt], params[next_prompt])
-            next_prompt += 1
-        for out in engine.step():
-            if out.finished and out.request_id.startswith(tag):
-                outputs[int(out.request_id.rsplit("-", 1)[1])] = out
-    while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished:
-        engine.step()  # a step launched ahead for requests that just ended: collect it
+    with steady_collector():  # as LLM.generate runs its loop
+        while len(outputs) < len(prompts):
+            while next_prompt < len(prompts) and next_prompt - len(outputs) < max_in_flight:
+                submit[next_prompt] = time.monotonic()
+                request_id = f"{tag}-{next_prompt}"
+                engine.add_request(request_id, prompts[next_prompt], params[next_prompt])
+                next_prompt += 1
+            for out in engine.step():
+                if out.finished and out.request_id.startswith(tag):
+                    outputs[int(out.request_id.rsplit("-", 1)[1])] = out
+        while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished:
+            engine.step()  # a step launched ahead for requests that just ended: collect it
     order = range(len(prompts))
     return [outputs[i] for i in order], [submit[i] for i in order]
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import cProfile
 import functools
-import gc
 import io
 import logging
 import multiprocessing
@@ -47,6 +46,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from time import monotonic
 
+from dspark.engine.collector import steady_collector_for_good
 from dspark.outputs import FinalInfo
 from dspark.server import wire
 from dspark.server.metrics import RequestMetrics
@@ -113,9 +113,8 @@ def run_engine_process(
     # what exists now (modules, weights' wrappers, the tokenizer) lives as long as the
     # process: frozen, the oldest generation's collections skip it (a full collection of this
     # heap paused the step loop ~0.27 s every few seconds under load on the CPU; vLLM freezes
-    # it too)
-    gc.collect()
-    gc.freeze()
+    # it too), and young collections are rarer (dspark/engine/collector.py)
+    steady_collector_for_good()
     # one API process: its pipe closing means the server is gone, and the process exits at
     # once; with several, a closed pipe detaches that one API process (EngineServer)
     exit_status = PARENT_GONE_EXIT if len(conns) == 1 else None

@@ -8,7 +8,8 @@
 #   bash bench/device_host_cut_ab.sh                            # there, carrying that file
 #
 # ROUNDS (2), LEVELS (64,256), REPEATS (2), PROMPTS_DIR (.carry/data), OUTPUT_LEN (256),
-# MIN_REQUESTS (32). Under $OUT, per tree and round: the bench's JSON and table, and
+# MIN_REQUESTS (32), TREES ("old new"; "new0" is this tree with DSPARK_STEADY_GC=0, the collector
+# as it was before dspark/engine/collector.py). Under $OUT, per tree and round: the bench's JSON and table, and
 # bench/policy_trace.py's summary of its trace (periods by G, split into the wait in the step's
 # host sync, host work and time off the CPU). The twenty-sixth look of docs/PERFORMANCE.md is
 # the change this was written for.
@@ -21,12 +22,14 @@ rm -rf "$OLD" && mkdir -p "$OLD" && tar xzf .carry/old_dspark.tgz -C "$OLD"
 ln -s "$REPO/dspark/drafters" "$OLD/dspark/drafters"
 ARMS='{"plain": null, "k7": {"method": "dspark", "scheduling": false}}'
 for round in $(seq "${ROUNDS:-2}"); do
-  for tree in old new; do
+  for tree in ${TREES:-old new}; do
     dir=$REPO; [ "$tree" = old ] && dir=$OLD
+    steady=1; [ "$tree" = new0 ] && steady=0
     traces=/tmp/host_cut_traces_${tree}_$round
     rm -rf "$traces"
     # (run from the tree's own directory: python puts the working directory first on the path)
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir DSPARK_POLICY_TRACE=$traces python3 -m dspark.cli \
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir DSPARK_POLICY_TRACE=$traces DSPARK_STEADY_GC=$steady \
+      python3 -m dspark.cli \
       bench --prompts-dir "$REPO/${PROMPTS_DIR:-.carry/data}" --concurrency "${LEVELS:-64,256}" \
       --output-len "${OUTPUT_LEN:-256}" --output-len-spread 0.5 --waves 4 \
       --min-requests "${MIN_REQUESTS:-32}" --repeats "${REPEATS:-2}" --temperature 0 \
@@ -36,4 +39,8 @@ for round in $(seq "${ROUNDS:-2}"); do
       > "$OUT/${tree}_${round}_trace.txt"
   done
 done
+for f in "$OUT"/*_[0-9].json; do python3 bench/arm_steps.py "$f" > "${f%.json}_steps.txt"; done
+# few files come back from a device call: the tables stay, the rest travels in one archive
+(cd "$OUT" && tar czf host_cut_ab.tgz ./*.json ./*_trace.txt ./*_steps.txt \
+  && cat ./*_steps.txt > steps.txt && rm ./*.json ./*_trace.txt ./*_[0-9]_steps.txt)
 for f in "$OUT"/*_[0-9].txt; do echo "== $f"; tail -6 "$f"; done

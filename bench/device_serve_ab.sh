@@ -7,7 +7,8 @@
 #   MODEL=/tmp/rs PROMPTS_DIR=.dsm LEVELS=1,64,256 bash bench/device_serve_ab.sh \
 #     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
 #
-# Each served level runs one untimed wave of C requests first (SERVE_WARMUP=0 skips it).
+# Each served level runs one untimed wave of C requests first (SERVE_WARMUP=0 skips it), then
+# SERVE_REPEATS (1) timed runs: the table gives their median (the upper one of an even count).
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments",
 # whose leading VAR=value words are set in that server's environment ("burst32|DSPARK_BURST_REQUESTS=32").
 # SPREAD (e.g. 0.5): seeded lengths in 256 * [1 - S, 1 + S], the same in both engines, so requests
@@ -29,6 +30,7 @@ python3 -c "import fastapi, uvicorn, httpx" || exit 1
 [ "${MODEL:-default}" = default ] && ensure_cost_table > "$OUT/cost_table.txt" 2>&1
 LEVELS=${LEVELS:-1,64,256}
 MODEL=${MODEL:-default}
+rm -f /tmp/serve_*_c*.json /tmp/cpu_*_c*.txt  # an earlier call's on this machine
 COMMON=(--prompts-dir "${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
         --output-len 256 ${SPREAD:+--output-len-spread "$SPREAD"})
 
@@ -81,16 +83,19 @@ for arm in "$@"; do
         "${COMMON[@]}" --concurrency "$c" --num-prompts "$c" --no-plot \
         --out "/tmp/serve_${name}_c${c}_warm.json" > /dev/null 2>&1
     fi
-    server0=$(cpu_s "$pid") engine0=$(cpu_s $engine_pids) start=$(date +%s.%N)
-    TIMEFORMAT="%U %S"  # bash's `time`: the client's user and system CPU seconds
-    { time ${CLIENT_CPUS:+taskset -c "$CLIENT_CPUS"} timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
-      "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
-      --out "/tmp/serve_${name}_c$c.json" > /dev/null 2>&1 ; } 2> "/tmp/client_cpu.txt"
-    # the level's wall, and the CPU seconds of the server, its children (the engine process and
-    # any API workers of --api-server-count) and the client
-    echo "$(minus "$(date +%s.%N)" "$start") $(minus "$(cpu_s "$pid")" "$server0")" \
-      "$(minus "$(cpu_s $engine_pids)" "$engine0")" \
-      "$(awk '{print $1 + $2}' /tmp/client_cpu.txt)" > "/tmp/cpu_${name}_c$c.txt"
+    for r in $(seq "${SERVE_REPEATS:-1}"); do  # the first repeat's CPU seconds are the table's
+      out=/tmp/serve_${name}_c$c.json; [ "$r" = 1 ] || out=/tmp/serve_${name}_c${c}_r$r.json
+      server0=$(cpu_s "$pid") engine0=$(cpu_s $engine_pids) start=$(date +%s.%N)
+      TIMEFORMAT="%U %S"  # bash's `time`: the client's user and system CPU seconds
+      { time ${CLIENT_CPUS:+taskset -c "$CLIENT_CPUS"} timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
+        "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
+        --out "$out" > /dev/null 2>&1 ; } 2> "/tmp/client_cpu.txt"
+      # the level's wall, and the CPU seconds of the server, its children (the engine process
+      # and any API workers of --api-server-count) and the client
+      [ "$r" = 1 ] && echo "$(minus "$(date +%s.%N)" "$start") $(minus "$(cpu_s "$pid")" "$server0")" \
+        "$(minus "$(cpu_s $engine_pids)" "$engine0")" \
+        "$(awk '{print $1 + $2}' /tmp/client_cpu.txt)" > "/tmp/cpu_${name}_c$c.txt"
+    done
   done
   kill -TERM "$pid" 2> /dev/null
   wait "$pid"
@@ -119,6 +124,13 @@ for name in names:
         path = f"/tmp/serve_{name}_c{c}.json"
         s = json.load(open(path))["levels"][0]["summary"] if os.path.exists(path) else None
         table["served"][f"{name}/{c}"] = s
+        # SERVE_REPEATS: the level's median throughput over its repeats, each one kept
+        runs = [json.load(open(p))["levels"][0]["summary"]["output_tokens_per_s"]
+                for p in [path, *(f"/tmp/serve_{name}_c{c}_r{r}.json" for r in range(2, 100))]
+                if os.path.exists(p)]
+        if s is not None:
+            s["output_tokens_per_s_runs"] = runs
+            s["output_tokens_per_s"] = sorted(runs)[len(runs) // 2]  # the upper median
         off = offline_arms.get(name, first).get(c, {}).get("output_tokens_per_s", float("nan"))
         if s is None:
             rows.append(f"{c:>5} {name:>12} {off:>9.0f} {'-':>9}")
@@ -132,7 +144,8 @@ for name in names:
             cpu_cols = ""
         rows.append(f"{c:>5} {name:>12} {off:>9.0f} {tps:>9.0f} {tps / off:>6.2f} "
                     f"{s['ttft_ms']['median'] or 0:>9.1f} {s['tpot_ms']['median'] or 0:>9.2f} "
-                    f"{s['itl_ms']['median'] or 0:>8.1f} {s['num_completed']:>4}/{s['num_requests']:<4}{cpu_cols}")
+                    f"{s['itl_ms']['median'] or 0:>8.1f} {s['num_completed']:>4}/{s['num_requests']:<4}{cpu_cols}"
+                    + (f"  runs {' '.join(f'{t:.0f}' for t in runs)}" if len(runs) > 1 else ""))
 json.dump(table, open(f"{out}/serve_ab.json", "w"), indent=1)
 open(f"{out}/serve_ab.txt", "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))

@@ -36,7 +36,9 @@ def test_a_heap_frozen_already_and_raised_thresholds_are_left_alone(default_coll
     gc.set_threshold(50_000, 20, 20)
     with steady_collector():
         assert gc.get_threshold() == (50_000, 20, 20)
-    assert gc.get_freeze_count() == frozen  # not unfrozen by a loop that did not freeze it
+    # not unfrozen by a loop that did not freeze it (other threads of the suite's process may
+    # freeze more meanwhile: a server's loop freezes its heap once it serves)
+    assert gc.get_freeze_count() >= frozen > 0
     assert gc.get_threshold() == (50_000, 20, 20)
 
 

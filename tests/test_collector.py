@@ -36,9 +36,9 @@ def test_a_heap_frozen_already_and_raised_thresholds_are_left_alone(default_coll
     gc.set_threshold(50_000, 20, 20)
     with steady_collector():
         assert gc.get_threshold() == (50_000, 20, 20)
-    # not unfrozen by a loop that did not freeze it (other threads of the suite's process may
-    # freeze more meanwhile: a server's loop freezes its heap once it serves)
-    assert gc.get_freeze_count() >= frozen > 0
+    # not unfrozen by a loop that did not freeze it (unfrozen, the count is 0; frozen objects
+    # that die meanwhile, such as this test's temporaries, lower it a little)
+    assert gc.get_freeze_count() > frozen // 2 > 0
     assert gc.get_threshold() == (50_000, 20, 20)
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.engine.collector import steady_collector
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 
@@ -247,21 +248,23 @@ def main() -> None:
     if profiler:
         _unprofiled_forward(llm, profiler, args.drafting)
     collections_before = [g["collections"] for g in gc.get_stats()]
-    for _ in range(args.steps):
-        timer.step.clear()
-        if profiler:
-            profiler.enable()
-        t0 = time.perf_counter_ns()
-        llm.engine.step()
-        wall = time.perf_counter_ns() - t0
-        if profiler:
-            profiler.disable()
-        timer.step["host"] = wall - timer.step["forward"]
-        timer.step["other"] = timer.step["host"] - sum(
-            timer.step[p] for p in phases if p not in ("forward", "host", "other")
-        )
-        for phase in phases:
-            per_phase[phase].append(timer.step[phase])
+    # the collector as LLM.generate's loop runs it (DSPARK_STEADY_GC)
+    with steady_collector():
+        for _ in range(args.steps):
+            timer.step.clear()
+            if profiler:
+                profiler.enable()
+            t0 = time.perf_counter_ns()
+            llm.engine.step()
+            wall = time.perf_counter_ns() - t0
+            if profiler:
+                profiler.disable()
+            timer.step["host"] = wall - timer.step["forward"]
+            timer.step["other"] = timer.step["host"] - sum(
+                timer.step[p] for p in phases if p not in ("forward", "host", "other")
+            )
+            for phase in phases:
+                per_phase[phase].append(timer.step[phase])
     collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections_before,
                                                           strict=True)]  # fmt: skip
     assert len(llm.engine.scheduler.running) == args.batch, "every request decodes throughout"
@@ -273,6 +276,8 @@ def main() -> None:
               f"continuation windows: {stats['continuation_windows']}")  # fmt: skip
     for phase in phases:
         print(f"  {phase:>13}: {statistics.median(per_phase[phase]) / 1e3:7.0f}")
+    print(f"  host, mean (the collector's pauses in it): "
+          f"{statistics.fmean(per_phase['host']) / 1e3:7.0f}")  # fmt: skip
     print(f"  runner stats: {dict(llm.engine.runner.stats)}")
     print(f"  the cyclic collector's collections in the timed steps, by generation: {collections}")
     if profiler:

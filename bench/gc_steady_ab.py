@@ -3,6 +3,10 @@
 throughput and the collector's pauses by generation.
 
     python bench/gc_steady_ab.py --model /tmp/rs [--drafter /tmp/rd] --concurrency 256 --rounds 3
+    PYTHONPATH=. python bench/gc_steady_ab.py --model tiny --drafter tiny --output-len 48  # CPU
+
+`--model tiny` builds the suite's tiny-vocabulary model (one layer) in a temporary directory,
+and `--drafter tiny` a random K = 7 drafter for it (tests/tiny_models.py): the CPU's version.
 
 One engine serves both modes (the variable is read as each loop starts), so start-up and
 capture cost once and the runs alternate on one warm GPU. With --drafter the engine runs fixed
@@ -14,7 +18,9 @@ full collection in two of every three runs at 256 in flight. Prompts are synthet
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from dspark import LLM, SamplingParams
 from dspark.benchmarks.hf_peer import synchronize
@@ -39,6 +45,15 @@ def timed_loop(llm, prompts, params, concurrency: int) -> dict:
     }
 
 
+def _tiny(root: Path, with_drafter: bool) -> str:
+    from tests.tiny_models import make_tiny_drafter, make_tiny_vocab_model
+
+    make_tiny_vocab_model(root / "model")
+    if with_drafter:
+        make_tiny_drafter(root / "model", root / "drafter", taps=(0,), draft_len=7)
+    return str(root / "model")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -51,7 +66,13 @@ def main() -> None:
     spec = args.drafter and {"method": "dspark", "scheduling": False, "model": args.drafter}
     c = args.concurrency
     n = args.requests or 4 * c
-    llm = LLM(args.model, max_num_seqs=c, speculative_config=spec or None)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "tiny":
+            args.model = _tiny(Path(tmp), args.drafter == "tiny")
+            if spec:
+                spec["model"] = str(Path(tmp) / "drafter")
+        llm = LLM(args.model, max_num_seqs=c, max_model_len=2 * args.output_len + 64,
+                  speculative_config=spec or None)  # fmt: skip
     vocab = min(llm.engine.model_config.vocab_size, 504)
     prompts = [[1, 2, 3, 4 + i % (vocab - 4)] * 8 for i in range(n)]
     # lengths in [0.5, 1.5] x output_len, so requests end at different steps

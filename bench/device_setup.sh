@@ -28,6 +28,21 @@ wait_healthy() {
   return 1
 }
 
+# random_models: /tmp/rs (SmolLM2-135M's shapes, random weights) and /tmp/rd (a random K = 7
+# drafter for it), once per machine, for speed runs that need no model part carried (plain
+# decoding's speed and a drafting step's cost do not depend on the weights). They need SmolLM2's
+# tokenizer, carried gzipped (a model part, the tracked tree and the 3.5 MB tokenizer.json
+# together exceed a call's 64 MiB), made here once:
+#   python3 -c "from dspark.models.loader import default_model_path as d; from transformers
+#   import AutoTokenizer as T; p = d(); T.from_pretrained(p.parent, gguf_file=p.name)
+#   .save_pretrained('.carry/tok')" && tar czf .carry/tok.tgz -C .carry tok
+random_models() {
+  [ -d /tmp/rs ] && [ -d /tmp/rd ] && return 0
+  mkdir -p /tmp/tok && tar xzf .carry/tok.tgz -C /tmp/tok || return 1
+  python3 bench/random_smollm2.py --out /tmp/rs --tokenizer /tmp/tok/tok > /dev/null 2>&1 \
+    && python3 bench/random_drafter.py --target /tmp/rs --out /tmp/rd > /dev/null 2>&1
+}
+
 # ensure_cost_table [MODEL]: when no cost table for this GPU, torch and triton is shipped beside
 # the default drafter or saved in the user's tables, measure one with `dspark profile` (about
 # 30 s on an H100), which saves it where the engine finds it. Without it the policy arms of a

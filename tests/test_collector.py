@@ -11,9 +11,11 @@ from dspark.engine.collector import STEP_LOOP_THRESHOLDS, steady_collector
 
 @pytest.fixture
 def default_collector():
-    """Each test starts and ends with an unfrozen heap and the default thresholds."""
+    """Each test starts with an unfrozen heap and the default thresholds (a served loop's READY
+    earlier in this process froze it and raised them), and ends with the thresholds it found."""
     thresholds = gc.get_threshold()
     gc.unfreeze()
+    gc.set_threshold(700, 10, 10)
     yield
     gc.unfreeze()
     gc.set_threshold(*thresholds)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import gc
 import itertools
 import logging
 import multiprocessing
@@ -56,6 +55,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from time import perf_counter
 
+from dspark.engine.collector import steady_collector_for_good
 from dspark.engine.detokenizer import Detokenizer
 from dspark.sampling_params import SamplingParams
 from dspark.server import wire
@@ -220,11 +220,10 @@ class EngineLoop:
             if self.state == EngineState.LOADING:
                 self.state = EngineState.SERVING
             # what exists by now (the app, its routes, the tokenizer the engine sent) lives as
-            # long as the server: frozen, full collections skip it (the engine process does the
-            # same; vLLM freezes its heap after start-up too)
+            # long as the server: frozen, full collections skip it, and young collections are
+            # rarer (the engine process does the same; vLLM freezes its heap after start-up too)
             start = perf_counter()
-            gc.collect()
-            gc.freeze()
+            steady_collector_for_good()
             self._log_start_up(perf_counter() - start)
         elif tag == wire.FAILED:
             self._die(message[1])

@@ -5,6 +5,7 @@ waiting for the rest of a message in transit, also when the event loop made the 
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import pickle
@@ -12,6 +13,7 @@ import struct
 import threading
 import time
 
+from dspark.engine.collector import STEP_LOOP_THRESHOLDS
 from dspark.server import wire
 from dspark.server.engine_loop import EngineLoop, EngineState
 from dspark.server.output_sender import send_whole
@@ -110,6 +112,13 @@ def test_a_read_returns_at_once_when_a_message_is_still_in_transit():
         engine_loop._read()
         return engine_loop, took
 
-    engine_loop, took = asyncio.run(read_in_halves())
+    thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # (the default: an earlier READY in this process raised it)
+    try:
+        engine_loop, took = asyncio.run(read_in_halves())
+        # serving: the start-up heap frozen, young collections rarer (engine/collector.py)
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == STEP_LOOP_THRESHOLDS
+    finally:
+        gc.set_threshold(*thresholds)
     assert took < 0.5, f"the read waited {took:.2f} s for the rest of the message"
     assert engine_loop.state == EngineState.SERVING and engine_loop.info.max_model_len == 2048

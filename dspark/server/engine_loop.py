@@ -57,6 +57,7 @@ from time import perf_counter
 
 from dspark.engine.collector import steady_collector_for_good
 from dspark.engine.detokenizer import Detokenizer
+from dspark.models.tokenizer import import_backend
 from dspark.sampling_params import SamplingParams
 from dspark.server import wire
 from dspark.server.engine_process import run_engine_process
@@ -156,6 +157,7 @@ class EngineLoop:
         self._watch()
 
     def _watch(self) -> None:
+        import_backend()  # now, while the engine loads, not on the loop at READY
         self._loop.add_reader(self._conn.fileno(), self._read)
         self.gc_pauses.install()
         self.loop_lag.start()

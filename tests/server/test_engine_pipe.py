@@ -10,6 +10,8 @@ import multiprocessing
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -122,3 +124,24 @@ def test_a_read_returns_at_once_when_a_message_is_still_in_transit():
         gc.set_threshold(*thresholds)
     assert took < 0.5, f"the read waited {took:.2f} s for the rest of the message"
     assert engine_loop.state == EngineState.SERVING and engine_loop.info.max_model_len == 2048
+
+
+def test_the_tokenizers_backend_is_imported_while_the_engine_loads():
+    """The READY message's tokenizer is unpickled on the event loop; transformers' import is
+    most of that, so watching the pipe (while the engine still loads) imports it first. In a
+    fresh interpreter: not imported by the server's modules, imported once the pipe is watched."""
+    code = """
+import asyncio, multiprocessing, sys
+from dspark.server.engine_loop import EngineLoop
+before = "transformers" in sys.modules
+
+async def watch():
+    engine_loop = EngineLoop(lambda: None, max_queued_requests=1, max_queued_tokens=1)
+    conn, _ = multiprocessing.Pipe()
+    engine_loop.attach(conn)
+
+asyncio.run(watch())
+print(before, "transformers" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr

@@ -15,18 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD
 [ -f .carry/commit ] && export DSPARK_GIT_COMMIT=$(cat .carry/commit)
 export OUT=${OUT:-/tmp/out}
 
-# wait_healthy PORT PID [TRIES]: until the server on PORT answers /health (0.5 s apart), or its
-# process PID is gone (status 1)
-wait_healthy() {
-  local port=$1 pid=$2
-  for _ in $(seq "${3:-360}"); do
-    kill -0 "$pid" 2> /dev/null || return 1
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
-      2> /dev/null && return 0
-    sleep 0.5
-  done
-  return 1
-}
+source "$(dirname "${BASH_SOURCE[0]}")/wait_healthy.sh"  # wait_healthy PORT PID [TRIES]
 
 # random_models: /tmp/rs (SmolLM2-135M's shapes, random weights) and /tmp/rd (a random K = 7
 # drafter for it), once per machine, for speed runs that need no model part carried (plain

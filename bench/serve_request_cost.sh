@@ -15,11 +15,8 @@ N=${1:-3000}
 python3 -m dspark.cli serve "$MODEL_DIR" --port "$PORT" --disable-access-log \
   > /tmp/serve_request_cost.log 2>&1 &
 pid=$!
-for _ in $(seq 240); do
-  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health')" \
-    2> /dev/null && break
-  sleep 0.5
-done
+source "$(dirname "$0")/wait_healthy.sh"
+wait_healthy "$PORT" "$pid" 240 || { echo "the server did not come up"; exit 1; }
 load() {  # load N: N requests, 32 in flight
   python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$PORT" \
     --sources gsm8k,alpaca,vicuna --output-len 2 --concurrency 32 --num-prompts "$1" \

@@ -6,17 +6,14 @@
 #
 #   bash bench/serve_start_up.sh [N]          (MODEL, PORT to override)
 set -u
+source "$(dirname "$0")/wait_healthy.sh"
 MODEL=${MODEL:-default}
 PORT=${PORT:-8431}
 for _ in $(seq "${1:-3}"); do
   python3 -m dspark.cli serve "$MODEL" --port "$PORT" --disable-access-log \
     > /tmp/serve_start_up.log 2>&1 &
   pid=$!
-  for _ in $(seq 480); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health')" \
-      2> /dev/null && break
-    sleep 0.25
-  done
+  wait_healthy "$PORT" "$pid" 240
   kill -TERM "$pid"
   wait "$pid"
   grep -o "the server's start-up: .* ms in all; collect and freeze [0-9]* ms" \

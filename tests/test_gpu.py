@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from dspark import LLM, SamplingParams
+from dspark.runner.input_buffers import host_to_device
 
 pytestmark = pytest.mark.gpu
 
@@ -16,6 +19,15 @@ def _run(model: str, device: str, dtype: str = "float32", **kw):
     llm = LLM(model, dtype=dtype, device=device, num_kv_pages=256, **kw)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_host_to_device_takes_lists_and_numpy_arrays(as_array):
+    # torch.tensor(ndarray, pin_memory=True) raises on CUDA; continuations pass an ndarray
+    values = [[1, 2, 3], [4, 5, 6]]
+    staged = host_to_device(np.array(values) if as_array else values, torch.int64,
+                            torch.device("cuda"))
+    assert staged.device.type == "cuda" and staged.tolist() == values
 
 
 def test_tiny_model_greedy_cuda_equals_cpu(tiny_llama_dir):

@@ -43,10 +43,13 @@ def to_host(x):
 def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without a synchronisation. It is staged in pinned
     memory: a copy from pageable memory waits for the stream to drain, which under async
-    scheduling means waiting for the previous step's GPU work."""
+    scheduling means waiting for the previous step's GPU work. `values`: a list or a numpy
+    array (torch.tensor(ndarray, pin_memory=True) raises, so the copy into pinned memory is
+    its own call)."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 PAD_SLOT = SCRATCH_PAGE  # slot 0 of the scratch page

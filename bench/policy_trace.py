@@ -96,8 +96,8 @@ def periods(lines: list[dict]) -> dict[tuple[int, int, bool], list[float]]:
     """(G, V, arrivals) -> the realised periods StepPeriods counted for that cell."""
     out: dict[tuple[int, int, bool], list[float]] = defaultdict(list)
     for before, line in pairwise(lines):
-        if line.get("period") is not None:
-            g, v = line["period"]["cell"]
+        if line.get("period") is not None and line["period"]["cell"] is not None:
+            g, v = line["period"]["cell"]  # (None: a decision without a table's cell)
             out[(g, v, arrivals(before))].append(line["period"]["seconds"])
     return out
 

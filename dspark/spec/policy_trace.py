@@ -119,7 +119,8 @@ class PolicyTrace:
         }
         if period is not None:
             counted, seconds = period
-            line["period"] = {"cell": list(counted.cell), "sampled": counted.sampled,
+            cell = list(counted.cell) if counted.cell else None  # (no table: no cell)
+            line["period"] = {"cell": cell, "sampled": counted.sampled,
                               "seconds": round(seconds, 7)}  # fmt: skip
         self._write(line)
 

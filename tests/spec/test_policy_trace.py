@@ -121,6 +121,30 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     assert "price full/plain 1.20 (table 1.20)" in text and "(sync wait 0.000, host work" in text
 
 
+def test_steps_beyond_the_table_are_traced_without_a_cell(
+    tiny_vocab_dir, drafter, tmp_path, monkeypatch
+):
+    """A table of G = 1 only: four rows run beyond it (drafting, no cell), and their periods,
+    counted by StepPeriods, are traced and summarised without one (the trace raised on them)."""
+    spec = {"model": str(drafter), "num_speculative_tokens": 3}
+    probe = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    table = tmp_path / "g1.json"
+    table.write_text(CostTable(probe.engine.cost_fingerprint(), {1: {1: 1e-3, 4: 1.2e-3}}).to_json())
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec | {"cost_table": str(table)}, **KW)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.engine.policy_trace.close()
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outputs)
+    lines = [json.loads(t) for t in llm.engine.policy_trace.path.read_text().splitlines()]
+    beyond = [line for line in lines if line.get("reason") == "batch beyond the table"]
+    assert beyond and all(line["cell"] is None for line in beyond)
+    assert any(line["period"] and line["period"]["cell"] is None for line in lines)
+    summary = _summary_module()
+    (_, segment), = summary.load(llm.engine.policy_trace.path)  # fmt: skip
+    assert all(g == 1 for g, _, _ in summary.periods(segment))
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_engines_without_a_policy_trace_each_step(tiny_vocab_dir, drafter, tmp_path, monkeypatch,
                                                   speculative):  # fmt: skip

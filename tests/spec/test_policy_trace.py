@@ -129,7 +129,8 @@ def test_steps_beyond_the_table_are_traced_without_a_cell(
     spec = {"model": str(drafter), "num_speculative_tokens": 3}
     probe = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
     table = tmp_path / "g1.json"
-    table.write_text(CostTable(probe.engine.cost_fingerprint(), {1: {1: 1e-3, 4: 1.2e-3}}).to_json())
+    cells = {1: {1: 1e-3, 4: 1.2e-3}}
+    table.write_text(CostTable(probe.engine.cost_fingerprint(), cells).to_json())
     monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec | {"cost_table": str(table)}, **KW)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -28,7 +28,14 @@ weak block (a sentence boundary, a number) therefore neither turns drafting off 
 once it has, keeps it off until the row goes stale: at G = 1 staleness takes ~120 steps, and on
 the H200 (2026-12-03) the policy drafted 33 of 166 steps at concurrency 1 for 1.29x plain
 decoding where fixed K gave 1.65x. Where plain decoding wins on the population's own mean
-(under load), the pull changes nothing.
+(under load), the pull changes nothing. Before the population has min_population_blocks
+blocks, an aged estimate is pulled toward K, what a request with no evidence counts then, so
+drafting resumes after the dwell and the population's evidence builds up. Without that pull a
+served engine at concurrency 1, whose requests come one at a time with no population yet,
+kept each request's first weak block for its whole life (no drafting after its first step,
+until stale), so its population never formed: on an H100 it drafted in none of a run's
+~1,100 steps, where the offline engine, whose warm-up drafts a few rows at once, drafted in
+83% (docs/PERFORMANCE.md, twenty-eighth look).
 
 With regression_target="request" an aged estimate is pulled toward the request's own mean
 instead: the mean of every block it kept so far, shrunk toward the population mean by
@@ -243,8 +250,9 @@ class SurvivalEstimates:
         A fresh row's estimate is its smoothed sum, its distance from the population mean
         (or with regression_target "request", from its own shrunk mean) scaled by the
         measured persistence rho and halved every regression_half_life steps of age (module
-        docstring), once the population has min_population_blocks blocks of evidence; stale
-        and unseen rows count K, or unseen ones the population's mean.
+        docstring), once the population has min_population_blocks blocks of evidence (before
+        that, toward K, what an unseen row then counts); stale and unseen rows count K, or
+        unseen ones the population's mean.
 
           smoothed sum 0.6 (blocks 0.6, 0.7, 0.5), population mean 1.9, correction 1, rho 1,
           age 8 steps, half-life 8:
@@ -271,11 +279,12 @@ class SurvivalEstimates:
                 kinds.append(STALE)
             else:
                 own = min(k, scale * seen[0])
-                if mean is not None:
+                target = unseen  # (no population mean yet: K, what an unseen row counts)
+                if mean is not None and blocks is not None and (h := blocks.get(rid)) is not None:
+                    target = min(k, (scale * h[0] + prior * mean) / (h[1] + prior))
+                elif mean is not None:
                     target = mean
-                    if blocks is not None and (history := blocks.get(rid)) is not None:
-                        target = min(k, (scale * history[0] + prior * mean) / (history[1] + prior))
-                    own = target + (own - target) * rho * decay ** (self._step - seen[1])
+                own = target + (own - target) * rho * decay ** (self._step - seen[1])
                 totals.append(own)
                 kinds.append(FRESH)
         return totals, kinds

@@ -196,6 +196,24 @@ def test_one_weak_block_neither_stops_drafting_nor_keeps_it_off():
         _policy(regression_half_life=0)
 
 
+def test_before_a_population_forms_an_aged_estimate_is_pulled_toward_k():
+    """A served engine at concurrency 1 starts with no population: its first request's first
+    block is weak and turns drafting off. Its estimate then ages toward K (what a request with
+    no evidence counts) and drafting resumes after the dwell, long before the row is stale; it
+    was held at the weak block until stale (an H100 server drafted in none of ~1,100 steps)."""
+    p = _policy(dwell=2)
+    p.observe(["r0"], torch.full((1, K), -10.0), [False])  # keeps ~nothing
+    assert p.population_mean() is None and p.estimate_totals(["r0"], 0)[0][0] < 0.01
+    assert not p.decide(["r0"]).drafting
+    back = next(n for n in range(1, 60) if p.decide(["r0"]).drafting)
+    assert 2 <= back < p.stale_after(1) / 4  # (the dwell, then a step or two of age)
+    for _ in range(16):  # once the population has its blocks, it is the target again
+        p.observe(["r1"], torch.full((1, K), -10.0), [False])
+    assert p.population_mean() == pytest.approx(0.0, abs=0.01)
+    p.observe(["r0"], torch.full((1, K), -10.0), [False])
+    assert not any(p.decide(["r0"]).drafting for _ in range(40))
+
+
 def test_an_aged_estimate_pulled_toward_the_request_or_the_population():
     """G = 1 at plain 1.0, full 2.5: drafting pays above ~1.6 kept drafts a block. The
     population (64 rows) keeps most drafts. A request that kept nothing in 12 blocks is pulled

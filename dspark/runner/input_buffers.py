@@ -45,11 +45,10 @@ def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Te
     memory: a copy from pageable memory waits for the stream to drain, which under async
     scheduling means waiting for the previous step's GPU work. `values`: a list or a numpy
     array (torch.tensor(ndarray, pin_memory=True) raises, so the copy into pinned memory is
-    its own call)."""
-    host = torch.tensor(values, dtype=dtype)
+    its own call; as_tensor wraps an int64 array without a copy first)."""
     if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype)
+    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 PAD_SLOT = SCRATCH_PAGE  # slot 0 of the scratch page

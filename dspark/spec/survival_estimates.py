@@ -279,11 +279,11 @@ class SurvivalEstimates:
                 kinds.append(STALE)
             else:
                 own = min(k, scale * seen[0])
-                target = unseen  # (no population mean yet: K, what an unseen row counts)
-                if mean is not None and blocks is not None and (h := blocks.get(rid)) is not None:
-                    target = min(k, (scale * h[0] + prior * mean) / (h[1] + prior))
-                elif mean is not None:
+                target = float(k)  # (no population yet: K, what an unseen row then counts)
+                if mean is not None:
                     target = mean
+                    if blocks is not None and (history := blocks.get(rid)) is not None:
+                        target = min(k, (scale * history[0] + prior * mean) / (history[1] + prior))
                 own = target + (own - target) * rho * decay ** (self._step - seen[1])
                 totals.append(own)
                 kinds.append(FRESH)

@@ -12,9 +12,10 @@ case: rows without filters pass through top-k = vocab, top-p = 1).
 
 A mixed step (windows, then a tail of prefill chunks and plain rows: a request admitted while
 others draft) is captured too, per (G, P): G windows, then MAX_TAIL_ROWS tail rows holding P
-tokens in all (runner/mixed_layout.py). Its sampling modes are GREEDY and FILTERED only (a
-TEMPERATURE step replays FILTERED, where filters pass through), so that the ladder of G times
-the tail sizes stays cheap to capture.
+tokens in all (runner/mixed_layout.py), in the same three modes. (Until the twenty-ninth look
+of docs/PERFORMANCE.md a TEMPERATURE mixed step replayed FILTERED, to capture fewer graphs: but
+FILTERED sorts the vocabulary of every drafter slot and every window token, some 4,000 rows of
+49,152 at G = 256, K = 7, on each step that admits a request while others draft.)
 
 Trimmed cells (G, V) (spec/ragged.py) are captured beside each G's full block, in every
 sampling mode: the same staged inputs, cut on the device to V target tokens after drafting.
@@ -37,7 +38,6 @@ from dspark.spec.spec_decoder import SpecStepOutput
 logger = logging.getLogger(__name__)
 
 MODES = (GREEDY, TEMPERATURE, FILTERED)
-TAIL_MODES = (GREEDY, FILTERED)
 
 
 def window_layout(num_rows: int, width: int) -> StepLayout:
@@ -63,11 +63,11 @@ def trimmed_layout(num_rows: int, num_tokens: int, width: int) -> StepLayout:
     )
 
 
-def graph_mode(mode: SamplingMode, tail: int = 0) -> SamplingMode:
-    """The captured mode that serves a live step's sampling needs (tail: its P, 0 if none)."""
+def graph_mode(mode: SamplingMode) -> SamplingMode:
+    """The captured mode that serves a live step's sampling needs."""
     if mode.all_greedy:
         return GREEDY
-    return FILTERED if (mode.any_top_k or mode.any_top_p or tail) else TEMPERATURE
+    return FILTERED if (mode.any_top_k or mode.any_top_p) else TEMPERATURE
 
 
 class SpecGraphs:
@@ -93,7 +93,7 @@ class SpecGraphs:
         """The captured steps of size G, in capture order: mixed steps (largest tail first),
         then the trimmed cells (largest first), then the full block."""
         for tail in reversed(self.tails):
-            for mode in TAIL_MODES:
+            for mode in self.modes:
                 yield g, tail, None, mode
         for v in (*sorted(self.trimmed.get(g, ()), reverse=True), None):
             for mode in self.modes:
@@ -120,6 +120,6 @@ class SpecGraphs:
     def replay(
         self, size: int, mode: SamplingMode, tail: int = 0, trimmed: int | None = None
     ) -> SpecStepOutput:
-        key = (size, tail, trimmed, graph_mode(mode, tail))
+        key = (size, tail, trimmed, graph_mode(mode))
         self._graphs[key].replay()
         return self._outputs[key]

@@ -24,6 +24,7 @@ class EagerReplay:
         self.trimmed = trimmed or {}
         self.layout = None
         self.replayed: list[tuple[int, int, int | None]] = []  # (G, P, V) of every replay
+        self.modes: list = []  # the captured sampling mode each replay ran (graph_mode)
         run = spec_runner.run
 
         def keep_layout(plan, layout, *args):
@@ -36,10 +37,11 @@ class EagerReplay:
         r, width = self.spec_runner, self.layout.window_width
         assert self.layout.num_rows == size + (self.layout.tail_rows if tail else 0)
         self.replayed.append((size, tail, trimmed))
+        self.modes.append(graph_mode(mode))
         if trimmed is not None:
             assert trimmed in self.trimmed[size]
             target, cell = r._trimmed_step(size, trimmed)
             return r.spec.step(size, graph_mode(mode), target, None, cell)
         target = r._target_step(self.layout, r.buffers.block_table)
         index = slice(0, size * width) if tail else None
-        return r.spec.step(size, graph_mode(mode, tail), target, index)
+        return r.spec.step(size, graph_mode(mode), target, index)

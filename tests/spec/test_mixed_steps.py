@@ -11,6 +11,8 @@ from dspark import LLM, SamplingParams
 from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
 from dspark.runner.mixed_layout import MAX_TAIL_ROWS, capture_layout, write_tail_pads
+from dspark.runner.spec_graphs import MODES, SpecGraphs
+from dspark.spec.spec_buffers import FILTERED, TEMPERATURE
 from tests.spec.eager_replay import EagerReplay
 from tests.spec.test_uniform_windows import _assert_same_outputs
 from tests.tiny_models import make_tiny_drafter
@@ -91,6 +93,31 @@ def test_padded_mixed_steps_equal_the_live_layout(tiny_vocab_dir, drafter):
     padded = _generate(llm, params)
     _assert_same_outputs(padded, live)
     assert llm.engine.runner.stats["spec_graph_steps_mixed"] > 0
+
+
+def test_a_temperature_mixed_step_replays_the_unfiltered_graph(tiny_vocab_dir, drafter):
+    """Seeded temperature sampling without top-k or top-p: a mixed step replays the TEMPERATURE
+    graph (the FILTERED one sorts every slot's and window token's vocabulary), and gives the
+    live layout's tokens."""
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate([11, 13, 7, 17, 9, 12, 6, 15])]  # fmt: skip
+    live = _generate(_llm(tiny_vocab_dir, drafter, False), params)
+    llm = _llm(tiny_vocab_dir, drafter, True)
+    padded = _generate(llm, params)
+    _assert_same_outputs(padded, live)
+    replay = llm.engine.runner.spec_runner.graphs
+    mixed = [mode for (_, tail, _), mode in zip(replay.replayed, replay.modes) if tail]
+    assert mixed and set(mixed) == {TEMPERATURE}, replay.replayed
+
+
+def test_mixed_steps_are_captured_in_every_sampling_mode():
+    graphs = SpecGraphs.__new__(SpecGraphs)  # (the keys alone: no capture without CUDA)
+    graphs.sizes, graphs.tails, graphs.modes, graphs.trimmed = [1, 2], (8, 16), MODES, {2: (4,)}
+    keys = list(graphs._keys(2))
+    for tail in (8, 16):
+        assert [mode for _, t, _, mode in keys if t == tail] == list(MODES)
+    assert [k for k in keys if k[2] == 4] == [(2, 0, 4, mode) for mode in MODES]
+    assert keys[-1] == (2, 0, None, FILTERED)
 
 
 def test_prefill_beside_windows_is_capped_and_the_rows_put_windows_first(tiny_vocab_dir, drafter):

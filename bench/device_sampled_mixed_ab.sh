@@ -11,14 +11,25 @@
 # which it borrows from this tree) runs fixed K = 7; this tree runs plain, fixed K = 7 and the
 # drafting policy. Closed loop of C requests in flight (4 C in all, lengths 128-384), LEVELS
 # (64,256), REPEATS (2). Results under $OUT; the last lines are the table.
+# RANDOM_WEIGHTS=1: SmolLM2-shaped random weights and a random K = 7 drafter instead (random_models,
+# bench/device_setup.sh; no model part carried): the steps' costs without the policy arm, which
+# needs a cost table for its drafter.
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
 BEFORE=${BEFORE:-.carry/before_fix.tgz}
-COMMON=(--prompts-dir "$PWD/${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
+MODEL=default
+DRAFTER=
+if [ "${RANDOM_WEIGHTS:-0}" = 1 ]; then
+  random_models || exit 1
+  MODEL=/tmp/rs DRAFTER=', "model": "/tmp/rd"'
+fi
+COMMON=(--model "$MODEL" --prompts-dir "$PWD/${PROMPTS_DIR:-.data}" --sources "${SOURCES:-gsm8k,alpaca,vicuna}"
         --concurrency "${LEVELS:-64,256}" --output-len 256 --output-len-spread 0.5 --waves 4
         --repeats "${REPEATS:-2}" --temperature 1.0 --no-plot)
-K7='"k7": {"method": "dspark", "scheduling": false}'
+K7="\"k7\": {\"method\": \"dspark\", \"scheduling\": false$DRAFTER}"
+SCHEDULED=', "scheduled": {"method": "dspark"}'
+[ -n "$DRAFTER" ] && SCHEDULED=
 
 rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "$BEFORE" -C /tmp/before || exit 1
 ln -s "$PWD/dspark/drafters" /tmp/before/dspark/drafters
@@ -26,7 +37,7 @@ ln -s "$PWD/dspark/drafters" /tmp/before/dspark/drafters
   --arms "{$K7}" --out "$OUT/before.json" 2>&1 | grep -v "^INFO" > "$OUT/before.txt") \
   || echo "the earlier tree's bench failed"
 python3 -m dspark.cli bench "${COMMON[@]}" \
-  --arms "{\"plain\": null, $K7, \"scheduled\": {\"method\": \"dspark\"}}" \
+  --arms "{\"plain\": null, $K7$SCHEDULED}" \
   --out "$OUT/after.json" 2>&1 | grep -v "^INFO" > "$OUT/after.txt" || echo "this tree's bench failed"
 
 python3 - "$OUT/before.json" "$OUT/after.json" <<'PY'

@@ -11,9 +11,16 @@ sum of K.
 With unobserved="population" (the default) a request that never drafted counts instead as
 the recent requests' mean survival sum (exponentially weighted over observed blocks, half-life
 calibration_half_life blocks, recalibrated like the others), once min_population_blocks
-blocks were observed; stale rows still count K, so probing is unchanged. With "confident" every
-admission counts K, and under load, where requests arrive every few steps, the batch then
-drafts for a few steps after each arrival at several times the plain cost. In a closed loop of
+blocks were observed; stale rows still count K, so probing is unchanged. The population's
+evidence goes stale too: once its newest block is older than the stale horizon, an unseen row
+counts K, as a stale one does. Nothing else refreshes it while nothing drafts: a served engine
+at concurrency 1 whose population mean sat below break-even priced each new request by that
+frozen mean, so no request drafted again (on the CPU one stretch without drafting ran 466
+steps over five requests; an H200 server drafted in none of its 3,300 steps after its warm-up,
+where the offline engine drafted in 38%: docs/PERFORMANCE.md, twenty-ninth look). Now such a
+request probes once the mean is stale, as a stale row would. With "confident" every admission
+counts K, and under load, where requests arrive every few steps, the batch then drafts for a
+few steps after each arrival at several times the plain cost. In a closed loop of
 256 requests ending at different steps on the H200 (docs/PERFORMANCE.md, tenth look) that ran
 at 0.89x plain decoding against 1.03x with "population"; from 1 to 64 requests the two made the
 same choices. DSPARK.md 6.4 counts a just-admitted request as fully confident. Here that still
@@ -112,6 +119,7 @@ class SurvivalEstimates:
         self.min_population_blocks = min_population_blocks
         self._population_sum = self._population_blocks = 0.0  # weighted observed sums, blocks
         self._population_vector = np.zeros(draft_len)  # weighted observed survivals [K]
+        self._population_step = 0  # the step of the population's newest block
         self.draft_len = draft_len
         self.temperatures = {g: t.float().cpu()[:draft_len] for g, t in temperatures.items()}
         self._decay = 0.5 ** (1.0 / calibration_half_life)
@@ -162,6 +170,8 @@ class SurvivalEstimates:
                 blocks[1] += 1.0
         decay = self._decay ** len(sums)
         self._population_sum = self._population_sum * decay + sum(sums)
+        if sums:
+            self._population_step = self._step
         if self.keep_vectors:
             self._observe_vectors(request_ids, a.double().numpy(), decay)
         self._population_blocks = self._population_blocks * decay + len(sums)
@@ -252,7 +262,8 @@ class SurvivalEstimates:
         measured persistence rho and halved every regression_half_life steps of age (module
         docstring), once the population has min_population_blocks blocks of evidence (before
         that, toward K, what an unseen row then counts); stale and unseen rows count K, or
-        unseen ones the population's mean.
+        unseen ones the population's mean while its newest block is fresh (an unseen row
+        priced by a stale population counts K and is reported STALE).
 
           smoothed sum 0.6 (blocks 0.6, 0.7, 0.5), population mean 1.9, correction 1, rho 1,
           age 8 steps, half-life 8:
@@ -262,7 +273,9 @@ class SurvivalEstimates:
         (Called before every step: plain floats, no numpy.)
         """
         scale, k = self.correction, self.draft_len
-        unseen = self.unobserved_sum()
+        unseen, unseen_kind = self.unobserved_sum(), UNSEEN
+        if self._population_step < fresh_since and self.unobserved == "population":
+            unseen, unseen_kind = float(k), STALE  # (the population's evidence is stale)
         mean = self.population_mean()
         decay = 0.5 ** (1.0 / self._regression_half_life)
         rho = self.persistence
@@ -273,7 +286,7 @@ class SurvivalEstimates:
             seen = self._survival_sums.get(rid)
             if seen is None:
                 totals.append(unseen)
-                kinds.append(UNSEEN)
+                kinds.append(unseen_kind)
             elif seen[1] < fresh_since:
                 totals.append(float(k))
                 kinds.append(STALE)

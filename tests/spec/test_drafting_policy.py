@@ -16,6 +16,7 @@ from dspark.spec.cost_table import CostTable, parse_table
 from dspark.spec.drafting_policy import Decision, DraftingPolicy
 from dspark.spec.profile import profile_cost_table, reference_drift
 from dspark.spec.realised_costs import RealisedCosts
+from dspark.spec.survival_estimates import STALE
 from tests.tiny_models import make_tiny_drafter
 
 K = 7
@@ -212,6 +213,28 @@ def test_before_a_population_forms_an_aged_estimate_is_pulled_toward_k():
     assert p.population_mean() == pytest.approx(0.0, abs=0.01)
     p.observe(["r0"], torch.full((1, K), -10.0), [False])
     assert not any(p.decide(["r0"]).drafting for _ in range(40))
+
+
+def test_a_stale_population_prices_an_unseen_request_as_fully_confident():
+    """The population is evidence that goes stale too. Its mean below break-even (16 weak
+    blocks), new requests priced by it do not draft, and nothing refreshes it while nothing
+    drafts: a served engine at concurrency 1 never drafted again. Once its newest block is
+    older than the stale horizon, an unseen request counts K and probes; the probe's weak block
+    turns drafting off again until the next horizon."""
+    p = _policy(dwell=2)
+    p.observe(_ids(16), torch.full((16, K), -10.0), [False] * 16)
+    for rid in _ids(16):
+        p.forget(rid)
+    assert p.population_mean() == pytest.approx(0.0, abs=0.01)
+    horizon = p.stale_after(1)
+    decisions = [p.decide(["new"]).drafting for _ in range(horizon + 2)]
+    probe = decisions.index(True)
+    assert horizon - 1 <= probe <= horizon + 1 and not any(decisions[:probe])
+    assert p.row_totals(["new"], 1) == ([float(K)], [STALE])
+    p.observe(["new"], torch.full((1, K), -10.0), [False])  # the probe's block: weak again
+    assert not any(p.decide(["new"]).drafting for _ in range(horizon // 2))
+    confident = _policy(dwell=2, unobserved="confident")  # (counts K whatever the population)
+    assert confident.decide(["new"]).drafting
 
 
 def test_an_aged_estimate_pulled_toward_the_request_or_the_population():

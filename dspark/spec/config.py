@@ -15,10 +15,10 @@ on this engine by `dspark profile`: "cost_table" names one; without it the engin
 in the drafter's cost_tables/ directory whose fingerprint matches the live engine, if any.
 With no table, or "scheduling": false, every step drafts and verifies the full block (fixed K).
 "unobserved" is how the drafting choice counts a request that has never drafted: "population"
-(the default: the recent requests' recalibrated mean, once there is enough evidence; until then,
-a = 1) or "confident" (a = 1 always). Either way its window, when the step drafts, is verified in
-full, and a stale request still counts a = 1, so falling load brings drafting back
-(drafting_policy.py says why the default is not DSPARK.md 6.4's letter).
+(the default: the recent requests' recalibrated mean, once there is enough evidence and while it
+is fresh; otherwise a = 1) or "confident" (a = 1 always). Either way its window, when the step
+drafts, is verified in full, and a stale request still counts a = 1, so falling load brings
+drafting back (drafting_policy.py says why the default is not DSPARK.md 6.4's letter).
 "trimmed_widths" lists the trimmed cells the engine can run besides the full block: for each w
 (2 <= w <= K) and each graph size G, the cell (G, w G), a step of G windows verifying w G target
 tokens in all, each row's share chosen on the device from its fresh survivals (spec/ragged.py).

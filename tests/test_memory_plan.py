@@ -24,9 +24,10 @@ def test_speculative_graphs_reserve_their_pool_too():
     eager = sampler_bytes(config, 49_152, 8)
     graphs = sampler_bytes(config, 49_152, 8, spec_graphs=True)
     assert graphs == eager * (SAMPLER_BUFFERS + GRAPH_POOL_BUFFERS) / SAMPLER_BUFFERS
-    assert graphs == 6.375 * 2**30  # the docstring's example
-    # the pool's 3.96 GiB measured on the H100 at this size fits the extra reserve
-    assert graphs - eager > 3.96 * 2**30
+    assert graphs == 7.125 * 2**30  # the docstring's example
+    # the pool's 3.96 GiB measured on the H100 at this size with five graphs a size, and a
+    # sixth graph's share (the mixed step's TEMPERATURE mode), fit the extra reserve
+    assert graphs - eager > 3.96 * 6 / 5 * 2**30
 
 
 def test_verified_positions_come_from_the_drafter_block():

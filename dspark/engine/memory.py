@@ -24,9 +24,10 @@ logger = logging.getLogger(__name__)
 
 # sampler temporaries per sampled row: logits, probs, sorted logits, uniforms (float32 x vocab)
 SAMPLER_BUFFERS = 6
-# what a captured speculative step keeps in the graphs' pool per verified position, in float32
-# rows of the vocabulary: every temporary of the sampled step is live at once there (sampler_bytes)
-GRAPH_POOL_BUFFERS = 11
+# what the captured speculative steps keep in the graphs' pool per verified position, in float32
+# rows of the vocabulary: each graph's outputs (its logits) and the sampled step's temporaries
+# (sampler_bytes)
+GRAPH_POOL_BUFFERS = 13
 
 
 @dataclass(frozen=True)
@@ -103,15 +104,18 @@ def sampler_bytes(
       G = 512 ran out of memory on the H200: docs/PERFORMANCE.md, eleventh look)
 
     With speculative graphs (spec_graphs), GRAPH_POOL_BUFFERS rows more per position: the
-    graphs share one pool, captured largest first, and it keeps every temporary of the largest
-    sampled step live at once (the top-p sort's int64 order, the mask, the cumulative sums,
-    the drafter's logits), while each later cell's eager run before its capture needs the
-    sampler's temporaries again beside it. On an H100 (80 GB), max_num_seqs 256 and K = 7,
-    that pool held 3.96 GiB (~42 B per verified position and vocabulary entry) when the next
-    cell's eager run failed to find 1.13 GiB, with only the first reserve made
-    (docs/PERFORMANCE.md, twenty-fourth look):
+    graphs share one pool, captured largest first, and every graph's outputs stay live in it,
+    among them its logits, [8 G, V] float32 for a step of G windows (K = 7). The ladder's sizes
+    halve, so each graph a size holds about 2 x 4 B per verified position of the largest G and
+    vocabulary entry; each later cell's eager run before its capture needs the sampler's
+    temporaries again beside the pool. On an H100 (80 GB), max_num_seqs 256 and K = 7, five
+    graphs a size (the full block in three sampling modes, the mixed step in two) held
+    3.96 GiB (~42 B per position and entry) when the next cell's eager run failed to find
+    1.13 GiB, with only the first reserve made (docs/PERFORMANCE.md, twenty-fourth look). The
+    mixed step is captured in three modes since the twenty-ninth look: six graphs a size,
+    ~48 B or 12 rows, and one row of slack:
 
-      max_num_seqs 256, K 7, vocab 49,152, graphs: (6 + 11) x 256 x 8 x 49,152 x 4 B = 6.4 GiB
+      max_num_seqs 256, K 7, vocab 49,152, graphs: (6 + 13) x 256 x 8 x 49,152 x 4 B = 7.1 GiB
     """
     buffers = SAMPLER_BUFFERS + (GRAPH_POOL_BUFFERS if spec_graphs else 0)
     return buffers * config.max_num_seqs * positions_per_row * vocab_size * 4

@@ -7,6 +7,8 @@
 #   MODEL=/tmp/rs PROMPTS_DIR=.dsm LEVELS=1,64,256 bash bench/device_serve_ab.sh \
 #     "interval1|--stream-interval 1" "interval8|--stream-interval 8"
 #
+# MIN_REQUESTS (e.g. 16): a level's requests are 4 C, at least this many, in both engines (at
+# C = 1 four requests give the drafting policy little evidence: docs/PERFORMANCE.md, 29th look).
 # Each served level runs one untimed wave of C requests first (SERVE_WARMUP=0 skips it), then
 # SERVE_REPEATS (1) timed runs: the table gives their median (the upper one of an even count).
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments",
@@ -45,6 +47,7 @@ fi
 # than its next ones (docs/PERFORMANCE.md, sixteenth look)
 ${ENGINE_CPUS:+taskset -c "$ENGINE_CPUS"} python3 -m dspark.cli bench --model "$MODEL" \
   "${COMMON[@]}" --concurrency "$LEVELS" --waves 4 --repeats "${OFFLINE_REPEATS:-3}" \
+  ${MIN_REQUESTS:+--min-requests "$MIN_REQUESTS"} \
   ${OFFLINE_ARMS:+--arms "$OFFLINE_ARMS"} --no-plot --out "$OUT/offline.json" > /dev/null 2>&1 \
   || echo "offline bench failed"
 
@@ -77,7 +80,7 @@ for arm in "$@"; do
     for p in $engine_pids; do taskset -a -p -c "$ENGINE_CPUS" "$p" > /dev/null; done
   fi
   for c in ${LEVELS//,/ }; do
-    n=$((4 * c))
+    n=$((4 * c)); [ "$n" -lt "${MIN_REQUESTS:-0}" ] && n=$MIN_REQUESTS
     if [ "${SERVE_WARMUP:-1}" = 1 ]; then  # one untimed wave first (the slow first run above)
       timeout 60 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
         "${COMMON[@]}" --concurrency "$c" --num-prompts "$c" --no-plot \

@@ -499,7 +499,7 @@ def test_the_dwell_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_p
 
 
 def test_the_regression_target_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):
-    """"regression_target": "request" reaches the policy, and near break-even, where estimates
+    """ "regression_target": "request" reaches the policy, and near break-even, where estimates
     decide every few steps, the tokens stay the target's greedy ones."""
     probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
     assert probe.engine.config.spec().regression_target == "population"  # the default

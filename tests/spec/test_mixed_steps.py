@@ -106,8 +106,7 @@ def test_a_temperature_mixed_step_replays_the_unfiltered_graph(tiny_vocab_dir, d
     padded = _generate(llm, params)
     _assert_same_outputs(padded, live)
     replay = llm.engine.runner.spec_runner.graphs
-    mixed = [mode for (_, tail, _), mode in zip(replay.replayed, replay.modes, strict=True)
-             if tail]
+    mixed = [mode for (_, tail, _), mode in zip(replay.replayed, replay.modes, strict=True) if tail]
     assert mixed and set(mixed) == {TEMPERATURE}, replay.replayed
 
 

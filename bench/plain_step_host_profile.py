@@ -3,10 +3,11 @@
     PYTHONPATH=. python bench/plain_step_host_profile.py --model M --drafter D --batch 256
 
 For the plain engine, then the speculative engine with drafting off (what the drafting policy
-runs at high load): `batch` greedy requests decode to a steady state, then `--steps` steps run
-once untimed by the profiler (the median period printed) and once under cProfile (the top
-functions by own time written to --out). The two periods differ by host work alone when their
-graphs cost the same (bench/spec_step_profile.py measures the graphs).
+runs at high load): `batch` requests (greedy, or at `--temperature`, seeded) decode to a steady
+state, then `--steps` steps run once untimed by the profiler (the median period printed) and
+once under cProfile (the top functions by own time written to --out). The two periods differ
+by host work alone when their graphs cost the same (bench/spec_step_profile.py measures the
+graphs).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the requests' temperature (0: greedy)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", default="plain_step_host_profile.txt")
@@ -66,7 +69,7 @@ def main() -> None:
             gc.freeze()
         if args.gc == "off":
             gc.disable()
-        _steady(llm, args.batch, args.prompt_len)
+        _steady(llm, args.batch, args.prompt_len, args.temperature)
         periods[name] = _period_us(llm, args.steps)
         report.append(f"==== {name}: step period {periods[name]:.0f} us (median of {args.steps})")
         if not args.no_profile:
@@ -77,7 +80,7 @@ def main() -> None:
         del llm
         torch.cuda.empty_cache()
     summary = "  ".join(f"{k} {v:.0f} us" for k, v in periods.items())
-    settings = f"threads {torch.get_num_threads()}, gc {args.gc}"
+    settings = f"temperature {args.temperature}, threads {torch.get_num_threads()}, gc {args.gc}"
     report.insert(0, f"batch {args.batch} ({settings}): {summary}")
     with open(args.out, "w") as f:
         f.write("\n".join(report))

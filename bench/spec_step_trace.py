@@ -26,9 +26,9 @@ import torch
 from dspark import LLM, SamplingParams
 
 
-def _steady(llm: LLM, batch: int, prompt_len: int = 128) -> None:
+def _steady(llm: LLM, batch: int, prompt_len: int = 128, temperature: float = 0.0) -> None:
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=3000, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"t{i}", [100 + (i + j) % 1000 for j in range(prompt_len)], params)
     while engine.scheduler.waiting or any(

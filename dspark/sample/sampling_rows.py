@@ -11,16 +11,10 @@ import numpy as np
 import torch
 
 from dspark.request import Request
+from dspark.runner.input_buffers import host_to_device
 from dspark.sample.sampler import SamplingTensors
 
 NO_LOGPROBS = -1  # the row's request asks for no logprobs
-
-
-def host_array_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A copy of a host array on the device without a synchronisation (pinned staging, as
-    host_to_device does: a pageable copy would wait for the previous step's GPU work)."""
-    t = torch.from_numpy(np.ascontiguousarray(values)).clone()
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class SamplingRows:
@@ -57,11 +51,11 @@ class SamplingRows:
         """The sampling tensors of `rows` [N], sampling the tokens at `positions` [N]."""
         temperature, top_k, top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
         return SamplingTensors(
-            temperature=host_array_to_device(temperature, device),
-            top_k=host_array_to_device(top_k, device),
-            top_p=host_array_to_device(top_p, device),
-            seeds=host_array_to_device(self.seed[rows], device),
-            positions=host_array_to_device(positions.astype(np.int64), device),
+            temperature=host_to_device(temperature, torch.float32, device),
+            top_k=host_to_device(top_k, torch.int64, device),
+            top_p=host_to_device(top_p, torch.float32, device),
+            seeds=host_to_device(self.seed[rows], torch.int64, device),
+            positions=host_to_device(positions, torch.int64, device),
             all_greedy=not temperature.any(),
             any_top_k=bool((top_k < self.vocab_size).any()),
             any_top_p=bool((top_p < 1.0).any()),

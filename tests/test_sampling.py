@@ -138,5 +138,26 @@ def test_sampling_rows_tell_the_largest_top_k_of_the_step():
     rows = SamplingRows(3, 100)
     rows.top_k[:] = [20, 40, 100]
     positions = np.zeros(3, dtype=np.int64)
-    assert rows.tensors(np.array([0, 1]), positions[:2], torch.device("cpu")).max_top_k == 40
-    assert rows.tensors(np.array([0, 2]), positions[:2], torch.device("cpu")).max_top_k == 100
+    assert rows.stage(np.array([0, 1]), positions[:2]).max_top_k == 40
+    assert rows.stage(np.array([0, 2]), positions[:2]).max_top_k == 100
+
+
+def test_sampling_rows_stage_each_sampled_rows_parameters_in_row_order():
+    """stage packs the sampled rows' fields field after field; each tensor is its rows'
+    parameters in the order asked, and the token positions as given."""
+    import numpy as np
+
+    from dspark.sample.sampling_rows import SamplingRows
+
+    rows = SamplingRows(4, 100)
+    rows.temperature[:] = [0.5, 0.0, 1.0, 0.7]
+    rows.top_k[:] = [100, 10, 20, 100]
+    rows.top_p[:] = [1.0, 0.9, 0.8, 1.0]
+    rows.seed[:] = [11, 12, 13, 14]
+    st = rows.stage(np.array([2, 0, 3]), np.array([7, 8, 9], dtype=np.int64))
+    assert st.temperature.tolist() == [1.0, 0.5, pytest.approx(0.7)]
+    assert st.top_k.tolist() == [20, 100, 100]
+    assert st.top_p.tolist() == [pytest.approx(0.8), 1.0, 1.0]
+    assert st.seeds.tolist() == [13, 11, 14]
+    assert st.positions.tolist() == [7, 8, 9]
+    assert (st.all_greedy, st.any_top_k, st.any_top_p, st.max_top_k) == (False, True, True, 100)

@@ -37,7 +37,7 @@ from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, MAX_TAIL_ROWS
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.spec_runner import SpecRunner
 from dspark.runner.staging import Staged, StepStager
-from dspark.sample.sampler import sample, top_logprobs
+from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
 from dspark.sample.sampling_rows import SamplingRows
 from dspark.spec.spec_decoder import SpecDecoder
 
@@ -102,7 +102,7 @@ class ModelRunner:
         # part of a step period the host was not the bottleneck (the policy trace reports it)
         self.sync_wait_s = 0.0
         # the rows' block tables and sampling parameters, applied by their changes each step
-        self.sampling_rows = SamplingRows(max_rows, self.vocab_size)
+        self.sampling_rows = SamplingRows(max_rows, self.vocab_size, device)
         self.batch = PersistentBatch(self.buffers, self.sampling_rows)
         # the previous launch's sampled tokens on the device: pending inputs are fed from them
         self._last_tokens: torch.Tensor | None = None
@@ -212,6 +212,7 @@ class ModelRunner:
         """
         staged = self.stager.stage(plan)
         layout, graph_size = staged.layout, staged.graph_size
+        sampling = self._stage_sampling(staged)  # (before upload: its fence covers the copies)
         self.buffers.upload(layout)
         self._feed_pending(layout)
         window_rows = list(staged.window_rows)
@@ -233,7 +234,7 @@ class ModelRunner:
         step.windows_first = bool(window_rows) and layout.window_width is not None
         step.is_uniform = step.windows_first and not layout.tail_rows
         if sampled.size:
-            tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged)
+            tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged, sampling)
             self._last_tokens = tokens
             serials = staged.serials if staged.is_decode else staged.serials[sampled]
             self.stager.last_sampled = step.sampled_serials = serials
@@ -340,15 +341,25 @@ class ModelRunner:
             results[i] = SampledTokens((tok,), logprobs)
         return results
 
-    def _sample(self, logits: torch.Tensor, staged: Staged):
+    def _stage_sampling(self, staged: Staged) -> SamplingTensors | None:
+        """The sampling tensors of the rows that sample one token (SamplingRows.stage); None
+        when there are none or every one is greedy (an argmax needs no parameters)."""
+        rows = staged.sampled_rows
+        if not rows.size or self.sampling_rows.all_greedy(rows):
+            return None
+        # (the token sampled at index `end` of its request: its position)
+        return self.sampling_rows.stage(rows, staged.sampled_ends)
+
+    def _sample(self, logits: torch.Tensor, staged: Staged, sampling: SamplingTensors | None):
         """Tokens [N] (and logprobs) of the rows that sample one token, still on the device.
-        Their parameters are the persistent sampling rows (written by PersistentBatch.sync)."""
+        Their parameters are the persistent sampling rows (written by PersistentBatch.sync),
+        staged for this step by _stage_sampling (None: every row greedy)."""
         rows, ends, params = staged.sampled_rows, staged.sampled_ends, self.sampling_rows
         masked = self._ban_stop_tokens(logits, params.banned(rows, ends, staged.reqs))
-        if params.all_greedy(rows):
+        if sampling is None:
             tokens = masked.argmax(dim=-1)  # no sampling tensors to build or upload
-        else:  # (the token sampled at index `end` of its request: its position)
-            tokens = sample(masked, params.tensors(rows, ends, self.device))
+        else:
+            tokens = sample(masked, sampling)
         num_top = params.max_logprobs(rows)
         lp = None if num_top is None else top_logprobs(logits, tokens, num_top)
         return tokens, lp

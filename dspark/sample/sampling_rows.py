@@ -11,14 +11,15 @@ import numpy as np
 import torch
 
 from dspark.request import Request
-from dspark.runner.input_buffers import host_to_device
+from dspark.runner.input_buffers import staging_pair
 from dspark.sample.sampler import SamplingTensors
 
+CPU = torch.device("cpu")
 NO_LOGPROBS = -1  # the row's request asks for no logprobs
 
 
 class SamplingRows:
-    def __init__(self, max_rows: int, vocab_size: int) -> None:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device = CPU) -> None:
         self.vocab_size = vocab_size
         self.temperature = np.zeros(max_rows, dtype=np.float32)  # 0: greedy
         self.top_k = np.full(max_rows, vocab_size, dtype=np.int64)  # vocab_size: no top-k
@@ -30,6 +31,11 @@ class SamplingRows:
         self.logprobs = np.full(max_rows, NO_LOGPROBS, dtype=np.int64)
         self._fields = (self.temperature, self.top_k, self.top_p, self.seed,
                         self.min_tokens_end, self.logprobs)  # fmt: skip
+        # a step's sampled rows' parameters, packed field after field (stage): pinned host
+        # buffers and their device twins, two copies a step (one buffer on the CPU)
+        self._floats, self._floats_dev = staging_pair(2 * max_rows, torch.float32, device)
+        self._ints, self._ints_dev = staging_pair(3 * max_rows, torch.int64, device)
+        self._floats_np, self._ints_np = self._floats.numpy(), self._ints.numpy()
 
     def write(self, row: int, req: Request) -> None:
         sp = req.sampling_params
@@ -45,17 +51,33 @@ class SamplingRows:
         for field in self._fields:
             field[dst] = field[src]
 
-    def tensors(
-        self, rows: np.ndarray, positions: np.ndarray, device: torch.device
-    ) -> SamplingTensors:
-        """The sampling tensors of `rows` [N], sampling the tokens at `positions` [N]."""
+    def stage(self, rows: np.ndarray, positions: np.ndarray) -> SamplingTensors:
+        """The sampling tensors of `rows` [N], sampling the tokens at `positions` [N], packed
+        into the persistent staging buffers and copied to the device asynchronously:
+
+          N = 2:  floats [t0 t1 p0 p1 | ...]         temperature = [:2], top_p = [2:4]
+                  ints   [k0 k1 s0 s1 x0 x1 | ...]   top_k = [:2], seeds = [2:4], positions = [4:6]
+
+        Two copies out of pinned memory that stays allocated, where uploading each field on
+        its own pinned five host buffers and queued five copies a step. Call it after the
+        step's wait_for_upload and before its upload (ModelRunner.launch): the input buffers'
+        upload fence, recorded behind these copies, keeps the next step from rewriting the
+        staging buffers under a queued copy. The tensors are views, valid for this step."""
+        n = rows.size
         temperature, top_k, top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
+        floats, ints = self._floats_np, self._ints_np
+        floats[:n], floats[n : 2 * n] = temperature, top_p
+        ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n] = top_k, self.seed[rows], positions
+        f, i = self._floats_dev, self._ints_dev
+        if f is not self._floats:  # (the CPU reads the staging buffers themselves)
+            f[: 2 * n].copy_(self._floats[: 2 * n], non_blocking=True)
+            i[: 3 * n].copy_(self._ints[: 3 * n], non_blocking=True)
         return SamplingTensors(
-            temperature=host_to_device(temperature, torch.float32, device),
-            top_k=host_to_device(top_k, torch.int64, device),
-            top_p=host_to_device(top_p, torch.float32, device),
-            seeds=host_to_device(self.seed[rows], torch.int64, device),
-            positions=host_to_device(positions, torch.int64, device),
+            temperature=f[:n],
+            top_k=i[:n],
+            top_p=f[n : 2 * n],
+            seeds=i[n : 2 * n],
+            positions=i[2 * n : 3 * n],
             all_greedy=not temperature.any(),
             any_top_k=bool((top_k < self.vocab_size).any()),
             any_top_p=bool((top_p < 1.0).any()),

@@ -31,10 +31,10 @@ class SamplingRows:
         self.logprobs = np.full(max_rows, NO_LOGPROBS, dtype=np.int64)
         self._fields = (self.temperature, self.top_k, self.top_p, self.seed,
                         self.min_tokens_end, self.logprobs)  # fmt: skip
-        # a step's sampled rows' parameters, packed field after field (stage): pinned host
-        # buffers and their device twins, two copies a step (one buffer on the CPU)
-        self._floats, self._floats_dev = staging_pair(2 * max_rows, torch.float32, device)
-        self._ints, self._ints_dev = staging_pair(3 * max_rows, torch.int64, device)
+        # a step's sampled rows' parameters, one field a row (stage): pinned host buffers and
+        # their device twins, two copies a step (one buffer each on the CPU)
+        self._floats, self._floats_dev = staging_pair((2, max_rows), torch.float32, device)
+        self._ints, self._ints_dev = staging_pair((3, max_rows), torch.int64, device)
         self._floats_np, self._ints_np = self._floats.numpy(), self._ints.numpy()
 
     def write(self, row: int, req: Request) -> None:
@@ -52,32 +52,37 @@ class SamplingRows:
             field[dst] = field[src]
 
     def stage(self, rows: np.ndarray, positions: np.ndarray) -> SamplingTensors:
-        """The sampling tensors of `rows` [N], sampling the tokens at `positions` [N], packed
+        """The sampling tensors of `rows` [N], sampling the tokens at `positions` [N], written
         into the persistent staging buffers and copied to the device asynchronously:
 
-          N = 2:  floats [t0 t1 p0 p1 | ...]         temperature = [:2], top_p = [2:4]
-                  ints   [k0 k1 s0 s1 x0 x1 | ...]   top_k = [:2], seeds = [2:4], positions = [4:6]
+          max_rows 4, N = 2:  floats [[t0 t1 . .]     temperature = floats[0, :2]
+                                      [p0 p1 . .]]    top_p       = floats[1, :2]
+                              ints   [[k0 k1 . .]     top_k       = ints[0, :2]
+                                      [s0 s1 . .]     seeds       = ints[1, :2]
+                                      [x0 x1 . .]]    positions   = ints[2, :2]
 
-        Two copies out of pinned memory that stays allocated, where uploading each field on
-        its own pinned five host buffers and queued five copies a step. Call it after the
-        step's wait_for_upload and before its upload (ModelRunner.launch): the input buffers'
-        upload fence, recorded behind these copies, keeps the next step from rewriting the
-        staging buffers under a queued copy. The tensors are views, valid for this step."""
+        Two copies of buffers that stay allocated (a few kB: whole, not per field), where
+        uploading each field on its own pinned five host buffers and queued five copies a
+        step. Each field starts at a fixed address whatever N, as a captured graph that
+        samples would need. Call it after the step's wait_for_upload and before its upload
+        (ModelRunner.launch): the input buffers' upload fence, recorded behind these copies,
+        keeps the next step from rewriting the staging buffers under a queued copy. The
+        tensors are views, valid for this step."""
         n = rows.size
         temperature, top_k, top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
         floats, ints = self._floats_np, self._ints_np
-        floats[:n], floats[n : 2 * n] = temperature, top_p
-        ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n] = top_k, self.seed[rows], positions
+        floats[0, :n], floats[1, :n] = temperature, top_p
+        ints[0, :n], ints[1, :n], ints[2, :n] = top_k, self.seed[rows], positions
         f, i = self._floats_dev, self._ints_dev
         if f is not self._floats:  # (the CPU reads the staging buffers themselves)
-            f[: 2 * n].copy_(self._floats[: 2 * n], non_blocking=True)
-            i[: 3 * n].copy_(self._ints[: 3 * n], non_blocking=True)
+            f.copy_(self._floats, non_blocking=True)
+            i.copy_(self._ints, non_blocking=True)
         return SamplingTensors(
-            temperature=f[:n],
-            top_k=i[:n],
-            top_p=f[n : 2 * n],
-            seeds=i[n : 2 * n],
-            positions=i[2 * n : 3 * n],
+            temperature=f[0, :n],
+            top_k=i[0, :n],
+            top_p=f[1, :n],
+            seeds=i[1, :n],
+            positions=i[2, :n],
             all_greedy=not temperature.any(),
             any_top_k=bool((top_k < self.vocab_size).any()),
             any_top_p=bool((top_p < 1.0).any()),

@@ -51,6 +51,24 @@ def test_seeded_sampling_cuda_equals_cpu(tiny_llama_dir):
     assert got["cuda"] == got["cpu"]
 
 
+def test_sampled_decode_graphs_draw_the_eager_samplings_tokens(tiny_llama_dir, monkeypatch):
+    """With the sampling of plain decode steps captured (DSPARK_SAMPLED_DECODE_GRAPHS=1), seeded
+    requests give the eager sampling's tokens (a greedy row among sampled ones, three rows in a
+    graph of four), and the sampling graphs drew them."""
+    params = [
+        SamplingParams(temperature=0.0 if i == 0 else 0.8, seed=i, max_tokens=24, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    got = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DSPARK_SAMPLED_DECODE_GRAPHS", flag)
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_pages=256)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        got[flag] = [o.outputs[0].token_ids for o in outs]
+        assert (llm.engine.runner.stats["sampled_graph_steps"] > 0) == (flag == "1")
+    assert got["1"] == got["0"]
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_cuda_equals_cpu():
     cpu, _ = _run("default", "cpu")

@@ -135,6 +135,10 @@ class DecodeGraphs:
                     f", with and without a tail of {self.tail_tokens} prefill tokens"
                     if self.tail_tokens else "")  # fmt: skip
 
+    def output(self, size: int, tail: int = 0) -> torch.Tensor:  # [G (+ R with a tail), vocab]
+        """The logits graph (size, tail) writes on every replay (a fixed address)."""
+        return self._outputs[size, tail]
+
     def replay(self, size: int, tail: int = 0) -> torch.Tensor:  # [G (+ R with a tail), vocab]
         self.buffers.check_pointers()
         self._graphs[size, tail].replay()

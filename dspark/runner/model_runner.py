@@ -35,6 +35,7 @@ from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device, to_host
 from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, MAX_TAIL_ROWS
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
+from dspark.runner.sampled_decode_graphs import SampledDecodeGraphs, sampled_decode_graphs_enabled
 from dspark.runner.spec_runner import SpecRunner
 from dspark.runner.staging import Staged, StepStager
 from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
@@ -128,6 +129,7 @@ class ModelRunner:
                 trimmed_widths, sync_planning,
             )  # fmt: skip
         graphs = None
+        self.sampled_graphs: SampledDecodeGraphs | None = None
         if graph_sizes and capture_graphs:
             tail = decode_tail_tokens
             if tail and max(graph_sizes) + tail > self.buffers.input_ids.shape[0]:
@@ -136,6 +138,8 @@ class ModelRunner:
                                tail, self.buffers.input_ids.shape[0])  # fmt: skip
                 tail = 0
             graphs = DecodeGraphs(self._forward, self.buffers, graph_sizes, tail)
+            if sampled_decode_graphs_enabled():  # (off by default: runner/sampled_decode_graphs.py)
+                self.sampled_graphs = SampledDecodeGraphs(graphs, self.sampling_rows)
         # staging owns the ladder and the decode graphs (it picks the graph a step fits; launch
         # replays it) and the serials the last launch sampled for (launch records them)
         self.stager = StepStager(self.buffers, self.batch, page_size, self.stats, graph_sizes,
@@ -217,12 +221,15 @@ class ModelRunner:
         self._feed_pending(layout)
         window_rows = list(staged.window_rows)
         spec_out = None
+        decode_graph = None  # the G of a replayed decode graph without a tail: its sampling graph
         if window_rows:
             spec_out = self.spec_runner.run(plan, layout, window_rows, graph_size,
                                             staged.graph_tail, staged.serials)  # fmt: skip
             logits = spec_out.logits
         elif graph_size is not None and self.stager.graphs is not None:
             logits = self.stager.graphs.replay(graph_size, staged.graph_tail)
+            if staged.is_decode and not staged.graph_tail:
+                decode_graph = graph_size
             self.stats["graph_steps"] += 1
             self.stats["graph_steps_mixed"] += bool(staged.graph_tail)
         else:  # (plain rows feed the drafter's context too)
@@ -234,7 +241,8 @@ class ModelRunner:
         step.windows_first = bool(window_rows) and layout.window_width is not None
         step.is_uniform = step.windows_first and not layout.tail_rows
         if sampled.size:
-            tokens, lp = self._sample(self._plain_logits(plan, logits, staged), staged, sampling)
+            plain_logits = self._plain_logits(plan, logits, staged)
+            tokens, lp = self._sample(plain_logits, staged, sampling, decode_graph)
             self._last_tokens = tokens
             serials = staged.serials if staged.is_decode else staged.serials[sampled]
             self.stager.last_sampled = step.sampled_serials = serials
@@ -350,16 +358,28 @@ class ModelRunner:
         # (the token sampled at index `end` of its request: its position)
         return self.sampling_rows.stage(rows, staged.sampled_ends)
 
-    def _sample(self, logits: torch.Tensor, staged: Staged, sampling: SamplingTensors | None):
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        staged: Staged,
+        sampling: SamplingTensors | None,
+        decode_graph: int | None = None,  # G: a decode graph without a tail made `logits`
+    ):
         """Tokens [N] (and logprobs) of the rows that sample one token, still on the device.
         Their parameters are the persistent sampling rows (written by PersistentBatch.sync),
-        staged for this step by _stage_sampling (None: every row greedy)."""
+        staged for this step by _stage_sampling (None: every row greedy). After a decode graph
+        whose sampling is captured too, its sampling graph draws them (no row banned from
+        stopping, none with top-k or top-p: runner/sampled_decode_graphs.py)."""
         rows, ends, params = staged.sampled_rows, staged.sampled_ends, self.sampling_rows
-        masked = self._ban_stop_tokens(logits, params.banned(rows, ends, staged.reqs))
+        banned = params.banned(rows, ends, staged.reqs)
+        graphs = self.sampled_graphs
         if sampling is None:
-            tokens = masked.argmax(dim=-1)  # no sampling tensors to build or upload
+            tokens = self._ban_stop_tokens(logits, banned).argmax(dim=-1)  # no parameters
+        elif graphs and decode_graph and not banned[0] and graphs.takes(sampling):
+            tokens = graphs.replay(decode_graph, rows.size)
+            self.stats["sampled_graph_steps"] += 1
         else:
-            tokens = sample(masked, sampling)
+            tokens = sample(self._ban_stop_tokens(logits, banned), sampling)
         num_top = params.max_logprobs(rows)
         lp = None if num_top is None else top_logprobs(logits, tokens, num_top)
         return tokens, lp

@@ -78,16 +78,25 @@ class SamplingRows:
             f.copy_(self._floats, non_blocking=True)
             i.copy_(self._ints, non_blocking=True)
         return SamplingTensors(
-            temperature=f[0, :n],
-            top_k=i[0, :n],
-            top_p=f[1, :n],
-            seeds=i[1, :n],
-            positions=i[2, :n],
+            **self._device_views(n),
             all_greedy=not temperature.any(),
             any_top_k=bool((top_k < self.vocab_size).any()),
             any_top_p=bool((top_p < 1.0).any()),
             max_top_k=int(top_k.max(initial=0)),  # (vocab_size when a row has no top-k)
         )
+
+    def graph_tensors(self, num_rows: int) -> SamplingTensors:
+        """The device tensors `stage` writes, rows 0..num_rows-1, as a captured graph that
+        samples reads them (runner/sampled_decode_graphs.py): the fused path's flags (some row
+        samples, none has top-k or top-p), whatever the buffers hold at capture."""
+        views = self._device_views(num_rows)
+        return SamplingTensors(**views, all_greedy=False, any_top_k=False, any_top_p=False)
+
+    def _device_views(self, n: int) -> dict[str, torch.Tensor]:
+        """Rows 0..n-1 of each field's device buffer (stage's layout)."""
+        f, i = self._floats_dev, self._ints_dev
+        return dict(temperature=f[0, :n], top_k=i[0, :n], top_p=f[1, :n], seeds=i[1, :n],
+                    positions=i[2, :n])  # fmt: skip
 
     def all_greedy(self, rows: np.ndarray) -> bool:
         return not self.temperature[rows].any()

@@ -2,7 +2,7 @@
 
 A decode graph (runner/cuda_graph.py) captures the forward only; a step whose rows sample then
 ran `sample` eagerly after the replay: the uniforms, the stats and the pick (three Triton
-launches), six allocations, and their Python. On the H100 that doubled a plain step's host work
+launches), seven allocations, and their Python. On the H100 that doubled a plain step's host work
 at G = 1 (0.317 -> 0.661 ms), and the speculative engine's plain steps, which add their own,
 became host-bound at temperature 1 (docs/PERFORMANCE.md, thirtieth look).
 

@@ -152,3 +152,25 @@ def test_plain_rows_draw_the_samplers_tokens(device, monkeypatch):
         if device.type == "cuda":  # sample() takes it with the flag on
             monkeypatch.setattr(sampler, "FUSED_SAMPLE", True)
             assert torch.equal(sampler.sample(logits, st), expect)
+
+
+def test_plain_rows_draw_the_same_tokens_with_pad_rows_after_them(device):
+    """What a captured sampling graph relies on (runner/sampled_decode_graphs.py): sampling a
+    graph's G rows gives its first B rows the tokens sampling those B rows alone gives, whatever
+    the pad rows after them hold."""
+    from dspark.kernels.markov_sample_triton import sample_rows
+    from dspark.sample.random import STREAM_SAMPLE, uniform
+
+    V = SHAPES[device.type][0]
+    B, G = 3, 8
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(G, V, generator=g, device=device) * 3
+    logits[B:] *= 40  # pad rows: other logits, temperatures, seeds and positions
+    temperature = torch.tensor([1.0, 0.0, 0.7, 0.0, 2.0, 1.0, 0.5, 1.0], device=device)
+    seeds = torch.arange(G, device=device) * 7919 - 5
+    positions = torch.arange(G, device=device) + 100
+    u = uniform(seeds, positions, STREAM_SAMPLE)
+    alone = sample_rows(logits[:B], temperature[:B].contiguous(), u[:B],
+                        torch.empty(B, dtype=torch.int64, device=device))  # fmt: skip
+    padded = sample_rows(logits, temperature, u, torch.empty(G, dtype=torch.int64, device=device))
+    assert torch.equal(padded[:B], alone)

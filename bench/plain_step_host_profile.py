@@ -7,7 +7,9 @@ runs at high load): `batch` requests (greedy, or at `--temperature`, seeded) dec
 state, then `--steps` steps run once untimed by the profiler (the median period printed) and
 once under cProfile (the top functions by own time written to --out). The two periods differ
 by host work alone when their graphs cost the same (bench/spec_step_profile.py measures the
-graphs).
+graphs). With several temperatures (`--temperature 1,0,1,0`) each engine measures them in
+turn, its requests aborted between them; the thirtieth look's single-temperature runs put the
+machine's slow first seconds on whichever ran first.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import cProfile
 import gc
 import io
 import pstats
+import statistics
 
 import torch
 
@@ -35,6 +38,15 @@ def _profiled(llm: LLM, steps: int, top: int) -> str:
     return text.getvalue()
 
 
+def _drain(llm: LLM) -> None:
+    """Abort every request and step until none is left."""
+    engine = llm.engine
+    for req in [*engine.scheduler.running, *engine.scheduler.waiting]:
+        engine.abort_request(req.request_id)
+    while engine.scheduler.running or engine.scheduler.waiting:
+        engine.step()
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -42,8 +54,12 @@ def main() -> None:
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="the requests' temperature (0: greedy)")  # fmt: skip
+    parser.add_argument("--temperature", default="0",
+                        help="the requests' temperature (0: greedy), or several comma-separated: "
+                        "each engine measures them in that order, e.g. 1,0,1,0 alternates so "
+                        "that a slow stretch of the host does not fall on one")  # fmt: skip
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", default="plain_step_host_profile.txt")
@@ -56,8 +72,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = max(2048, 8 * args.batch)
-    common = dict(dtype="bfloat16", device="cuda", max_num_seqs=args.batch, max_model_len=4096,
+    common = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
+                  max_num_seqs=args.batch, max_model_len=args.max_model_len,
                   kv_cache_memory_gb=8.0, max_num_batched_tokens=tokens)  # fmt: skip
+    temperatures = [float(t) for t in args.temperature.split(",")]
     report, periods = [], {}
     for name, spec in (("plain", None), ("drafting off", {"method": "dspark",
                                                           "model": args.drafter})):  # fmt: skip
@@ -69,18 +87,25 @@ def main() -> None:
             gc.freeze()
         if args.gc == "off":
             gc.disable()
-        _steady(llm, args.batch, args.prompt_len, args.temperature)
-        periods[name] = _period_us(llm, args.steps)
-        report.append(f"==== {name}: step period {periods[name]:.0f} us (median of {args.steps})")
-        if not args.no_profile:
-            report.append(_profiled(llm, args.steps, args.top))
+        for k, t in enumerate(temperatures):
+            if k:  # (the previous temperature's requests leave first)
+                _drain(llm)
+            _steady(llm, args.batch, args.prompt_len, t, prefix=f"k{k}-")
+            key = f"{name}, T={t:g}"
+            periods.setdefault(key, []).append(_period_us(llm, args.steps))
+            report.append(f"==== {key}: step period {periods[key][-1]:.0f} us (median of "
+                          f"{args.steps})")  # fmt: skip
+            if not args.no_profile and temperatures.index(t) == k:  # each temperature once
+                report.append(_profiled(llm, args.steps, args.top))
         gc.enable()
         gc.unfreeze()
         report.append(f"runner stats: {dict(llm.engine.runner.stats)}")
         del llm
-        torch.cuda.empty_cache()
-    summary = "  ".join(f"{k} {v:.0f} us" for k, v in periods.items())
-    settings = f"temperature {args.temperature}, threads {torch.get_num_threads()}, gc {args.gc}"
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    summary = "  ".join(f"{k} {statistics.median(v):.0f} us ({' / '.join(f'{x:.0f}' for x in v)})"
+                        for k, v in periods.items())  # fmt: skip
+    settings = f"temperatures {args.temperature}, threads {torch.get_num_threads()}, gc {args.gc}"
     report.insert(0, f"batch {args.batch} ({settings}): {summary}")
     with open(args.out, "w") as f:
         f.write("\n".join(report))

@@ -26,11 +26,16 @@ import torch
 from dspark import LLM, SamplingParams
 
 
-def _steady(llm: LLM, batch: int, prompt_len: int = 128, temperature: float = 0.0) -> None:
+def _steady(
+    llm: LLM, batch: int, prompt_len: int = 128, temperature: float = 0.0, prefix: str = "t"
+) -> None:
     engine = llm.engine
-    params = SamplingParams(temperature=temperature, seed=0, max_tokens=3000, ignore_eos=True)
+    room = engine.config.max_model_len - prompt_len  # (3,000 tokens where the model allows)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=min(3000, room),
+                            ignore_eos=True)  # fmt: skip
     for i in range(batch):
-        engine.add_request(f"t{i}", [100 + (i + j) % 1000 for j in range(prompt_len)], params)
+        prompt = [100 + (i + j) % 1000 for j in range(prompt_len)]
+        engine.add_request(f"{prefix}{i}", prompt, params)
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):

@@ -49,7 +49,9 @@ class SampledDecodeGraphs:
         stream = capture_stream()
         with no_garbage_collection():
             for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
-                args = (decode_graphs.output(g), sampling_rows.graph_tensors(g))
+                logits = decode_graphs.output(g)
+                logits.zero_()  # (no replay has written it yet: the warm-up run reads zeros)
+                args = (logits, sampling_rows.graph_tensors(g))
                 self._graphs[g], self._tokens[g] = captured(sample, args, pool, stream)
         torch.cuda.synchronize()
 

@@ -17,8 +17,9 @@ from collections import defaultdict
 
 import torch
 
-from bench.spec_step_profile import _captured, _cuda_time_us, _drain, _steady
+from bench.spec_step_profile import _captured, _cuda_time_us, _steady
 from dspark import LLM
+from dspark.spec.profile import drain
 from dspark.spec.spec_buffers import GREEDY
 
 
@@ -45,7 +46,7 @@ def profile_draft(llm: LLM, g: int, reps: int = 10) -> dict:
             k = kernels[e.name[:90]]
             k[0] += e.device_time / reps
             k[1] += 1 / reps
-    _drain(llm)
+    drain(llm)
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {
         "batch": g,

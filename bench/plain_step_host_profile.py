@@ -25,6 +25,7 @@ import torch
 
 from bench.spec_step_trace import _period_us, _steady
 from dspark import LLM
+from dspark.spec.profile import drain
 
 
 def _profiled(llm: LLM, steps: int, top: int) -> str:
@@ -36,15 +37,6 @@ def _profiled(llm: LLM, steps: int, top: int) -> str:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
-
-
-def _drain(llm: LLM) -> None:
-    """Abort every request and step until none is left."""
-    engine = llm.engine
-    for req in [*engine.scheduler.running, *engine.scheduler.waiting]:
-        engine.abort_request(req.request_id)
-    while engine.scheduler.running or engine.scheduler.waiting:
-        engine.step()
 
 
 @torch.inference_mode()
@@ -89,7 +81,7 @@ def main() -> None:
             gc.disable()
         for k, t in enumerate(temperatures):
             if k:  # (the previous temperature's requests leave first)
-                _drain(llm)
+                drain(llm)
             _steady(llm, args.batch, args.prompt_len, t, prefix=f"k{k}-")
             key = f"{name}, T={t:g}"
             periods.setdefault(key, []).append(_period_us(llm, args.steps))

@@ -30,6 +30,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.runner.spec_graphs import window_layout
+from dspark.spec.profile import drain
 from dspark.spec.spec_buffers import GREEDY
 
 
@@ -78,15 +79,6 @@ def _steady(llm: LLM, batch: int, prompt_len: int, steps: int) -> float:
     return statistics.median((b - a) * 1e6 for a, b in zip(stamps, stamps[1:], strict=False))
 
 
-def _drain(llm: LLM) -> None:
-    engine = llm.engine
-    for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        engine.abort_request(req.request_id)
-    engine.step()  # reports the aborted requests (and forgets them)
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
 def _breakdown(runner, g: int) -> tuple[float, float, float]:
     """Whole captured step, drafting alone, target forward alone (us), on the live buffers."""
     spec, b = runner.spec, runner.buffers
@@ -112,7 +104,7 @@ def profile_spec(llm: LLM, batches: list[int], prompt_len: int, steps: int) -> l
             "target_us": target_us, "rest_us": graph_us - draft_us - target_us,
             "runner_stats": stats,
         })  # fmt: skip
-        _drain(llm)
+        drain(llm)
         print(
             f"K={K} G={g}: step {step_us:.0f} us, graph {graph_us:.0f} = draft {draft_us:.0f}"
             f" + target {target_us:.0f} + rest {graph_us - draft_us - target_us:.0f}"
@@ -128,7 +120,7 @@ def profile_decode(llm: LLM, batches: list[int], prompt_len: int, steps: int) ->
         step_us = _steady(llm, g, prompt_len, steps)
         graph_us = _cuda_time_us(lambda g=g: runner.stager.graphs.replay(g))
         rows.append({"batch": g, "decode_step_us": step_us, "decode_graph_us": graph_us})
-        _drain(llm)
+        drain(llm)
         print(f"decode G={g}: step {step_us:.0f} us, graph {graph_us:.0f} us")
     return rows
 

@@ -38,7 +38,7 @@ from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.sampled_decode_graphs import SampledDecodeGraphs, sampled_decode_graphs_enabled
 from dspark.runner.spec_runner import SpecRunner
 from dspark.runner.staging import Staged, StepStager
-from dspark.sample.sampler import SamplingTensors, sample, top_logprobs
+from dspark.sample.sampler import SamplingTensors, sample, takes_fused_path, top_logprobs
 from dspark.sample.sampling_rows import SamplingRows
 from dspark.spec.spec_decoder import SpecDecoder
 
@@ -375,7 +375,7 @@ class ModelRunner:
         graphs = self.sampled_graphs
         if sampling is None:
             tokens = self._ban_stop_tokens(logits, banned).argmax(dim=-1)  # no parameters
-        elif graphs and decode_graph and not banned[0] and graphs.takes(sampling):
+        elif graphs and decode_graph and not banned[0] and takes_fused_path(sampling):
             tokens = graphs.replay(decode_graph, rows.size)
             self.stats["sampled_graph_steps"] += 1
         else:

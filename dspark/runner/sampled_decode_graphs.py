@@ -17,9 +17,10 @@ Each row's draw depends only on its logits, temperature and (seed, position) uni
 live rows' tokens are the eager `sample`'s on the same rows (a GPU test compares them). The
 pad rows read whatever parameters the staging buffers held last: finite values, discarded.
 
-Taken only where the eager step would take the fused path for every row (`takes`: no top-k,
-no top-p) and only for a pure decode step (no tail of prefill rows); a row under its min_tokens
-ban needs its logits masked first, so such a step samples eagerly too (ModelRunner._sample).
+Taken only where the eager step would take the fused path for every row
+(`sampler.takes_fused_path`: no top-k, no top-p) and only for a pure decode step (no tail of
+prefill rows); a row under its min_tokens ban needs its logits masked first, so such a step
+samples eagerly too (ModelRunner._sample).
 
 Off by default until a GPU measures it: DSPARK_SAMPLED_DECODE_GRAPHS=1 captures them (read when
 the runner is built).
@@ -32,7 +33,7 @@ import os
 import torch
 
 from dspark.runner.cuda_graph import DecodeGraphs, capture_stream, captured, no_garbage_collection
-from dspark.sample.sampler import FUSED_SAMPLE, SamplingTensors, sample
+from dspark.sample.sampler import sample
 from dspark.sample.sampling_rows import SamplingRows
 
 
@@ -42,23 +43,18 @@ def sampled_decode_graphs_enabled() -> bool:
 
 class SampledDecodeGraphs:
     def __init__(self, decode_graphs: DecodeGraphs, sampling_rows: SamplingRows) -> None:
-        self.sizes = decode_graphs.sizes
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._tokens: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream()
         with no_garbage_collection():
-            for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
+            # largest first: later graphs reuse its pool blocks
+            for g in reversed(decode_graphs.sizes):
                 logits = decode_graphs.output(g)
                 logits.zero_()  # (no replay has written it yet: the warm-up run reads zeros)
                 args = (logits, sampling_rows.graph_tensors(g))
                 self._graphs[g], self._tokens[g] = captured(sample, args, pool, stream)
         torch.cuda.synchronize()
-
-    @staticmethod
-    def takes(sampling: SamplingTensors) -> bool:
-        """Would the eager `sample` take its fused path for these rows (what was captured)?"""
-        return FUSED_SAMPLE and not (sampling.any_top_k or sampling.any_top_p)
 
     def replay(self, size: int, num_rows: int) -> torch.Tensor:  # [num_rows] int64
         """The tokens of rows 0..num_rows-1, sampled from the decode graph `size`'s logits,

@@ -47,6 +47,12 @@ TOPK_PATH_MAX = 1024  # the largest max_top_k taken by the top-k path (beyond it
 FUSED_SAMPLE = os.environ.get("DSPARK_FUSED_SAMPLE", "1") != "0"  # (module docstring)
 
 
+def takes_fused_path(st: SamplingTensors) -> bool:
+    """Does `sample` draw these rows with the two-launch kernel (on CUDA): some row samples,
+    none has top-k or top-p?"""
+    return FUSED_SAMPLE and not (st.all_greedy or st.any_top_k or st.any_top_p)
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,
     top_k: torch.Tensor | None,
@@ -115,7 +121,7 @@ def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Sample one token per row: logits [N, V] float32 -> [N] int64."""
-    if FUSED_SAMPLE and logits.is_cuda and not (st.all_greedy or st.any_top_k or st.any_top_p):
+    if logits.is_cuda and takes_fused_path(st):
         from dspark.kernels.markov_sample_triton import sample_rows
 
         u = uniform(st.seeds, st.positions, STREAM_SAMPLE)

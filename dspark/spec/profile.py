@@ -53,7 +53,8 @@ def _median_step(llm: LLM, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _drain(llm: LLM) -> None:
+def drain(llm: LLM) -> None:
+    """Abort every request of the engine and step until it has forgotten them."""
     engine = llm.engine
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort_request(req.request_id)
@@ -134,7 +135,7 @@ def _measure_cell(
     seconds = _median_step(llm, steps, warmup)
     ran = _trimmed_steps(engine) - ran
     sched.drafting, sched.trimmed_cell = True, None
-    _drain(llm)
+    drain(llm)
     if trimmed and ran < steps + warmup:
         raise RuntimeError(f"trimmed cell G={g} V={trimmed[1]} did not run as one (fallbacks: "
                            f"{_fallbacks(engine)}): not measured")  # fmt: skip

@@ -42,6 +42,7 @@ def sampled_decode_graphs_enabled() -> bool:
 
 
 class SampledDecodeGraphs:
+    @torch.inference_mode()  # (the decode graphs' outputs are inference tensors)
     def __init__(self, decode_graphs: DecodeGraphs, sampling_rows: SamplingRows) -> None:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._tokens: dict[int, torch.Tensor] = {}

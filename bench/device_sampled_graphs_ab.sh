@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sampled plain decode steps with and without their sampling captured (DSPARK_SAMPLED_DECODE_GRAPHS,
-# runner/sampled_decode_graphs.py; off by default until this A/B), in one device call: the same
+# runner/sampled_decode_graphs.py; on by default since this A/B), in one device call: the same
 # `dspark bench` at temperature 1, arms plain decoding and the drafting policy (whose plain steps
 # were host-bound at C = 1 on the H100: docs/PERFORMANCE.md, thirtieth look), the flag off then
 # on, ROUNDS times alternating, so that drift falls on both.

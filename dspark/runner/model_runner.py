@@ -138,7 +138,7 @@ class ModelRunner:
                                tail, self.buffers.input_ids.shape[0])  # fmt: skip
                 tail = 0
             graphs = DecodeGraphs(self._forward, self.buffers, graph_sizes, tail)
-            if sampled_decode_graphs_enabled():  # (off by default: runner/sampled_decode_graphs.py)
+            if sampled_decode_graphs_enabled():  # (on unless DSPARK_SAMPLED_DECODE_GRAPHS=0)
                 self.sampled_graphs = SampledDecodeGraphs(graphs, self.sampling_rows)
         # staging owns the ladder and the decode graphs (it picks the graph a step fits; launch
         # replays it) and the serials the last launch sampled for (launch records them)

@@ -22,8 +22,9 @@ Taken only where the eager step would take the fused path for every row
 prefill rows); a row under its min_tokens ban needs its logits masked first, so such a step
 samples eagerly too (ModelRunner._sample).
 
-Off by default until a GPU measures it: DSPARK_SAMPLED_DECODE_GRAPHS=1 captures them (read when
-the runner is built).
+On by default since an H100 A/B (docs/PERFORMANCE.md, thirty-first look: a sampled plain step at
+G = 1 went from 0.988 to 0.723 ms, greedy's 0.714); DSPARK_SAMPLED_DECODE_GRAPHS=0 leaves them
+out (read when the runner is built).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dspark.sample.sampling_rows import SamplingRows
 
 
 def sampled_decode_graphs_enabled() -> bool:
-    return os.environ.get("DSPARK_SAMPLED_DECODE_GRAPHS", "0") == "1"
+    return os.environ.get("DSPARK_SAMPLED_DECODE_GRAPHS", "1") != "0"
 
 
 class SampledDecodeGraphs:

@@ -32,6 +32,15 @@ random_models() {
     && python3 bench/random_drafter.py --target /tmp/rs --out /tmp/rd > /dev/null 2>&1
 }
 
+# gpu_tests_without_model [PYTEST ARGS]: the GPU tests on tiny models (`-m gpu`) with the
+# carried tokenizer (.carry/tok.tgz) standing in for the model package's (tests/conftest.py,
+# DSPARK_TEST_TOKENIZER); those that need the model itself (marked slow) skip. One call, no
+# model parts.
+gpu_tests_without_model() {
+  if [ ! -d /tmp/tok/tok ]; then mkdir -p /tmp/tok && tar xzf .carry/tok.tgz -C /tmp/tok || return 1; fi
+  DSPARK_TEST_TOKENIZER=/tmp/tok/tok python3 -m pytest -q -m gpu tests "$@"
+}
+
 # ensure_cost_table [MODEL]: when no cost table for this GPU, torch and triton is shipped beside
 # the default drafter or saved in the user's tables, measure one with `dspark profile` (about
 # 30 s on an H100), which saves it where the engine finds it. Without it the policy arms of a

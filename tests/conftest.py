@@ -44,12 +44,23 @@ def default_gguf():
     return default_model_path()
 
 
+# A directory holding SmolLM2's tokenizer saved by transformers (save_pretrained from the GGUF
+# file): the tiny models' tokenizer without the model package, so that a device machine runs
+# the GPU tests of tiny models without first assembling the 98 MB model
+# (bench/device_setup.sh, gpu_tests_without_model).
+TOKENIZER_ENV = "DSPARK_TEST_TOKENIZER"
+
+
 @pytest.fixture(scope="session")
-def smollm_hf_tokenizer(default_gguf):
-    """SmolLM2's tokenizer, as transformers builds it from the GGUF file (the oracle)."""
+def smollm_hf_tokenizer(request):
+    """SmolLM2's tokenizer, as transformers builds it from the GGUF file (the oracle), or from
+    a saved copy of it where DSPARK_TEST_TOKENIZER names one."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    if saved := os.environ.get(TOKENIZER_ENV):
+        return AutoTokenizer.from_pretrained(saved)
+    gguf = request.getfixturevalue("default_gguf")
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="session")

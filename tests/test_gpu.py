@@ -52,9 +52,10 @@ def test_seeded_sampling_cuda_equals_cpu(tiny_llama_dir):
 
 
 def test_sampled_decode_graphs_draw_the_eager_samplings_tokens(tiny_llama_dir, monkeypatch):
-    """With the sampling of plain decode steps captured (the default; DSPARK_SAMPLED_DECODE_GRAPHS=0 turns it off), seeded
-    requests give the eager sampling's tokens (a greedy row among sampled ones, three rows in a
-    graph of four), and the sampling graphs drew them."""
+    """With the sampling of plain decode steps captured (the default;
+    DSPARK_SAMPLED_DECODE_GRAPHS=0 turns it off), seeded requests give the eager sampling's
+    tokens (a greedy row among sampled ones, three rows in a graph of four), and the sampling
+    graphs drew them."""
     params = [
         SamplingParams(temperature=0.0 if i == 0 else 0.8, seed=i, max_tokens=24, ignore_eos=True)
         for i in range(len(PROMPTS))

@@ -30,12 +30,15 @@ ARMS="{\"plain\": null,
   \"scheduled\": {\"method\": \"dspark\"${TABLE}}${TRIMMED_TABLE:+, \"trimmed\": {\"method\": \"dspark\", \"trimmed_widths\": ${TRIMMED_WIDTHS:-[2,3,4]}, \"cost_table\": \"$TRIMMED_TABLE\"\}}}"
 ARMS=${ARMS_JSON:-$ARMS}
 # the policy arms need a table for this GPU (the model's default drafter; COST_TABLE overrides)
-[ -n "${COST_TABLE:-}" ] || ensure_cost_table "${MODEL:-default}" > "$OUT/cost_table.txt" 2>&1
+# (and a ladder to the highest level: a sweep to 512 builds its engines with 512 seats)
+LEVELS=${LEVELS:-1,2,4,8,16,32,64,128,256,512}
+TOP=$(tr , '\n' <<< "$LEVELS" | sort -n | tail -1)
+[ -n "${COST_TABLE:-}" ] || ensure_cost_table "${MODEL:-default}" "$TOP" > "$OUT/cost_table.txt" 2>&1
 name=issue6_sweep_t${T}
 TRACES=/tmp/policy_traces_t$T
 if [ -n "${POLICY_TRACE:-}" ]; then rm -rf "$TRACES"; export DSPARK_POLICY_TRACE=$TRACES; fi
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
-  --concurrency "${LEVELS:-1,2,4,8,16,32,64,128,256,512}" \
+  --concurrency "$LEVELS" \
   --output-len 256 --output-len-spread 0.5 --waves 4 --min-requests "${MIN_REQUESTS:-32}" \
   --repeats "${REPEATS:-3}" \
   --temperature "$T" --arms "$ARMS" --out "$OUT/$name.json" 2>&1 | grep -v "^INFO" \

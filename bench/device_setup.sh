@@ -41,28 +41,34 @@ gpu_tests_without_model() {
   DSPARK_TEST_TOKENIZER=/tmp/tok/tok python3 -m pytest -q -m gpu tests "$@"
 }
 
-# ensure_cost_table [MODEL]: when no cost table for this GPU, torch and triton is shipped beside
+# ensure_cost_table [MODEL] [MAX_NUM_SEQS]: when no cost table for this GPU, torch, triton and
+# graph ladder (the engine's for MAX_NUM_SEQS seats, 256 by default: a bench to 512 builds its
+# engines with 512, so the shipped table's ladder to 256 no longer matches) is shipped beside
 # the default drafter or saved in the user's tables, measure one with `dspark profile` (about
-# 30 s on an H100), which saves it where the engine finds it. Without it the policy arms of a
-# sweep run as fixed K (docs/PERFORMANCE.md, twenty-fifth look: the first H100 sweep). It
-# compares only the GPU and library versions, without building an engine; the engine itself
-# authenticates the whole fingerprint (spec_setup.matching_cost_table).
+# 30 s on an H100 to 256), which saves it where the engine finds it. Without it the policy arms
+# of a sweep run as fixed K (docs/PERFORMANCE.md, twenty-fifth look: the first H100 sweep;
+# eleventh: a sweep to 512). It compares only the GPU, the library versions and the ladder,
+# without building an engine; the engine itself authenticates the whole fingerprint
+# (spec_setup.matching_cost_table).
 ensure_cost_table() {
-  python3 - <<'PY' && return 0
+  local seats=$(( ${2:-256} > 256 ? ${2:-256} : 256 ))
+  python3 - "$seats" <<'PY' && return 0
 import json, sys, torch, triton
 from pathlib import Path
 import dspark.drafters
+from dspark.runner.cuda_graph import graph_ladder
 from dspark.spec.cost_table import user_tables_dir
-live = (torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+live = (torch.cuda.get_device_name(), torch.__version__, triton.__version__,
+        graph_ladder(int(sys.argv[1])))
 shipped = Path(dspark.drafters.__file__).parent.glob("*/cost_tables/*.json")
 for path in [*shipped, *user_tables_dir().glob("*.json")]:
     fp = json.loads(path.read_text())["fingerprint"]
-    if (fp["gpu"], fp["torch"], fp["triton"]) == live:
-        print(f"cost table for {live[0]}: {path}")
+    if (fp["gpu"], fp["torch"], fp["triton"], fp["graph_sizes"]) == live:
+        print(f"cost table for {live[0]}, ladder to {live[3][-1]}: {path}")
         sys.exit(0)
 sys.exit(1)
 PY
-  echo "no cost table for this GPU: dspark profile"
-  python3 -m dspark.cli profile --model "${1:-default}" \
+  echo "no cost table for this GPU and a ladder to $seats: dspark profile"
+  python3 -m dspark.cli profile --model "${1:-default}" --max-num-seqs "$seats" \
     --speculative-config '{"method": "dspark"}' 2>&1 | grep -v "^INFO" | tail -12
 }

@@ -24,8 +24,9 @@ from dspark.benchmarks.plot import plot_results
 from dspark.benchmarks.report import arm_ratios
 
 # what every part must share for its levels to sit in one table
-SAME = ("device", "model", "dtype", "output_len", "output_len_spread", "temperature", "max_prompt_len",
-        "repeats", "waves", "min_requests", "sources", "seed", "prompt_split")  # fmt: skip
+SAME = ("device", "model", "dtype", "output_len", "output_len_spread", "temperature",
+        "max_prompt_len", "repeats", "waves", "min_requests", "sources", "seed",
+        "prompt_split")  # fmt: skip
 
 
 def merge(parts: list[dict]) -> dict:

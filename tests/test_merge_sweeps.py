@@ -31,7 +31,8 @@ def parts(tiny_llama_dir, tmp_path_factory):
     for level in ("2", "1"):
         out = tmp / f"part{level}.json"
         args = _cpu_bench(tiny_llama_dir, out, "--concurrency", level, "--output-len", "4",
-                          "--max-prompt-len", "48", "--no-plot", "--arms", json.dumps(arms))  # fmt: skip
+                          "--max-prompt-len", "48", "--no-plot",
+                          "--arms", json.dumps(arms))  # fmt: skip
         assert args.func(args) == 0
         results.append(json.loads(out.read_text()))
     return results

@@ -15,6 +15,12 @@
 # arm "trimmed", the policy with those cells), ARMS_JSON (a whole `dspark bench --arms` object),
 # With no cost table for this GPU shipped or saved, `dspark profile` measures one first
 # (ensure_cost_table, bench/device_setup.sh; its output in $OUT/cost_table.txt).
+# The whole sweep does not fit one 600 s call: run it in parts, each with its own LEVELS and
+# PART (a name for its files), then `python3 bench/merge_sweeps.py` the parts' JSON. At 512 the
+# six resident arms' graph pools hold ~42 B per verified position and vocabulary entry (8.5 GB
+# for K = 7; PERFORMANCE.md twenty-fourth look), and a KV cache sized for every request at full
+# length is 12 GB an arm: KV_GB=8 (--kv-cache-memory-gb, per arm) holds 512 requests of this
+# bench's lengths (prompts ~100 tokens, outputs up to 384); preemptions, if any, are counted.
 # POLICY_TRACE=1 (each policy's decisions step by step, dspark/spec/policy_trace.py: the traces
 # in $OUT/policy_traces.tgz, their summaries in ${name}_policy_trace.txt).
 set -u
@@ -34,13 +40,13 @@ ARMS=${ARMS_JSON:-$ARMS}
 LEVELS=${LEVELS:-1,2,4,8,16,32,64,128,256,512}
 TOP=$(tr , '\n' <<< "$LEVELS" | sort -n | tail -1)
 [ -n "${COST_TABLE:-}" ] || ensure_cost_table "${MODEL:-default}" "$TOP" > "$OUT/cost_table.txt" 2>&1
-name=issue6_sweep_t${T}
+name=issue6_sweep_t${T}${PART:+_$PART}
 TRACES=/tmp/policy_traces_t$T
 if [ -n "${POLICY_TRACE:-}" ]; then rm -rf "$TRACES"; export DSPARK_POLICY_TRACE=$TRACES; fi
 python3 -m dspark.cli bench --prompts-dir "${PROMPTS_DIR:-.data}" \
   --concurrency "$LEVELS" \
   --output-len 256 --output-len-spread 0.5 --waves 4 --min-requests "${MIN_REQUESTS:-32}" \
-  --repeats "${REPEATS:-3}" \
+  --repeats "${REPEATS:-3}" ${KV_GB:+--kv-cache-memory-gb "$KV_GB"} \
   --temperature "$T" --arms "$ARMS" --out "$OUT/$name.json" 2>&1 | grep -v "^INFO" \
   > "$OUT/$name.txt"
 python3 bench/arm_steps.py "$OUT/$name.json" > "$OUT/${name}_steps.txt"

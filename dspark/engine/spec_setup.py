@@ -145,6 +145,7 @@ def build_policy(
         regression_target=spec_config.regression_target,
         fit_persistence=spec_config.persistence,
         min_dwell_steps=spec_config.dwell_steps,
+        probe_steps=probe_steps(config, spec_runner),
         trimmed_widths=spec_runner.trimmed_widths,
         realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life)
         if spec_config.realised_costs else None,
@@ -160,6 +161,14 @@ def build_policy(
     spec_runner.confidence_sinks.append(policy.observe)
     spec_runner.step_prices = policy.priced_cells  # (the sync planner's)
     return policy, f"drafting policy, cost table {path}"
+
+
+def probe_steps(config: EngineConfig, spec_runner: SpecRunner) -> int:
+    """The drafting steps a probe of stale survivals runs at least (DraftingPolicy): 2 when
+    drafting steps launch ahead of the one in flight (engine.py, _drafts_async), whose
+    survivals the second decision cannot yet read; else 1."""
+    ahead = config.async_scheduling and config.async_spec_steps and spec_runner.uniform_windows
+    return 2 if ahead else 1
 
 
 def matching_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> Path | None:

@@ -18,10 +18,15 @@ How each request's survivals are estimated (smoothing, the population of recent 
 persistence, online recalibration) is spec/survival_estimates.py's; DraftingPolicy extends it.
 
 Probing. While drafting is off nothing refreshes the survivals. They go stale after
-(t_full / t_plain - 1) / probe_budget steps at the step's G, priced as the choice prices it
-(realised step costs included), so the probe (one drafting step that refreshes them) costs at
-most probe_budget of the time spent not drafting: about 80 steps at G = 1 (t_full / t_plain =
-1.8) and 290 at G = 256 (3.9) with the 1% default. A step
+probe_steps (t_full / t_plain - 1) / probe_budget steps at the step's G, priced as the choice
+prices it (realised step costs included), so the probe (the drafting steps that refresh them)
+costs at most probe_budget of the time spent not drafting: with one step a probe, about 80
+steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256 (3.9) with the 1% default. When
+drafting steps launch ahead (async_spec_steps with uniform windows) a probe is two steps: the
+second is decided while the first is in flight, its survivals not yet read, so the rows are
+still stale (a temperature-1 trace at C = 64 on the H100: every probe drafted two steps at
+"tokens per row 8.00" before the fresh survivals turned it off; docs/PERFORMANCE.md,
+thirty-first look), and probe_steps is 2 (engine/spec_setup.py). A step
 priced by the sampled cells sets it by those (G = 4 on the H200: 118 steps at 2.18, where the
 greedy cells' 1.29 gave 29 and a sampled batch probed four times its budget).
 Load that falls (a smaller G, where the full block costs relatively less), new requests and
@@ -98,12 +103,15 @@ class DraftingPolicy(SurvivalEstimates):
         min_gain: float = 0.02,
         min_dwell_steps: int = 8,  # plain steps before drafting may resume
         probe_budget: float = 0.01,  # the share of plain time probes (stale rows) may cost
+        probe_steps: int = 1,  # drafting steps a probe runs at least (2 with steps ahead)
         trimmed_widths: tuple[int, ...] = (),  # the runner's trimmed cells (G, w G)
         realised_costs: RealisedCosts | None = None,  # price cells by realised step times too
         **estimates,  # SurvivalEstimates' keys: half-lives, unobserved, persistence, ...
     ) -> None:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
+        if probe_steps < 1:
+            raise ValueError(f"probe_steps must be >= 1, got {probe_steps}")
         # the cells the engine can run (plain and the full block), greedy and, if measured,
         # sampled (a batch with any row that samples is priced by those)
         self.table = _runnable(table, draft_len, trimmed_widths)
@@ -119,7 +127,7 @@ class DraftingPolicy(SurvivalEstimates):
         super().__init__(temperatures, draft_len, keep_vectors=self.prices_trimmed, **estimates)
         self.realised_costs = realised_costs
         self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
-        self.probe_budget = probe_budget
+        self.probe_budget, self.probe_steps = probe_budget, probe_steps
         self.sizes = sorted(self.table.cells) if self.table else []
         self.drafting = True
         self._steps_in_mode = 0
@@ -207,7 +215,7 @@ class DraftingPolicy(SurvivalEstimates):
         ~5% of a closed loop at 256, not 1% (docs/PERFORMANCE.md, twenty-fourth look)."""
         _, row, _ = self.priced_cells(g, sampled)  # (G is one of the table's: it prices itself)
         ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
-        return max(1, math.ceil((ratio - 1) / self.probe_budget))
+        return max(1, math.ceil(self.probe_steps * (ratio - 1) / self.probe_budget))
 
     def survival_sum(self, request_ids: list[str], g: int, sampled: bool = False) -> float:
         """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale

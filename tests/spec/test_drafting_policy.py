@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark import LLM, SamplingParams
 from dspark.cli import main as cli_main
+from dspark.config import EngineConfig
+from dspark.engine.spec_setup import probe_steps
 from dspark.spec.cost_table import CostTable, parse_table
 from dspark.spec.drafting_policy import Decision, DraftingPolicy
 from dspark.spec.profile import profile_cost_table, reference_drift
@@ -66,6 +69,27 @@ def test_stale_survivals_count_as_fully_confident():
     assert p.survival_sum(_ids(2), 64) == 2 * K
     with pytest.raises(ValueError, match="probe_budget must be in"):
         _policy(probe_budget=0)
+
+
+def test_a_probe_of_two_steps_makes_staleness_twice_as_long():
+    """Drafting steps launched ahead: the second step of a probe is decided before the first's
+    survivals are read, so a probe costs two drafting steps and survivals stay fresh twice
+    as long for the same budget (G = 64: 2 x 1.4 / 0.5 -> 6 steps; 2 x 140 = 280 at 1%)."""
+    p = _policy(dwell=0, probe_budget=0.5, probe_steps=2)
+    assert (p.stale_after(64), _policy(probe_steps=2).stale_after(64)) == (6, 280)
+    p.observe(_ids(64), torch.zeros(64, K), [False] * 64)
+    steps = [p.decide(_ids(64)).drafting for _ in range(8)]
+    assert steps == [False] * 7 + [True]  # observed at step 0, older than 6 at step 7
+    with pytest.raises(ValueError, match="probe_steps must be >= 1, got 0"):
+        _policy(probe_steps=0)
+
+
+def test_probes_are_two_steps_where_drafting_steps_launch_ahead():
+    runner = SimpleNamespace(uniform_windows=True)  # (the one attribute probe_steps reads)
+    assert probe_steps(EngineConfig(model="m"), runner) == 2
+    assert probe_steps(EngineConfig(model="m", async_spec_steps=False), runner) == 1
+    assert probe_steps(EngineConfig(model="m", async_scheduling=False), runner) == 1
+    assert probe_steps(EngineConfig(model="m"), SimpleNamespace(uniform_windows=False)) == 1
 
 
 def test_staleness_follows_the_realised_prices():
@@ -571,6 +595,7 @@ def test_a_table_beside_the_drafter_is_used_when_its_fingerprint_matches(
     _write_table(own / "cost_tables" / "b_this_engine.json", probe, 1e-3, 5e-3)
     llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(own), **KW)
     assert llm.engine.policy is not None and llm.engine.policy.table is not None
+    assert llm.engine.policy.probe_steps == 1  # (no graphs on the CPU: no steps ahead)
     assert llm.get_metrics()["scheduling"] == (
         f"drafting policy, cost table {own / 'cost_tables' / 'b_this_engine.json'}"
     )  # fmt: skip

@@ -1,6 +1,11 @@
-"""Small helpers shared by tests: run the model once over a prompt with a fresh KV cache."""
+"""Small helpers shared by tests: run the model once over a prompt with a fresh KV cache; load
+a script of bench/ as a module."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -67,3 +72,12 @@ def assert_same_run(got, expected, seen):
     assert seen(got) == seen(expected)
     assert_same_logprobs(got, expected)
     assert_same_windows(got, expected)
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/<name>.py (a script, not a package module) loaded as a module, for its functions."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

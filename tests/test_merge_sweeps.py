@@ -3,22 +3,13 @@ result, on two real CPU bench runs of a tiny model with two arms."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import bench_module
 from tests.test_bench import _cpu_bench
 from tests.tiny_models import make_tiny_drafter
-
-
-def _merge_module():
-    path = Path(__file__).parents[1] / "bench" / "merge_sweeps.py"
-    spec = importlib.util.spec_from_file_location("merge_sweeps", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +30,7 @@ def parts(tiny_llama_dir, tmp_path_factory):
 
 
 def test_parts_merge_into_one_sweep_with_each_levels_own_ratios(parts, tmp_path):
-    merge = _merge_module()
+    merge = bench_module("merge_sweeps")
     merged = merge.merge(parts)
     assert merged["concurrency"] == [1, 2]
     for name in ("plain", "k2"):
@@ -57,7 +48,7 @@ def test_parts_merge_into_one_sweep_with_each_levels_own_ratios(parts, tmp_path)
 
 
 def test_parts_that_do_not_belong_together_are_refused(parts):
-    merge = _merge_module()
+    merge = bench_module("merge_sweeps")
     with pytest.raises(ValueError, match=r"a level was measured in two parts: \[2, 2\]"):
         merge.merge([parts[0], parts[0]])
     hotter = {**parts[1], "temperature": 1.0}

@@ -3,25 +3,14 @@ timestamps, in order, joined with the load generator's records by bench/request_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
-from pathlib import Path
 
 import httpx
 
 from dspark.server.request_trace import TRACE_ENV
+from tests.helpers import bench_module
 from tests.server.conftest import MODEL, engine_config, start_server
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _request_phases():
-    path = REPO / "bench" / "request_phases.py"
-    spec = importlib.util.spec_from_file_location("request_phases", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_traced_stream_has_every_timestamp_in_order(tiny_llama_dir, tmp_path, monkeypatch):
@@ -50,6 +39,6 @@ def test_a_traced_stream_has_every_timestamp_in_order(tiny_llama_dir, tmp_path, 
     record = {"id": response_id, "start": start, "ttft": ttft, "e2e": e2e, "ok": True,
               "output_tokens": 5}  # fmt: skip
     client.write_text(json.dumps({"levels": [{"requests": [record]}]}))
-    joined, rows = _request_phases().phases(str(client), str(tmp_path / "trace"), 0)
+    joined, rows = bench_module("request_phases").phases(str(client), str(tmp_path / "trace"), 0)
     assert joined == 1
     assert all(median >= 0 for name, median, _, _ in rows), rows

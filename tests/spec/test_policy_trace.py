@@ -3,10 +3,8 @@ and its summary (bench/policy_trace.py), on the CPU with a tiny target and draft
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +15,7 @@ from dspark.spec.cost_table import CostTable
 from dspark.spec.drafting_policy import DraftingPolicy
 from dspark.spec.policy_trace import TRACE_ENV, PolicyTrace
 from dspark.spec.survival_estimates import FRESH, UNSEEN
+from tests.helpers import bench_module
 from tests.tiny_models import make_tiny_drafter
 
 KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=4, max_model_len=256)
@@ -26,14 +25,6 @@ PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9], [9], [4, 4, 4, 4], [7, 7], [3, 1, 4, 1, 5
 @pytest.fixture(scope="module")
 def drafter(tiny_vocab_dir, tmp_path_factory):
     return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_pt"), taps=(0,))
-
-
-def _summary_module():
-    path = Path(__file__).parents[2] / "bench" / "policy_trace.py"
-    spec = importlib.util.spec_from_file_location("policy_trace_summary", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _edge_table(path, llm):
@@ -99,7 +90,7 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     assert moved["graph_steps"] + moved["eager_steps"] > 0  # (the pipeline's steps, by path)
 
     # the summary: one stretch without drafting per switch off (the policy starts drafting)
-    summary = _summary_module()
+    summary = bench_module("policy_trace")
     (mark, segment), = summary.load(trace.path)  # fmt: skip
     assert mark == {"arm": "edge", "repeat": 0} and len(segment) == len(lines)
     stretches = summary.stretches(segment)
@@ -141,7 +132,7 @@ def test_steps_beyond_the_table_are_traced_without_a_cell(
     beyond = [line for line in lines if line.get("reason") == "batch beyond the table"]
     assert beyond and all(line["cell"] is None for line in beyond)
     assert any(line["period"] and line["period"]["cell"] is None for line in lines)
-    summary = _summary_module()
+    summary = bench_module("policy_trace")
     (_, segment), = summary.load(llm.engine.policy_trace.path)  # fmt: skip
     assert all(g == 1 for g, _, _ in summary.periods(segment))
 
@@ -170,12 +161,12 @@ def test_engines_without_a_policy_trace_each_step(tiny_vocab_dir, drafter, tmp_p
     assert lines[0]["R"] == 0 and lines[0]["waiting"] == len(PROMPTS)  # (before admission)
     assert max(line["R"] for line in lines) == KW["max_num_seqs"]
     kind = "fixed K" if speculative else "plain decoding"
-    text = _summary_module().report(str(engine.policy_trace.path))
+    text = bench_module("policy_trace").report(str(engine.policy_trace.path))
     assert f"no policy: {kind}" in text and "G=4" in text and "stretches" not in text
 
 
 def test_a_stretch_without_drafting_ends_by_one_cause():
-    end_cause = _summary_module().end_cause
+    end_cause = bench_module("policy_trace").end_cause
     start = {"cell": [64, 64], "unseen": 2, "stale": 0}
 
     def ended(**end):

@@ -1,12 +1,12 @@
 """The request bodies of the OpenAI API the server accepts, as pydantic models.
 
 Field names are OpenAI's (and vLLM's for the extensions: top_k, min_tokens, ignore_eos,
-stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_ids) plus
-dspark's use_speculation. Every bound is declared on the field, so /openapi.json tells a client
-(or a fuzzer) what is allowed and a value outside it is a 400 naming the field. Unknown fields are
-ignored, as OpenAI and vLLM do. Options the engine does not implement (penalties, logit_bias,
-echo, tools, ...) are accepted at their neutral value and refused otherwise with a clear message,
-never silently dropped.
+stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_ids,
+repetition_penalty, min_p) plus dspark's use_speculation. Every bound is declared on the field,
+so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it is a 400
+naming the field. Unknown fields are ignored, as OpenAI and vLLM do. Options the engine does
+not implement (penalties, min_p, logit_bias, echo, tools, ...) are accepted at their neutral
+value and refused otherwise with a clear message, never silently dropped.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's extensions that clients send (declared, so that a value is refused, not dropped)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # dspark: per-request opt-out of speculation; vLLM: the token ids beside the text
@@ -65,9 +68,10 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement (400 naming the field)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise bad_request(f"{name} is not supported; use 0", name)
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0), ("min_p", 0.0)):  # fmt: skip
+            if getattr(self, name) != neutral:
+                raise bad_request(f"{name} is not supported; use {neutral:g}", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:

@@ -163,6 +163,13 @@ def test_errors_the_client_sees(server):
         client.completions.create(model=MODEL, prompt="x", n=9)
     with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
         client.completions.create(model=MODEL, prompt="x", presence_penalty=0.5)
+    # vLLM's sampling extensions, sent as extra fields: refused, never silently dropped
+    for name, value, neutral in (("min_p", 0.1, "0"), ("repetition_penalty", 1.1, "1")):
+        with pytest.raises(openai.BadRequestError, match=f"{name} is not supported; use {neutral}"):
+            client.completions.create(model=MODEL, prompt="x", extra_body={name: value})
+        neutral_body = {name: float(neutral)}
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                         extra_body=neutral_body).choices  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="stop: List should have at most 16"):
         client.completions.create(model=MODEL, prompt="x", stop=[str(i) for i in range(17)])
     with pytest.raises(openai.BadRequestError, match="logprobs: Input should be less than"):

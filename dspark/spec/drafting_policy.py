@@ -25,7 +25,7 @@ steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256 (3.9) with the 1% def
 drafting steps launch ahead (async_spec_steps with uniform windows) a probe is two steps: the
 second is decided while the first is in flight, its survivals not yet read, so the rows are
 still stale (a temperature-1 trace at C = 64 on the H100: every probe drafted two steps at
-"tokens per row 8.00" before the fresh survivals turned it off; docs/PERFORMANCE.md,
+"tokens per row 8.00" before the first fresh survivals were read; docs/PERFORMANCE.md,
 thirty-first look), and probe_steps is 2 (engine/spec_setup.py). A step
 priced by the sampled cells sets it by those (G = 4 on the H200: 118 steps at 2.18, where the
 greedy cells' 1.29 gave 29 and a sampled batch probed four times its budget).

@@ -58,6 +58,7 @@ from dspark.engine.spec_setup import (
     build_policy,
     build_spec,
     drafter_layers,
+    drafts_async,
     resolve_drafter,
     verified_positions,
 )
@@ -162,7 +163,6 @@ class LLMEngine:
         self._aborted: list[Request] = []
         # with speculation, drafting steps run asynchronously only with async_spec_steps too
         self.async_scheduling = config.async_scheduling
-        self.async_spec_steps = config.async_spec_steps
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
         logger.info(
@@ -279,7 +279,9 @@ class LLMEngine:
             self.policy_trace.stepped(self.scheduler, self.runner.stats,
                                       self.spec is not None, time.perf_counter())  # fmt: skip
         drafting = self.spec is not None and self.scheduler.drafting
-        if self.async_scheduling and (not drafting or self._drafts_async()):
+        # (read each step: tests lay windows out uniformly on the CPU after the engine is built)
+        spec_runner = self.runner.spec_runner
+        if self.async_scheduling and (not drafting or drafts_async(self.config, spec_runner)):
             return self._step_async(drafting)
         # synchronous: the step waits for its own results before the next one is scheduled
         outputs = self._finish(self._in_flight) if self._in_flight is not None else []
@@ -343,12 +345,6 @@ class LLMEngine:
         if previous is not None:
             outputs += self._finish(previous)
         return outputs + self._collect_aborted()
-
-    def _drafts_async(self) -> bool:
-        """Drafting steps run asynchronously only when their windows can be laid out K + 1
-        wide (uniform windows: on with speculative graphs), the one layout a step launched
-        ahead writes its continuations into."""
-        return self.async_spec_steps and self.runner.spec_runner.uniform_windows
 
     def _ahead_blocker(self, previous: InFlightStep, drafting: bool) -> str | None:
         """Why the next step may not be scheduled before `previous` is collected (None: it

@@ -163,12 +163,18 @@ def build_policy(
     return policy, f"drafting policy, cost table {path}"
 
 
+def drafts_async(config: EngineConfig, spec_runner: SpecRunner | None) -> bool:
+    """Do drafting steps run asynchronously (with async_scheduling, engine.py)? Only with
+    async_spec_steps and windows laid out K + 1 wide (uniform windows: on with speculative
+    graphs), the one layout a step launched ahead writes its continuations into."""
+    return config.async_spec_steps and spec_runner is not None and spec_runner.uniform_windows
+
+
 def probe_steps(config: EngineConfig, spec_runner: SpecRunner) -> int:
     """The drafting steps a probe of stale survivals runs at least (DraftingPolicy): 2 when
-    drafting steps launch ahead of the one in flight (engine.py, _drafts_async), whose
-    survivals the second decision cannot yet read; else 1."""
-    ahead = config.async_scheduling and config.async_spec_steps and spec_runner.uniform_windows
-    return 2 if ahead else 1
+    drafting steps launch ahead of the one in flight (drafts_async), whose survivals the
+    second decision cannot yet read; else 1."""
+    return 2 if config.async_scheduling and drafts_async(config, spec_runner) else 1
 
 
 def matching_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> Path | None:

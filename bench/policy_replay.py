@@ -21,6 +21,12 @@ GPU's table:
       fixed K, tau 2.5       819 drafting steps             -> 1,059 ms   (1.41x plain)
       a policy, tau 2.6      700 drafting + 230 plain steps -> 1,072 ms   (1.39x plain)
 
+--ahead lays every arm's windows out K + 1 wide, as CUDA graphs do, so drafting steps launch
+ahead of the one in flight and each decision reads survivals two blocks old, as on a GPU (the
+CPU computes each step before the next is decided all the same; only the order of decisions and
+reads changes). The arm key "decision_lag" (1 or 2) overrides the policy's persistence fit's
+pairing there (spec/survival_estimates.py).
+
 A model, not a measurement of the GPU: it leaves out what the table does not hold (prefill
 carried by a step, switches between plain and drafting graphs, host gaps), and the CPU's fp32
 acceptance is close to the GPU's bf16, not equal. What it shows is what each arm's choices are
@@ -73,13 +79,24 @@ def tables(gpu: CostTable, fingerprint: dict, draft_len: int, folder: Path) -> d
 
 
 def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
-            concurrency: int, gpu: CostTable, temperature: float = 0.0) -> dict:  # fmt: skip
+            concurrency: int, gpu: CostTable, temperature: float = 0.0,
+            ahead: bool = False) -> dict:  # fmt: skip
     """The arm's tokens, its steps by cell and their modeled time (at temperature > 0 priced
-    by the table's sampled cells, request i seeded with i)."""
+    by the table's sampled cells, request i seeded with i). ahead: drafting steps launch
+    ahead of the one in flight, as with CUDA graphs (windows laid out K + 1 wide), and the
+    policy knows it (probe_steps and decision_lag 2, what engine/spec_setup.py gives it on a
+    GPU); the arm key "decision_lag" (this script's, not speculative_config's) overrides the
+    policy's."""
+    spec = dict(spec)
+    decision_lag = spec.pop("decision_lag", 2 if ahead else 1)
     llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=concurrency,
               max_model_len=MAX_MODEL_LEN, speculative_config=spec)  # fmt: skip
     policy = llm.engine.policy
     assert policy is not None and policy.table is not None, llm.get_metrics()["scheduling"]
+    if ahead:
+        llm.engine.runner.spec_runner.uniform_windows = True
+        policy.probe_steps = 2
+    policy.decision_lag = decision_lag
     cells: list[tuple[int, int]] = []
     decide = policy.decide
 
@@ -107,6 +124,8 @@ def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
         "modeled_ms": 1e3 * sum(n * prices.cells[g][v] for (g, v), n in by_cell.items()),
         "acceptance_length": m.get("mean_acceptance_length"),
         "policy": dict(m.get("drafting_policy", {})), "cpu_seconds": time.perf_counter() - start,
+        "persistence": policy.persistence,  # the fitted rho at the end
+        "launched_ahead": llm.engine.runner.stats["spec_steps_launched_ahead"],
     }  # fmt: skip
 
 
@@ -126,6 +145,11 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompts-dir", default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--ahead",
+        action="store_true",
+        help="drafting steps launch ahead of the one in flight (as on a GPU)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()  # fmt: skip
     model = args.model or str(default_model_path())
@@ -148,7 +172,9 @@ def main() -> int:
     for c in (int(x) for x in args.concurrency.split(",")):
         results = {}
         for name, spec in arms.items():
-            results[name] = run_arm(model, spec, prompts, args.output_len, c, gpu, args.temperature)
+            results[name] = run_arm(
+                model, spec, prompts, args.output_len, c, gpu, args.temperature, args.ahead
+            )
             r = results[name]
             print(f"C={c} {name}: {r['drafting_steps']} drafting + {r['plain_steps']} plain "
                   f"steps, {r['modeled_ms']:.0f} ms modeled ({r['cpu_seconds']:.0f} s on the "
@@ -166,7 +192,7 @@ def main() -> int:
     )
     print(
         f"{'C':>4} {'arm':>12} {'drafting':>9} {'plain':>7} {'tau':>5} {'switches':>9} "
-        f"{'modeled ms':>11} {'x plain':>8} {'x k7':>6}"
+        f"{'modeled ms':>11} {'x plain':>8} {'x k7':>6} {'rho':>5} {'ahead':>6}"
     )
     for level in levels:
         arms_ = level["arms"]
@@ -176,7 +202,8 @@ def main() -> int:
             print(f"{level['concurrency']:>4} {name:>12} {r['drafting_steps']:>9} "
                   f"{r['plain_steps']:>7} {tau:>5.2f} {switches:>9} {r['modeled_ms']:>11.0f} "
                   f"{arms_['plain']['modeled_ms'] / r['modeled_ms']:>8.2f} "
-                  f"{arms_['k7']['modeled_ms'] / r['modeled_ms']:>6.2f}")  # fmt: skip
+                  f"{arms_['k7']['modeled_ms'] / r['modeled_ms']:>6.2f} "
+                  f"{r['persistence']:>5.2f} {r['launched_ahead']:>6}")  # fmt: skip
         if not level["tokens_equal_plain"] and args.temperature == 0:
             print(f"C={level['concurrency']}: an arm's tokens differ from plain decoding's")
     if args.out:

@@ -146,6 +146,7 @@ def build_policy(
         fit_persistence=spec_config.persistence,
         min_dwell_steps=spec_config.dwell_steps,
         probe_steps=probe_steps(config, spec_runner),
+        decision_lag=probe_steps(config, spec_runner),  # (the same cause: steps launched ahead)
         trimmed_widths=spec_runner.trimmed_widths,
         realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life)
         if spec_config.realised_costs else None,

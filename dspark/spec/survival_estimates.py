@@ -57,14 +57,29 @@ request off, and still brings back one whose weak block was a dip in a good hist
 Two corrections keep lagged estimates honest:
 - Persistence, measured. How much a request's past blocks say about its next one is measured,
   not assumed: for full blocks verified from rows that had an estimate (at most 16 rows a
-  step, in rotation), the pair (the row's estimate before the block, the drafts the block
-  kept) enters an exponentially weighted least-squares fit (half-life calibration_half_life
-  blocks). Its slope rho, clipped to [0, 1], is how far an estimate may stand from the
-  population mean: own = mean + rho (own - mean), before the pull with age. The fit is used
-  once min_persistence_blocks pairs (weighted) are in and their estimates spread (until then
-  rho = 1). On the H200 (2026-12-04) the unfitted policy turned drafting off at concurrency 1
+  step, in rotation), the pair (the row's estimate when the block was decided, the drafts
+  the block kept) enters an exponentially weighted least-squares fit (half-life
+  calibration_half_life blocks). Its slope rho, clipped to [0, 1], is how far an estimate
+  may stand from the population mean: own = mean + rho (own - mean), before the pull with
+  age. The fit is used once min_persistence_blocks pairs (weighted) are in and their
+  estimates spread (until then rho = 1). On the H200 (2026-12-04) the unfitted policy turned drafting off at concurrency 1
   on 28 weak estimates and dwelt 196 steps, at 0.93x fixed K, where the blocks that followed
   weak ones still kept enough drafts to pay.
+  The estimate paired with a block is the one the decision that launched the block read.
+  Where drafting steps launch ahead (decision_lag 2, engine/spec_setup.py) the step after N
+  is decided before N's survivals are read, so block N + 1 was chosen on evidence through
+  block N - 1, and the fit pairs it with the row's smoothed sum from then, not with the sum
+  through block N, which no decision about it saw:
+
+      decisions  ...  decide N+1 | launch N+1 | read N | decide N+2 | launch N+2 | read N+1
+      pair for block N+1, decision_lag 1: (sum through N,     kept(N+1))
+                          decision_lag 2: (sum through N - 1, kept(N+1))
+
+  Evidence two blocks old says less: replayed on the CPU at concurrency 1 with steps launched
+  ahead (bench/policy_replay.py --ahead), the one-block pairs fitted rho 0.94 and the pairs
+  of what the decisions read 0.70, with 22% fewer switches (docs/PERFORMANCE.md,
+  thirty-second look, where an H100's policy at concurrency 1 turned drafting off after 16%
+  of its steps and its drafting steps kept no more than fixed K's).
   Everything the fit uses was verified before the current drafts exist (6.3).
 - Online recalibration. STS is fitted offline on other prompts; the engine knows, for every full
   block it verified, how many drafts the calibrated survivals predicted and how many were
@@ -105,6 +120,7 @@ class SurvivalEstimates:
         regression_target: str = "population",  # or "request" (module docstring)
         fit_persistence: bool = True,  # False: rho = 1 (a row's own survivals count in full)
         min_persistence_blocks: float = 32.0,  # fitted pairs before rho is used (module doc)
+        decision_lag: int = 1,  # blocks between a decision's newest evidence and its block
         keep_vectors: bool = False,  # keep each request's survivals per position (trimmed cells)
     ) -> None:
         if unobserved not in ("confident", "population"):
@@ -112,6 +128,8 @@ class SurvivalEstimates:
         if regression_target not in REGRESSION_TARGETS:
             raise ValueError(f"regression_target must be one of {list(REGRESSION_TARGETS)}, "
                              f"got {regression_target!r}")  # fmt: skip
+        if decision_lag not in (1, 2):
+            raise ValueError(f"decision_lag must be 1 or 2, got {decision_lag}")
         if block_half_life < 0 or regression_half_life <= 0:
             raise ValueError(f"block_half_life must be >= 0 and regression_half_life > 0, got "
                              f"{block_half_life} and {regression_half_life}")  # fmt: skip
@@ -133,6 +151,10 @@ class SurvivalEstimates:
         self.fit_persistence = fit_persistence
         self.min_persistence_blocks = min_persistence_blocks
         self._pairs = [0.0] * 5
+        self.decision_lag = decision_lag
+        # with decision_lag 2: request id -> its smoothed sum before its newest block (what
+        # the decision about its next block read)
+        self._earlier_sums: dict[str, float] = {}
         self._fit_start = 0  # the row the next step's pairs start from (modulo the batch)
         # exponentially weighted predicted and realised accepted drafts over full blocks, each
         # starting from prior_blocks blocks of one accepted draft predicted and realised
@@ -159,10 +181,13 @@ class SurvivalEstimates:
         if num_accepted is not None and verify_len is not None:
             self._fit_persistence(request_ids, num_accepted, verify_len)  # (estimates before)
         w = self._block_weight
+        earlier = self._earlier_sums if self.decision_lag == 2 else None
         for rid, total in zip(request_ids, sums, strict=True):
             seen = self._survival_sums.get(rid)
             smoothed = total if seen is None else seen[0] + w * (total - seen[0])
             self._survival_sums[rid] = (smoothed, self._step)
+            if earlier is not None and seen is not None:
+                earlier[rid] = seen[0]
         if self.regression_target == "request":
             for rid, total in zip(request_ids, sums, strict=True):
                 blocks = self._request_blocks.setdefault(rid, [0.0, 0.0])
@@ -195,24 +220,32 @@ class SurvivalEstimates:
     def _fit_persistence(
         self, request_ids: list[str], num_accepted: list[int], verify_len: list[int]
     ) -> None:
-        """observe()'s pairs into the persistence fit: (the row's recalibrated estimate before
-        its block, the drafts the block kept), for uncensored blocks of rows that had an
-        estimate. At most PERSISTENCE_PAIRS_PER_STEP rows a step, from a start that rotates
-        with each call: a large batch gives far more pairs than the fit needs, and observe()
-        runs after every drafting step (at 256 rows, pairs from every row doubled its cost)."""
+        """observe()'s pairs into the persistence fit: (the row's recalibrated estimate the
+        decision that launched its block read, the drafts the block kept; module docstring),
+        for uncensored blocks of rows that had an estimate then. At most
+        PERSISTENCE_PAIRS_PER_STEP rows a step, from a start that rotates with each call: a
+        large batch gives far more pairs than the fit needs, and observe() runs after every
+        drafting step (at 256 rows, pairs from every row doubled its cost)."""
         r = len(request_ids)
         if not self.fit_persistence or not r:
             return
-        scale, k, smoothed = self.correction, self.draft_len, self._survival_sums
+        scale, k = self.correction, self.draft_len
+        lagged, earlier, smoothed = self.decision_lag == 2, self._earlier_sums, self._survival_sums
         start = self._fit_start
         self._fit_start += PERSISTENCE_PAIRS_PER_STEP
         n = sx = sy = sxx = sxy = 0.0
         for i in range(r):
             j = (start + i) % r
-            seen = smoothed.get(request_ids[j]) if verify_len[j] == k else None
-            if seen is None:
+            if verify_len[j] != k:
                 continue
-            x, y = min(k, scale * seen[0]), num_accepted[j]
+            if lagged:
+                before = earlier.get(request_ids[j])
+            else:
+                seen = smoothed.get(request_ids[j])
+                before = None if seen is None else seen[0]
+            if before is None:
+                continue
+            x, y = min(k, scale * before), num_accepted[j]
             n, sx, sy, sxx, sxy = n + 1, sx + x, sy + y, sxx + x * x, sxy + x * y
             if n == PERSISTENCE_PAIRS_PER_STEP:
                 break
@@ -248,6 +281,7 @@ class SurvivalEstimates:
 
     def forget(self, request_id: str) -> None:
         self._survival_sums.pop(request_id, None)
+        self._earlier_sums.pop(request_id, None)
         self._request_blocks.pop(request_id, None)
         self._survival_vectors.pop(request_id, None)
 

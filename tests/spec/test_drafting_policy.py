@@ -326,6 +326,24 @@ def test_persistence_is_measured_before_a_weak_estimate_stops_drafting():
     assert kept.decide(["r0"]).drafting and not kept.decide(["r1"]).drafting
 
 
+def test_persistence_pairs_a_block_with_the_estimate_its_decision_read():
+    """Rows whose blocks alternate strong, weak, strong, ... With decisions one block behind
+    (synchronous) the estimate before a block leans to the other kind (the newest block
+    weighs half), so a row's past says the opposite of its next block: rho 0. Where drafting
+    steps launch ahead, the decision about a block read the row's sum one block earlier,
+    which leans to the same kind: rho 1, and a pairing with the newer sum would have priced
+    that evidence by the wrong persistence."""
+    alternating = lambda i, t: [None] * 64 if i is None else (i + t) % 2 == 0  # noqa: E731
+    synchronous, ahead = _policy(dwell=0), _policy(dwell=0, decision_lag=2)
+    for p in (synchronous, ahead):
+        _blocks(p, alternating, 40)
+    assert synchronous.persistence == 0.0 and ahead.persistence == 1.0
+    ahead.forget("r0")  # (a finished request's earlier sum goes with it)
+    assert "r0" not in ahead._earlier_sums and "r1" in ahead._earlier_sums
+    with pytest.raises(ValueError, match="decision_lag must be 1 or 2, got 3"):
+        _policy(decision_lag=3)
+
+
 # ---- the engine -----------------------------------------------------------------------------
 
 
@@ -489,6 +507,7 @@ def test_engine_fits_persistence_unless_told_not_to(tiny_vocab_dir, drafter, tmp
     for llm in (fitted, unfitted):
         llm.generate(PROMPTS * 4, params, use_tqdm=False)
     assert fitted.engine.policy._pairs[0] > 32  # every drafting step after a row's first
+    assert fitted.engine.policy.decision_lag == 1  # (no drafting step launched ahead here)
     assert 0.0 <= fitted.get_metrics()["survival_persistence"] <= 1.0
     assert unfitted.get_metrics()["survival_persistence"] == 1.0
     with pytest.raises(ValueError, match='"persistence" must be true or false'):

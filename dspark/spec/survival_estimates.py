@@ -55,16 +55,16 @@ request off, and still brings back one whose weak block was a dip in a good hist
 ("population") by default until the GPU compares them.
 
 Two corrections keep lagged estimates honest:
-- Persistence, measured. How much a request's past blocks say about its next one is measured,
-  not assumed: for full blocks verified from rows that had an estimate (at most 16 rows a
-  step, in rotation), the pair (the row's estimate when the block was decided, the drafts
-  the block kept) enters an exponentially weighted least-squares fit (half-life
-  calibration_half_life blocks). Its slope rho, clipped to [0, 1], is how far an estimate
-  may stand from the population mean: own = mean + rho (own - mean), before the pull with
-  age. The fit is used once min_persistence_blocks pairs (weighted) are in and their
-  estimates spread (until then rho = 1). On the H200 (2026-12-04) the unfitted policy turned drafting off at concurrency 1
-  on 28 weak estimates and dwelt 196 steps, at 0.93x fixed K, where the blocks that followed
-  weak ones still kept enough drafts to pay.
+- Persistence, measured. How much a request's past blocks say about its next one is measured, not
+  assumed: for full blocks verified from rows that had an estimate (at most 16 rows a step, in
+  rotation), the pair (the row's estimate when the block was decided, the drafts the block kept)
+  enters an exponentially weighted least-squares fit (half-life calibration_half_life blocks). Its
+  slope rho, clipped to [0, 1], is how far an estimate may stand from the population mean: own =
+  mean + rho (own - mean), before the pull with age. The fit is used once min_persistence_blocks
+  pairs (weighted) are in and their estimates spread (until then rho = 1). On the H200
+  (2026-12-04) the unfitted policy turned drafting off at concurrency 1 on 28 weak estimates and
+  dwelt 196 steps, at 0.93x fixed K, where the blocks that followed weak ones still kept enough
+  drafts to pay.
   The estimate paired with a block is the one the decision that launched the block read.
   Where drafting steps launch ahead (decision_lag 2, engine/spec_setup.py) the step after N
   is decided before N's survivals are read, so block N + 1 was chosen on evidence through

@@ -437,12 +437,22 @@ def test_git_state_names_the_commit_given_in_the_environment(monkeypatch):
 def test_a_levels_speculation_is_the_metrics_delta_with_the_policys_end_state():
     from dspark.benchmarks.offline_level import _spec_delta
 
-    before = {"num_drafts": 10, "num_draft_tokens": 70, "num_accepted_tokens": 15,
-              "steps": {"spec_graph_steps": 10}, "drafting_policy": {"steps_drafting": 10}}
-    after = {"num_drafts": 30, "num_draft_tokens": 210, "num_accepted_tokens": 45,
-             "steps": {"spec_graph_steps": 25, "graph_steps": 4},
-             "drafting_policy": {"steps_drafting": 25, "steps_not_drafting": 4},
-             "survival_correction": 0.9, "realised_cost_ratios": {"G=64 V=512 greedy": 1.4}}
+    before = {
+        "num_drafts": 10,
+        "num_draft_tokens": 70,
+        "num_accepted_tokens": 15,
+        "steps": {"spec_graph_steps": 10},
+        "drafting_policy": {"steps_drafting": 10},
+    }
+    after = {
+        "num_drafts": 30,
+        "num_draft_tokens": 210,
+        "num_accepted_tokens": 45,
+        "steps": {"spec_graph_steps": 25, "graph_steps": 4},
+        "drafting_policy": {"steps_drafting": 25, "steps_not_drafting": 4},
+        "survival_correction": 0.9,
+        "realised_cost_ratios": {"G=64 V=512 greedy": 1.4},
+    }
     d = _spec_delta(before, after)  # fmt: skip
     assert d["num_drafts"] == 20 and d["mean_acceptance_length"] == 1 + 30 / 20
     assert d["steps"] == {"spec_graph_steps": 15, "graph_steps": 4}
@@ -451,8 +461,11 @@ def test_a_levels_speculation_is_the_metrics_delta_with_the_policys_end_state():
     assert d["realised_cost_ratios"] == {"G=64 V=512 greedy": 1.4}
     assert "async_spec_steps" not in d  # an engine that does not report them
     before["async_spec_steps"] = {"launched_ahead": 5, "not_ahead": {"after_plain_step": 2}}
-    after["async_spec_steps"] = {"launched_ahead": 12, "continuation_windows": 3,
-                                 "not_ahead": {"after_plain_step": 2, "drafting_off": 1}}
+    after["async_spec_steps"] = {
+        "launched_ahead": 12,
+        "continuation_windows": 3,
+        "not_ahead": {"after_plain_step": 2, "drafting_off": 1},
+    }
     assert _spec_delta(before, after)["async_spec_steps"] == {
         "launched_ahead": 7, "not_ahead": {"drafting_off": 1}
     }  # fmt: skip

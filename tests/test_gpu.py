@@ -25,8 +25,9 @@ def _run(model: str, device: str, dtype: str = "float32", **kw):
 def test_host_to_device_takes_lists_and_numpy_arrays(as_array):
     # torch.tensor(ndarray, pin_memory=True) raises on CUDA; continuations pass an ndarray
     values = [[1, 2, 3], [4, 5, 6]]
-    staged = host_to_device(np.array(values) if as_array else values, torch.int64,
-                            torch.device("cuda"))
+    staged = host_to_device(
+        np.array(values) if as_array else values, torch.int64, torch.device("cuda")
+    )
     assert staged.device.type == "cuda" and staged.tolist() == values
 
 

@@ -13,8 +13,15 @@ from dspark.runner.input_buffers import InputBuffers
 from dspark.spec.spec_buffers import SpecBuffers
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens")
-SPEC_FIELDS = ("anchors", "anchor_pos", "block_positions", "block_slots", "block_seq_lens",
-               "verify_len", "verify_cap")
+SPEC_FIELDS = (
+    "anchors",
+    "anchor_pos",
+    "block_positions",
+    "block_slots",
+    "block_seq_lens",
+    "verify_len",
+    "verify_cap",
+)
 
 
 def _buffers(device, rows=8, K=3, page_size=4):

@@ -73,7 +73,7 @@ def test_admissions_ahead_and_steps_behind_mixed_ones_equal_sync(tiny_vocab_dir,
 
 
 def test_without_mixed_ahead_an_arrival_finishes_the_step_in_flight(tiny_vocab_dir, drafter):
-    """"mixed_steps_ahead": false (Scheduler.mixed_ahead): the same tokens, no admission
+    """ "mixed_steps_ahead": false (Scheduler.mixed_ahead): the same tokens, no admission
     ahead, nothing behind a mixed step, and more steps not launched ahead for a waiting
     request."""
     on = _llm(tiny_vocab_dir, drafter, True, True)

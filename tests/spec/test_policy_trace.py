@@ -183,8 +183,13 @@ def test_a_dwell_line_carries_its_own_evidence(tmp_path):
     previous decision's (DraftingPolicy.last_row_totals is reset by every decide())."""
     k, g = 7, 4
     ones = {False: torch.ones(k), True: torch.ones(k)}
-    policy = DraftingPolicy(CostTable({}, {g: {g: 1.0, 8 * g: 9.0}}), ones, k, min_dwell_steps=3,
-                            regression_half_life=1e9)  # (estimates that do not age: exact sums)
+    policy = DraftingPolicy(
+        CostTable({}, {g: {g: 1.0, 8 * g: 9.0}}),
+        ones,
+        k,
+        min_dwell_steps=3,
+        regression_half_life=1e9,
+    )  # (estimates that do not age: exact sums)
     trace = PolicyTrace(policy, tmp_path / "trace.jsonl")
     scheduler = SimpleNamespace(running=[], waiting=[], max_num_seqs=g)
     ids = ["a", "b", "c"]

@@ -184,6 +184,7 @@ def test_a_spiked_price_holds_drafting_off_until_staleness_unless_it_reverts():
         burst = next(i for i in range(100) if not step(4.0))  # arrivals: drafting at 4x
         assert burst > 8  # (a few dear steps do not move the price enough)
         return next(i for i in range(1, 300) if step(4.0))  # (plain until drafting resumes)
+
     frozen = plain_steps_until_drafting(RealisedCosts())
     reverting = plain_steps_until_drafting(RealisedCosts(stale_half_life=16))
     assert frozen >= policy_stale_after(table) and 8 < reverting < frozen / 2, (frozen, reverting)

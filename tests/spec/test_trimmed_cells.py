@@ -223,8 +223,9 @@ def test_policy_prices_trimmed_cells_from_per_position_survivals():
     g = 4
     table = CostTable({}, {g: {g: 1.0, 2 * g: 1.1, full_block_tokens(g, K): 1.6}})
     ones = {False: torch.ones(K), True: torch.ones(K)}
-    policy = DraftingPolicy(table, ones, K, min_dwell_steps=0, trimmed_widths=(2,),
-                            regression_half_life=1e9)  # (estimates that do not age)
+    policy = DraftingPolicy(
+        table, ones, K, min_dwell_steps=0, trimmed_widths=(2,), regression_half_life=1e9
+    )  # (estimates that do not age)
     ids = [f"r{i}" for i in range(4)]
     # first drafts likely, later ones hopeless: one draft a row (w = 2) is the best cell
     logits = torch.tensor([[3.0, -4.0, -4.0]] * 4)

@@ -514,6 +514,23 @@ def test_engine_fits_persistence_unless_told_not_to(tiny_vocab_dir, drafter, tmp
         LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, persistence="no"), **KW)
 
 
+def test_engine_with_steps_ahead_fits_what_its_decisions_read(tiny_vocab_dir, drafter, tmp_path):
+    """Drafting steps launched ahead (windows laid out K + 1 wide, as CUDA graphs do; on a GPU
+    spec_setup gives the policy decision_lag 2 then): the fit takes pairs from the rows' earlier
+    sums, and a finished request's is forgotten with it."""
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    cheap = _write_table(tmp_path / "cheap.json", probe, 1e-3, 1e-3)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(cheap)), **KW)
+    llm.engine.runner.spec_runner.uniform_windows = True
+    policy = llm.engine.policy
+    policy.decision_lag = 2
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm.generate(PROMPTS * 4, params, use_tqdm=False)
+    assert llm.engine.runner.stats["spec_steps_launched_ahead"] > 0
+    assert policy._pairs[0] > 16  # pairs from blocks after a row's second
+    assert not policy._earlier_sums  # every request finished and was forgotten
+
+
 def test_the_dwell_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):
     probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
     assert probe.engine.config.spec().dwell_steps == 8  # the default

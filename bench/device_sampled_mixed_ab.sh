@@ -31,8 +31,7 @@ K7="\"k7\": {\"method\": \"dspark\", \"scheduling\": false$DRAFTER}"
 SCHEDULED=', "scheduled": {"method": "dspark"}'
 [ -n "$DRAFTER" ] && SCHEDULED=
 
-rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "$BEFORE" -C /tmp/before || exit 1
-ln -s "$PWD/dspark/drafters" /tmp/before/dspark/drafters
+unpack_before "$BEFORE" || exit 1
 (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m dspark.cli bench "${COMMON[@]}" \
   --arms "{$K7}" --out "$OUT/before.json" 2>&1 | grep -v "^INFO" > "$OUT/before.txt") \
   || echo "the earlier tree's bench failed"

@@ -41,6 +41,14 @@ gpu_tests_without_model() {
   DSPARK_TEST_TOKENIZER=/tmp/tok/tok python3 -m pytest -q -m gpu tests "$@"
 }
 
+# unpack_before TARBALL: an earlier tree's package (`git archive REV dspark ':!dspark/drafters'
+# | gzip`) into /tmp/before, borrowing this tree's drafters; run it there with
+# `(cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m dspark.cli ...)`.
+unpack_before() {
+  rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "$1" -C /tmp/before || return 1
+  ln -s "$PWD/dspark/drafters" /tmp/before/dspark/drafters
+}
+
 # ensure_cost_table [MODEL] [MAX_NUM_SEQS]: when no cost table for this GPU, torch, triton and
 # graph ladder (the engine's for MAX_NUM_SEQS seats, 256 by default: a bench to 512 builds its
 # engines with 512, so the shipped table's ladder to 256 no longer matches) is shipped beside

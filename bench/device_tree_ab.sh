@@ -24,8 +24,7 @@ COMMON=(--model "${MODEL:-default}" --prompts-dir "$(realpath "${PROMPTS_DIR:-.d
         --output-len-spread 0.5 --waves 4 --min-requests "${MIN_REQUESTS:-32}"
         --repeats "${REPEATS:-2}" --temperature "${TEMPERATURE:-0}" --no-plot ${BENCH_ARGS:-})
 
-rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "$BEFORE" -C /tmp/before || exit 1
-ln -s "$PWD/dspark/drafters" /tmp/before/dspark/drafters
+unpack_before "$BEFORE" || exit 1
 (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before DSPARK_GIT_COMMIT=${BEFORE_COMMIT:-before} \
   python3 -m dspark.cli bench "${COMMON[@]}" --arms "$ARMS" --out "$OUT/before.json" 2>&1 \
   | grep -v "^INFO" > "$OUT/before.txt") || echo "the earlier tree's bench failed"

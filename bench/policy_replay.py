@@ -51,6 +51,7 @@ from pathlib import Path
 
 from dspark import LLM, SamplingParams
 from dspark.benchmarks.prompts import default_prompts_dir, load_prompts
+from dspark.engine.spec_setup import probe_steps
 from dspark.models.loader import default_model_path
 from dspark.spec.cost_table import CostTable, full_block_tokens, parse_table
 
@@ -88,15 +89,18 @@ def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
     GPU); the arm key "decision_lag" (this script's, not speculative_config's) overrides the
     policy's."""
     spec = dict(spec)
-    decision_lag = spec.pop("decision_lag", 2 if ahead else 1)
+    decision_lag = spec.pop("decision_lag", None)
     llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=concurrency,
               max_model_len=MAX_MODEL_LEN, speculative_config=spec)  # fmt: skip
     policy = llm.engine.policy
     assert policy is not None and policy.table is not None, llm.get_metrics()["scheduling"]
-    if ahead:
+    if ahead:  # (what build_policy derives on a GPU, where graphs lay the windows out so)
         llm.engine.runner.spec_runner.uniform_windows = True
-        policy.probe_steps = 2
-    policy.decision_lag = decision_lag
+        policy.probe_steps = policy.decision_lag = probe_steps(
+            llm.engine.config, llm.engine.runner.spec_runner
+        )
+    if decision_lag is not None:
+        policy.decision_lag = decision_lag
     cells: list[tuple[int, int]] = []
     decide = policy.decide
 

@@ -139,14 +139,15 @@ def build_policy(
         table = None
     else:
         table, reason = load_cost_table(path, fingerprint())
+    ahead = probe_steps(config, spec_runner)  # 2 where drafting steps launch ahead, else 1
     policy = DraftingPolicy(
         table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
         unobserved=spec_config.unobserved,
         regression_target=spec_config.regression_target,
         fit_persistence=spec_config.persistence,
         min_dwell_steps=spec_config.dwell_steps,
-        probe_steps=probe_steps(config, spec_runner),
-        decision_lag=probe_steps(config, spec_runner),  # (the same cause: steps launched ahead)
+        probe_steps=ahead,
+        decision_lag=ahead,  # (the same cause: a decision reads survivals one block older)
         trimmed_widths=spec_runner.trimmed_widths,
         realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life)
         if spec_config.realised_costs else None,

@@ -47,7 +47,9 @@ class _Request:  # the engine passes [req.request_id for req in scheduler.runnin
 
 
 def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "half") -> dict:
-    policy = DraftingPolicy(table, temperatures, draft_len=7)
+    # as the engine builds it with drafting steps launched ahead (engine/spec_setup.py
+    # build_policy): a probe of two steps, each decision a block behind its evidence
+    policy = DraftingPolicy(table, temperatures, draft_len=7, probe_steps=2, decision_lag=2)
     ids = [f"req-{i}" for i in range(r)]
     logits = torch.randn(r, 7)
     greedy = [{"all": True, "half": i % 2 == 0, "none": False}[greedy_rows] for i in range(r)]

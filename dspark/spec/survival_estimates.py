@@ -202,10 +202,14 @@ class SurvivalEstimates:
         self._population_blocks = self._population_blocks * decay + len(sums)
         if num_accepted is None or verify_len is None:
             return
-        full = [j for j, v in enumerate(verify_len) if v == self.draft_len]  # uncensored
-        decay = self._decay ** len(full)
-        self._predicted = self._predicted * decay + sum(sums[j] for j in full)
-        self._realised = self._realised * decay + sum(num_accepted[j] for j in full)
+        if verify_len.count(self.draft_len) == len(verify_len):  # every block uncensored (the
+            predicted, realised = sums, num_accepted  # usual step: no index lists to build)
+        else:
+            full = [j for j, v in enumerate(verify_len) if v == self.draft_len]  # uncensored
+            predicted, realised = [sums[j] for j in full], [num_accepted[j] for j in full]
+        decay = self._decay ** len(predicted)
+        self._predicted = self._predicted * decay + sum(predicted)
+        self._realised = self._realised * decay + sum(realised)
 
     def _row_temperatures(self, greedy: list[bool]) -> torch.Tensor:
         """[1, K] when every row is greedy, or every row samples (the usual batch: one
@@ -214,7 +218,7 @@ class SurvivalEstimates:
         twenty-first look.)"""
         if all(greedy) or not any(greedy):
             return self.temperatures[bool(greedy and greedy[0])][None]
-        mask = torch.tensor(greedy)[:, None]
+        mask = torch.from_numpy(np.array(greedy, dtype=bool))[:, None]  # (torch.tensor: 9x slower)
         return torch.where(mask, self.temperatures[True], self.temperatures[False])
 
     def _fit_persistence(

@@ -51,6 +51,10 @@ class EngineConfig:
     # 1.43x / 2.88x / 3.84x faster than 0 at 16 / 64 / 256 requests (H200, docs/PERFORMANCE.md,
     # tenth look). (Drafting steps have their own: speculative_config["mixed_prefill_tokens"].)
     mixed_prefill_tokens: int = 256
+    # waiting requests above which an admission beside a step's decode rows or windows is a
+    # burst: admitted uncapped, in one eager step, rather than a captured mixed step's tail at
+    # a time (engine/burst.py); None: the captured tail's rows (4), or DSPARK_BURST_REQUESTS
+    burst_requests: int | None = None
     # output tokens a streamed ("delta") request gathers before it is reported (vLLM's and
     # SGLang's stream_interval); its first token and its end are reported at once
     stream_interval: int = 1
@@ -93,6 +97,11 @@ class EngineConfig:
             type(self.mixed_prefill_tokens) is int and 0 <= self.mixed_prefill_tokens <= 8192,
             f"mixed_prefill_tokens must be an integer in [0, 8192], got "
             f"{self.mixed_prefill_tokens!r}",
+        )
+        _require(
+            self.burst_requests is None
+            or (type(self.burst_requests) is int and self.burst_requests >= 1),
+            f"burst_requests must be None or an integer >= 1, got {self.burst_requests!r}",
         )
         _require(
             isinstance(self.stream_interval, int) and self.stream_interval >= 1,

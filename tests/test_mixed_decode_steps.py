@@ -45,11 +45,12 @@ class EagerDecodeGraphs:
         return self.runner._forward(layout)
 
 
-def _llm(tiny_vocab_dir, padded: bool, max_num_seqs: int = 4, async_scheduling=True) -> LLM:
+def _llm(tiny_vocab_dir, padded: bool, max_num_seqs: int = 4, async_scheduling=True,
+         **kw) -> LLM:  # fmt: skip
     """async_scheduling False for the tests that drive schedule/update by hand."""
     llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=128,
               max_num_seqs=max_num_seqs, max_model_len=64,
-              async_scheduling=async_scheduling)  # fmt: skip
+              async_scheduling=async_scheduling, **kw)  # fmt: skip
     if padded:
         runner = llm.engine.runner
         runner.stager.graph_sizes = SIZES
@@ -187,20 +188,46 @@ def test_mixed_decode_graphs_replay_equals_eager(tiny_vocab_dir, temperature):
     assert runs[True] == runs[False]
 
 
+def _six_waiting_beside_a_decode_row(engine) -> list[int]:
+    """The tail's chunk lengths of the step that meets six waiting requests beside a decode
+    row."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [2, 3, 4], params)
+    engine.step()
+    for i, prompt in enumerate(PROMPTS[1:7]):
+        engine.add_request(f"new{i}", prompt, params)
+    return [r.num_tokens for r in engine.scheduler.schedule().rows[1:]]
+
+
+@pytest.mark.parametrize("threshold", [None, 8])
+def test_a_burst_threshold_from_the_engine_config(tiny_vocab_dir, monkeypatch, threshold):
+    """EngineConfig.burst_requests (an arm's engine option in `dspark bench --arms`, `dspark
+    serve --burst-requests`): at 8, six waiting requests beside a decode row are no burst, so
+    the step keeps the captured tail's caps; unset, they are one (uncapped). It wins over the
+    environment's; a bad value is refused with the field named."""
+    monkeypatch.setenv("DSPARK_BURST_REQUESTS", "2")
+    engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False,
+                  burst_requests=threshold).engine  # fmt: skip
+    assert engine.scheduler.burst_requests == (threshold or 2)
+    tail = _six_waiting_beside_a_decode_row(engine)
+    if threshold:
+        assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+    else:
+        assert len(tail) == 6, tail  # a burst: every waiting request admitted at once
+    for bad in (0, "8", True, 2.0):
+        with pytest.raises(ValueError, match=r"burst_requests must be None or an integer >= 1"):
+            EngineConfig(burst_requests=bad)
+
+
 def test_a_burst_threshold_from_the_environment(tiny_vocab_dir, monkeypatch):
     """DSPARK_BURST_REQUESTS=8: six waiting requests beside a decode row are no burst, so the
     step keeps the captured tail's caps; a bad value is refused with the variable named."""
     from dspark.engine.burst import burst_requests_from_env
 
     monkeypatch.setenv("DSPARK_BURST_REQUESTS", "8")
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False).engine
     assert engine.scheduler.burst_requests == 8
-    engine.add_request("a", [2, 3, 4], params)
-    engine.step()
-    for i, prompt in enumerate(PROMPTS[1:7]):
-        engine.add_request(f"new{i}", prompt, params)
-    tail = [r.num_tokens for r in engine.scheduler.schedule().rows[1:]]
+    tail = _six_waiting_beside_a_decode_row(engine)
     assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
     for bad in ("0", "many"):
         monkeypatch.setenv("DSPARK_BURST_REQUESTS", bad)

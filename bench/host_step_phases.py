@@ -43,6 +43,17 @@ these phases in place of sample:
 
 (With random weights nearly every draft is rejected, so a window emits one or two tokens;
 the per-row work does not depend on how many.)
+
+`--arrivals` times a closed loop instead, plain decoding: `batch` requests in flight whose
+lengths are drawn from --output-len x [0.5, 1.5] (as `dspark bench --output-len-spread 0.5`),
+each replaced by a new request of --prompt-len tokens when it ends, with the captured mixed
+decode steps' layout (a tail of up to --tail-tokens prefill tokens beside the decode rows,
+tests/helpers.py EagerDecodeGraphs) and the burst rule as on the GPU. After the loop reached
+its steady mix (--warmup steps), the steps that admitted (a prefill scheduled in the call) and
+the steady ones are timed separately: on the H100 at 256 requests the arrivals cost ~0.8 ms
+more host work than a steady step (2.1-2.3 against 1.4-1.5 ms) in 42% of a closed loop's
+steps, with the GPU waiting (docs/PERFORMANCE.md, twenty-eighth look: the K = 7 and plain trace of
+`bench/results/session24/h100/host_cut/`).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ import argparse
 import cProfile
 import gc
 import pstats
+import random
 import statistics
 import tempfile
 import time
@@ -98,7 +110,12 @@ def _tiny_model(directory: Path, vocab_size: int, num_layers: int) -> Path:
 
 
 def _build(
-    model_dir: Path, batch: int, drafter: Path | None = None, drafting: bool = False, k: int = 7
+    model_dir: Path,
+    batch: int,
+    drafter: Path | None = None,
+    drafting: bool = False,
+    k: int = 7,
+    tail_tokens: int = 0,  # the mixed decode steps' (--arrivals): buffers sized for their tail
 ) -> LLM:
     spec = None if drafter is None else {"model": str(drafter), "scheduling": False,
                                          "num_speculative_tokens": k}  # fmt: skip
@@ -109,7 +126,7 @@ def _build(
     e.runner = ModelRunner(  # the GPU's layout: batches padded to the graph ladder, run eagerly
         e.model, e.runner.kv_caches, e.config.page_size, e.config.max_num_batched_tokens,
         e.config.max_num_seqs, e.max_model_len, e.device, graph_sizes=graph_ladder(batch),
-        capture_graphs=False, spec=e.runner.spec,
+        capture_graphs=False, spec=e.runner.spec, decode_tail_tokens=tail_tokens,
     )  # fmt: skip
     if drafting:  # windows K + 1 wide, launched ahead: the layout of the speculative graphs
         e.runner.spec_runner.uniform_windows = True
@@ -190,6 +207,42 @@ def _unprofiled_forward(llm: LLM, profiler: cProfile.Profile, drafting: bool) ->
     setattr(owner, name, forward)
 
 
+class ClosedLoop:
+    """`batch` requests in flight, each replaced when it ends (--arrivals)."""
+
+    def __init__(self, llm: LLM, batch: int, prompt_len: int, output_len: int) -> None:
+        self.engine, self.prompt_len, self.output_len = llm.engine, prompt_len, output_len
+        self.rng = random.Random(0)
+        self.num_added = 0
+        for _ in range(batch):
+            self.add()
+
+    def add(self) -> None:
+        vocab, i = self.engine.model_config.vocab_size, self.num_added
+        length = self.rng.randint(self.output_len // 2, self.output_len * 3 // 2)
+        params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+        prompt = [(i * 7 + j) % vocab for j in range(self.prompt_len)]
+        self.engine.add_request(f"r{i}", prompt, params)
+        self.num_added += 1
+
+    def step(self) -> bool:
+        """One engine step, the ended requests replaced; whether it scheduled a prefill."""
+        before = self.engine.scheduler.num_prompt_tokens_computed
+        for output in self.engine.step():
+            if output.finished:
+                self.add()
+        return self.engine.scheduler.num_prompt_tokens_computed > before
+
+
+def _with_mixed_decode_steps(llm: LLM, tail_tokens: int) -> None:
+    """The captured mixed decode steps' layout, run eagerly (tests/helpers.py)."""
+    from tests.helpers import EagerDecodeGraphs
+
+    runner = llm.engine.runner
+    runner.stager.graphs = EagerDecodeGraphs(runner, runner.stager.graph_sizes, tail_tokens)
+    llm.engine.scheduler.decode_mixed_limits = runner.decode_mixed_limits
+
+
 def _start(llm: LLM, batch: int, prompt_len: int, params: SamplingParams) -> None:
     e = llm.engine
     vocab = e.model_config.vocab_size
@@ -222,9 +275,19 @@ def main() -> None:
     parser.add_argument("--drafting", action="store_true",
                         help="the speculative engine's drafting steps, launched ahead")  # fmt: skip
     parser.add_argument("--k", type=int, default=7, help="with --drafting: drafts per window")
+    parser.add_argument(
+        "--arrivals",
+        action="store_true",
+        help="a closed loop of plain decoding: steps that admit, and the rest",
+    )
+    parser.add_argument("--output-len", type=int, default=128, help="with --arrivals")
+    parser.add_argument("--tail-tokens", type=int, default=256, help="with --arrivals")
+    parser.add_argument("--warmup", type=int, default=300, help="with --arrivals: steps")
     args = parser.parse_args()
     if args.drafting and (args.no_forward or args.temperature):
         parser.error("--drafting runs the real forward, greedy")
+    if args.arrivals and (args.drafting or args.spec or args.no_forward or args.temperature):
+        parser.error("--arrivals runs plain decoding's real forward, greedy")
     phases = DRAFTING_PHASES if args.drafting else PHASES
     torch.set_num_threads(1)  # (the host of a GPU step does no tensor math on the CPU)
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,16 +297,25 @@ def main() -> None:
             from tests.tiny_models import make_tiny_drafter
 
             drafter = make_tiny_drafter(model, Path(tmp) / "drafter", (0,), draft_len=args.k)
-        llm = _build(model, args.batch, drafter, args.drafting, args.k)
+        tail = args.tail_tokens if args.arrivals else 0
+        llm = _build(model, args.batch, drafter, args.drafting, args.k, tail)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 200,
                             ignore_eos=True, seed=1, output_kind=args.output_kind)  # fmt: skip
-    _start(llm, args.batch, args.prompt_len, params)
+    loop = None
+    if args.arrivals:
+        _with_mixed_decode_steps(llm, args.tail_tokens)
+        loop = ClosedLoop(llm, args.batch, args.prompt_len, args.output_len)
+        for _ in range(args.warmup):
+            loop.step()
+    else:
+        _start(llm, args.batch, args.prompt_len, params)
     if args.no_forward:
         runner = llm.engine.runner
         runner._forward = lambda layout: torch.zeros(layout.num_logits, runner.vocab_size)
     timer = PhaseTimer()
     (_instrument_drafting if args.drafting else _instrument)(llm, timer)
     per_phase: dict[str, list[int]] = defaultdict(list)
+    admitted: list[bool] = []  # (--arrivals) per timed step: did it schedule a prefill
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         _unprofiled_forward(llm, profiler, args.drafting)
@@ -255,7 +327,10 @@ def main() -> None:
             if profiler:
                 profiler.enable()
             t0 = time.perf_counter_ns()
-            llm.engine.step()
+            if loop is not None:
+                admitted.append(loop.step())
+            else:
+                llm.engine.step()
             wall = time.perf_counter_ns() - t0
             if profiler:
                 profiler.disable()
@@ -267,6 +342,9 @@ def main() -> None:
                 per_phase[phase].append(timer.step[phase])
     collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections_before,
                                                           strict=True)]  # fmt: skip
+    if loop is not None:
+        _print_arrivals(per_phase, admitted, phases, llm, loop)
+        return
     assert len(llm.engine.scheduler.running) == args.batch, "every request decodes throughout"
     print(f"batch {args.batch}, {args.steps} steps, temperature {args.temperature}, "
           f"{args.output_kind} outputs (median us per step):")  # fmt: skip
@@ -282,6 +360,21 @@ def main() -> None:
     print(f"  the cyclic collector's collections in the timed steps, by generation: {collections}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
+
+
+def _print_arrivals(per_phase, admitted: list[bool], phases, llm: LLM, loop: ClosedLoop) -> None:
+    kinds = {"steady": [not a for a in admitted], "arrivals": admitted}
+    counts = {k: sum(v) for k, v in kinds.items()}
+    print(f"closed loop of {len(llm.engine.scheduler.running)} running, {len(admitted)} steps: "
+          f"{counts['arrivals']} scheduled a prefill, {counts['steady']} did not "
+          f"(median us per step; {loop.num_added} requests added in all)")  # fmt: skip
+    print(f"  {'phase':>13}  {'steady':>8}  {'arrivals':>8}")
+    for phase in phases:
+        medians = [statistics.median([t for t, keep in zip(per_phase[phase], mask, strict=True)
+                                      if keep] or [0]) / 1e3
+                   for mask in kinds.values()]  # fmt: skip
+        print(f"  {phase:>13}  {medians[0]:8.0f}  {medians[1]:8.0f}")
+    print(f"  runner stats: {dict(llm.engine.runner.stats)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Small helpers shared by tests: run the model once over a prompt with a fresh KV cache; load
-a script of bench/ as a module."""
+a script of bench/ as a module; the captured decode graphs' layouts run eagerly on the CPU."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from dspark.engine.kv_cache import allocate_kv_caches, pages_for
 from dspark.layers.attention_metadata import single_prefill_metadata
+from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS
 
 
 @torch.no_grad()
@@ -81,3 +82,27 @@ def bench_module(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class EagerDecodeGraphs:
+    """DecodeGraphs without capture: replay runs the forward a graph captures on the buffers
+    as staged (the padded layout), so graph steps' layouts run on the CPU."""
+
+    def __init__(self, runner, sizes: list[int], tail_tokens: int) -> None:
+        self.runner, self.sizes, self.tail_tokens = runner, sorted(sizes), tail_tokens
+        self.layout = None
+        self.replays = {"decode": 0, "mixed": 0}
+        upload = runner.buffers.upload
+
+        def keep_layout(layout):
+            self.layout = layout
+            return upload(layout)
+
+        runner.buffers.upload = keep_layout
+
+    def replay(self, size: int, tail: int = 0):
+        layout = self.layout
+        assert layout.num_rows == size + (GRAPH_TAIL_ROWS if tail else 0), layout
+        assert layout.num_tokens == size + tail
+        self.replays["mixed" if tail else "decode"] += 1
+        return self.runner._forward(layout)

@@ -10,7 +10,8 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.config import EngineConfig
-from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, MAX_TAIL_ROWS
+from dspark.runner.mixed_layout import MAX_TAIL_ROWS
+from tests.helpers import EagerDecodeGraphs
 from tests.spec.test_uniform_windows import _assert_same_outputs
 
 # more prompts than max_num_seqs: requests are admitted while others decode
@@ -19,30 +20,6 @@ PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 
            [2, 9, 4, 11, 5], [8, 7, 6, 5, 4, 3, 2]]  # fmt: skip
 TAIL = 16  # P of the padded runs
 SIZES = [1, 2, 4]  # the graph ladder the padded runs pad decode rows to
-
-
-class EagerDecodeGraphs:
-    """DecodeGraphs without capture: replay runs the forward a graph captures on the buffers
-    as staged (the padded layout), so graph steps' layouts run on the CPU."""
-
-    def __init__(self, runner, sizes: list[int], tail_tokens: int) -> None:
-        self.runner, self.sizes, self.tail_tokens = runner, sorted(sizes), tail_tokens
-        self.layout = None
-        self.replays = {"decode": 0, "mixed": 0}
-        upload = runner.buffers.upload
-
-        def keep_layout(layout):
-            self.layout = layout
-            return upload(layout)
-
-        runner.buffers.upload = keep_layout
-
-    def replay(self, size: int, tail: int = 0):
-        layout = self.layout
-        assert layout.num_rows == size + (GRAPH_TAIL_ROWS if tail else 0), layout
-        assert layout.num_tokens == size + tail
-        self.replays["mixed" if tail else "decode"] += 1
-        return self.runner._forward(layout)
 
 
 def _llm(tiny_vocab_dir, padded: bool, max_num_seqs: int = 4, async_scheduling=True,

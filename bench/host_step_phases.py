@@ -210,8 +210,11 @@ def _unprofiled_forward(llm: LLM, profiler: cProfile.Profile, drafting: bool) ->
 class ClosedLoop:
     """`batch` requests in flight, each replaced when it ends (--arrivals)."""
 
-    def __init__(self, llm: LLM, batch: int, prompt_len: int, output_len: int) -> None:
+    def __init__(
+        self, llm: LLM, batch: int, prompt_len: int, output_len: int, output_kind: str
+    ) -> None:
         self.engine, self.prompt_len, self.output_len = llm.engine, prompt_len, output_len
+        self.output_kind = output_kind
         self.rng = random.Random(0)
         self.num_added = 0
         for _ in range(batch):
@@ -220,7 +223,8 @@ class ClosedLoop:
     def add(self) -> None:
         vocab, i = self.engine.model_config.vocab_size, self.num_added
         length = self.rng.randint(self.output_len // 2, self.output_len * 3 // 2)
-        params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True,
+                                output_kind=self.output_kind)  # fmt: skip
         prompt = [(i * 7 + j) % vocab for j in range(self.prompt_len)]
         self.engine.add_request(f"r{i}", prompt, params)
         self.num_added += 1
@@ -304,7 +308,7 @@ def main() -> None:
     loop = None
     if args.arrivals:
         _with_mixed_decode_steps(llm, args.tail_tokens)
-        loop = ClosedLoop(llm, args.batch, args.prompt_len, args.output_len)
+        loop = ClosedLoop(llm, args.batch, args.prompt_len, args.output_len, args.output_kind)
         for _ in range(args.warmup):
             loop.step()
     else:

@@ -3,7 +3,8 @@
 
 An arm's "engine" object sets its own engine options (ARM_ENGINE_OPTIONS: the scheduling and
 graph switches, max_num_batched_tokens, mixed_prefill_tokens, burst_requests); every other
-engine option is shared. `{"engine": {"mixed_prefill_tokens": 256}}` is plain decoding with mixed decode graphs.
+engine option is shared. `{"engine": {"mixed_prefill_tokens": 256}}` is plain decoding with
+mixed decode graphs.
 """
 
 from __future__ import annotations

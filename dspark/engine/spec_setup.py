@@ -149,6 +149,7 @@ def build_policy(
         probe_steps=ahead,
         decision_lag=ahead,  # (the same cause: a decision reads survivals one block older)
         trimmed_widths=spec_runner.trimmed_widths,
+        price_switches=spec_config.price_switches,
         realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life)
         if spec_config.realised_costs else None,
     )  # fmt: skip

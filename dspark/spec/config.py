@@ -4,7 +4,7 @@
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
-     "mixed_steps_ahead": false, "regression_target": "population"}
+     "mixed_steps_ahead": false, "regression_target": "population", "price_switches": false}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -55,6 +55,9 @@ default: the recent requests' mean) or "request" (the request's own mean, shrunk
 population's), spec/survival_estimates.py. On an H100 at C = 1 "request" drafted 35% of the
 steps where "population" drafted 63-97%, and ran 1,409 against 1,586 tok/s (docs/PERFORMANCE.md,
 twenty-fifth look): a request that dipped below the line once stays off.
+"price_switches" (default false, until the GPU measures it) makes a switch of drafting off pay
+for its round trip: plain decoding must then win by the resuming drafting step's time over the
+dwell more (drafting_policy.py; docs/PERFORMANCE.md, thirty-third look).
 "mixed_steps_ahead" lets those mixed steps into the async pipeline: a step of windows launched
 ahead admits waiting requests into its tail, and a step may launch behind a mixed one
 (engine/scheduler.py). Off (false, the default) every admission finishes the step in flight,
@@ -75,7 +78,7 @@ METHODS = ("dspark",)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
         "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
         "persistence", "scheduler", "dwell_steps", "stale_price_half_life",
-        "mixed_steps_ahead", "regression_target")  # fmt: skip
+        "mixed_steps_ahead", "regression_target", "price_switches")  # fmt: skip
 SCHEDULERS = ("lagged", "sync")
 UNOBSERVED = ("confident", "population")
 REGRESSION_TARGETS = ("population", "request")
@@ -101,6 +104,7 @@ class SpecConfig:
     stale_price_half_life: float = 16.0  # steps (0: an unmeasured price never reverts)
     mixed_steps_ahead: bool = False  # mixed steps in the async pipeline (module docstring)
     regression_target: str = "population"  # an aged estimate's pull (REGRESSION_TARGETS)
+    price_switches: bool = False  # a switch off pays for its round trip (drafting_policy.py)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -151,6 +155,7 @@ class SpecConfig:
         realised = _flag(d, "realised_costs", True)
         persistence = _flag(d, "persistence", True)
         mixed_ahead = _flag(d, "mixed_steps_ahead", False)
+        price_switches = _flag(d, "price_switches", False)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
         target = _choice(d, "regression_target", REGRESSION_TARGETS, "population")
         dwell = d.get("dwell_steps", 8)
@@ -170,7 +175,8 @@ class SpecConfig:
                    realised_costs=realised, persistence=persistence,
                    scheduler=scheduler, dwell_steps=dwell,
                    stale_price_half_life=float(stale),
-                   mixed_steps_ahead=mixed_ahead, regression_target=target)  # fmt: skip
+                   mixed_steps_ahead=mixed_ahead, regression_target=target,
+                   price_switches=price_switches)  # fmt: skip
 
 
 def _flag(d: dict[str, Any], key: str, default: bool) -> bool:

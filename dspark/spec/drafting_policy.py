@@ -34,11 +34,18 @@ stale rows bring drafting back.
 
 Flapping is prevented twice over. The other mode must beat the incumbent by (1 + min_gain)^2
 (lagged.choose_drafting), and once drafting is off it stays off for at least min_dwell_steps
-steps. Switching drafting off is not delayed: a drafting step costs several plain steps at high
-load, so one step of fresh confidences is enough to stop. Example, G = 64, K = 7, plain 1.1 ms,
-full 4.3 ms, survivals summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, full 64 * 2.3 /
-4.3 = 34 tokens/ms, so drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request gives
-0.87 against 1.15 tokens/ms, and drafting comes back once the dwell has passed.
+steps. With price_switches (speculative_config "price_switches", off by default until the GPU
+measures it) a switch off must also pay for its round trip: the drafting step that resumes
+after the dwell cannot launch ahead (~0.8 ms at G = 1 on the H100, about one drafting step), so
+plain decoding must win by that step's time spread over the dwell's plain steps more, t_full /
+(dwell t_plain) at the step's prices: +26% at G = 1 (1.51 / (8 x 0.73) ms), where (1 +
+min_gain)^2 alone is 4% and the C = 1 switches it let through bought nothing
+(docs/PERFORMANCE.md, thirty-second and thirty-third looks). Switching drafting off is not
+delayed: a drafting step costs several plain steps at high load, so one step of fresh
+confidences is enough to stop. Example, G = 64, K = 7, plain 1.1 ms, full 4.3 ms, survivals
+summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, full 64 * 2.3 / 4.3 = 34 tokens/ms, so
+drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request gives 0.87 against 1.15
+tokens/ms, and drafting comes back once the dwell has passed.
 
 Realised step costs (spec/realised_costs.py, on by default): the table prices steady steps,
 and a serving loop's drafting steps (prefill tails, eager fallbacks at high load) cost more; the
@@ -106,6 +113,7 @@ class DraftingPolicy(SurvivalEstimates):
         probe_steps: int = 1,  # drafting steps a probe runs at least (2 with steps ahead)
         trimmed_widths: tuple[int, ...] = (),  # the runner's trimmed cells (G, w G)
         realised_costs: RealisedCosts | None = None,  # price cells by realised step times too
+        price_switches: bool = False,  # a switch off pays for its round trip (module docstring)
         **estimates,  # SurvivalEstimates' keys: half-lives, unobserved, persistence, ...
     ) -> None:
         if not 0 < probe_budget <= 1:
@@ -127,6 +135,7 @@ class DraftingPolicy(SurvivalEstimates):
         super().__init__(temperatures, draft_len, keep_vectors=self.prices_trimmed, **estimates)
         self.realised_costs = realised_costs
         self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
+        self.price_switches = price_switches
         self.probe_budget, self.probe_steps = probe_budget, probe_steps
         self.sizes = sorted(self.table.cells) if self.table else []
         self.drafting = True
@@ -170,15 +179,25 @@ class DraftingPolicy(SurvivalEstimates):
         if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
             return Decision(False, "dwell", (g, g), sampled)
         table = CostTable({}, {g: row})
+        off = self._round_trip_margin(row, g) if self.price_switches and self.drafting else 0.0
         if len(row) > 2:  # trimmed cells: per-position survivals price them
             a = self.lagged_survival(request_ids, g, sampled)
-            choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting)
+            choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting, off)
         else:
             choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g, sampled),
                                      g, table, self.draft_len, self.min_gain,
-                                     drafting_now=self.drafting)  # fmt: skip
+                                     drafting_now=self.drafting, off_margin=off)  # fmt: skip
         geometry = choice.geometry
         return Decision(geometry.drafts, choice.reason, (g, geometry.num_tokens), sampled)
+
+    def _round_trip_margin(self, row: dict[int, float], g: int) -> float:
+        """What plain decoding must win by more to switch drafting off (module docstring): the
+        resuming drafting step's time over the dwell's plain steps, at the step's prices.
+
+          G = 1, priced plain 0.73 ms, full block 1.51 ms, dwell 8: 1.51 / (8 x 0.73) = 0.26
+        """
+        full = row[full_block_tokens(g, self.draft_len)]
+        return full / (max(1, self.min_dwell_steps) * row[g])
 
     def priced_cells(
         self, num_rows: int, sampled: bool

@@ -82,18 +82,21 @@ def choose_cell(
     draft_len: int,
     min_gain: float = 0.02,
     drafting_now: bool = True,
+    off_margin: float = 0.0,  # more that plain decoding must win by to switch drafting off
 ) -> CellChoice:
     """The measured cell of G rows with the highest expected tokens per second.
 
     The incumbent is the full block while drafting (fixed K, the safe default) and plain
     decoding while not. Another cell must beat the incumbent by min_gain, and by that margin
     twice over when it switches drafting off or back on (hysteresis: noise in the lagged
-    estimates cannot flip the mode every step). A budget of D drafts expects R plus the sum of
-    the D largest survivals.
+    estimates cannot flip the mode every step); switching drafting off, by off_margin more (the
+    drafting policy's price of the round trip, drafting_policy.py). A budget of D drafts
+    expects R plus the sum of the D largest survivals.
     """
     expected = _expected_by_budget(lagged_survival)
     num_live = lagged_survival.shape[0]
-    return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now)
+    return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now,
+                      off_margin)  # fmt: skip
 
 
 def choose_drafting(
@@ -104,6 +107,7 @@ def choose_drafting(
     draft_len: int,
     min_gain: float = 0.02,
     drafting_now: bool = True,
+    off_margin: float = 0.0,
 ) -> CellChoice:
     """choose_cell restricted to G's plain and full-block cells, from the survivals' sum.
 
@@ -117,10 +121,12 @@ def choose_drafting(
     def expected(num_drafts: int) -> float:
         return num_live + (survival_sum if num_drafts > 0 else 0.0)
 
-    return _best_cell(g, cells, num_live, draft_len, expected, min_gain, drafting_now)
+    return _best_cell(g, cells, num_live, draft_len, expected, min_gain, drafting_now, off_margin)
 
 
-def _best_cell(g, row, num_live, draft_len, expected, min_gain, drafting_now) -> CellChoice:
+def _best_cell(
+    g, row, num_live, draft_len, expected, min_gain, drafting_now, off_margin=0.0
+) -> CellChoice:
     """Argmax of expected(num_drafts) / seconds over the cells in `row` (V -> seconds)."""
     full = g * (draft_len + 1)
 
@@ -135,6 +141,8 @@ def _best_cell(g, row, num_live, draft_len, expected, min_gain, drafting_now) ->
             continue
         switches_mode = (v == g) != (incumbent == g)
         margin = (1 + min_gain) ** (2 if switches_mode else 1)
+        if switches_mode and v == g:  # drafting off
+            margin += off_margin
         if theta(v) > floor * margin and theta(v) > best:
             best_v, best = v, theta(v)
     reason = "full block" if best_v == full else ("no drafting" if best_v == g else "trimmed")

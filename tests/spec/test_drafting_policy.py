@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from types import SimpleNamespace
 
@@ -556,6 +557,43 @@ def test_the_dwell_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_p
     for bad in (-1, 1.5, True, 10_001):
         with pytest.raises(ValueError, match=r'"dwell_steps" must be an integer in \[0, 10000\]'):
             LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, dwell_steps=bad), **KW)
+
+
+def test_price_switches_makes_a_switch_off_pay_for_its_round_trip():
+    """G = 1 at TABLE's prices (plain 1.0, full block 1.5), dwell 8: switching off must also
+    win 1.5 / (8 x 1.0) = 0.19 more. A row keeping 0.4 drafts a block (1.4 tokens in 1.5
+    against 1 in 1.0: plain decoding 7% ahead) turns drafting off without the price, not with
+    it; a row keeping none (plain 50% ahead) turns it off either way."""
+    kept_04 = torch.full((1, K), -30.0)
+    kept_04[0, 0] = math.log(0.4 / 0.6)  # a_1 = 0.4, the later positions ~0
+    hopeless = torch.full((1, K), -30.0)
+    for logits, off_without, off_with in ((kept_04, True, False), (hopeless, True, True)):
+        for priced, expect_off in ((False, off_without), (True, off_with)):
+            p = _policy(dwell=8, price_switches=priced)
+            p.observe(["r0"], logits, [False])
+            assert p.decide(["r0"]).drafting is not expect_off, (logits[0, 0], priced)
+    assert _policy(price_switches=True)._round_trip_margin(TABLE.cells[1], 1) == 0.75  # dwell 2
+
+
+def test_price_switches_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):
+    """ "price_switches": true reaches the policy (off by default); near break-even the tokens
+    stay the target's greedy ones, and drafting switches less often than without it."""
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    assert probe.engine.config.spec().price_switches is False  # the default
+    edge = _write_table(tmp_path / "edge.json", probe, 1e-3, 1.2e-3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS, params, use_tqdm=False)
+    switches = {}
+    for priced in (False, True):
+        spec = _spec(drafter, cost_table=str(edge), dwell_steps=0, price_switches=priced)
+        llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+        assert llm.engine.policy.price_switches is priced
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+        switches[priced] = llm.get_metrics()["drafting_policy"].get("drafting_switches", 0)
+    assert switches[True] < switches[False], switches  # (dwell 0: a margin of 1.2 t_full / t_plain)
+    with pytest.raises(ValueError, match='"price_switches" must be true or false'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, price_switches=1), **KW)
 
 
 def test_the_regression_target_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):

@@ -10,6 +10,7 @@ from dspark.spec.cost_table import CostTable
 from dspark.spec.lagged import (
     cell_geometry,
     choose_cell,
+    choose_drafting,
     expected_tokens,
     select_verify_lengths,
     survival,
@@ -71,3 +72,21 @@ def test_device_selection_worked_example_and_ties():
     assert select_verify_lengths(a, 99, torch.tensor([2, 0])).tolist() == [2, 0]
     # the empty batch and the empty budget
     assert select_verify_lengths(torch.zeros(0, 2), 5).tolist() == []
+
+
+def test_a_switch_off_must_also_clear_its_round_trip():
+    """off_margin (the drafting policy's price of a switch's round trip) raises the bar for
+    turning drafting off only: plain decoding 11% ahead switches it off at the doubled min_gain
+    (4%), not with 26% more; from plain decoding the bar to resume is unchanged."""
+    g, full = 2, 2 * (K + 1)
+    table = _table(g, {2: 1.0, full: 2.0})
+    a = torch.tensor([[0.4, 0.2, 0.2], [0.4, 0.2, 0.2]])  # full: (2 + 1.6) / 2.0 = 1.8, plain 2.0
+    assert choose_cell(a, g, table, K, 0.02, drafting_now=True).reason == "no drafting"
+    assert choose_cell(a, g, table, K, 0.02, True, off_margin=0.26).reason == "full block"
+    assert choose_drafting(2, 1.6, g, table, K, 0.02, True).reason == "no drafting"
+    assert choose_drafting(2, 1.6, g, table, K, 0.02, True, off_margin=0.26).reason == (
+        "full block"
+    )
+    confident = torch.ones(2, K)  # full: (2 + 6) / 2.0 = 4.0 against 2.0: resumes either way
+    for off in (0.0, 0.26):
+        assert choose_cell(confident, g, table, K, 0.02, False, off).reason == "full block"

@@ -38,7 +38,7 @@ steps. With price_switches (speculative_config "price_switches", off by default 
 measures it) a switch off must also pay for its round trip: the drafting step that resumes
 after the dwell cannot launch ahead (~0.8 ms at G = 1 on the H100, about one drafting step), so
 plain decoding must win by that step's time spread over the dwell's plain steps more, t_full /
-(dwell t_plain) at the step's prices: +26% at G = 1 (1.51 / (8 x 0.73) ms), where (1 +
+(dwell t_plain) by the table's steady cells: +21% at G = 1 (1.27 / (8 x 0.74) ms), where (1 +
 min_gain)^2 alone is 4% and the C = 1 switches it let through bought nothing
 (docs/PERFORMANCE.md, thirty-second and thirty-third looks). Switching drafting off is not
 delayed: a drafting step costs several plain steps at high load, so one step of fresh
@@ -179,7 +179,7 @@ class DraftingPolicy(SurvivalEstimates):
         if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
             return Decision(False, "dwell", (g, g), sampled)
         table = CostTable({}, {g: row})
-        off = self._round_trip_margin(row, g) if self.price_switches and self.drafting else 0.0
+        off = self._round_trip_margin(g, sampled) if self.price_switches and self.drafting else 0.0
         if len(row) > 2:  # trimmed cells: per-position survivals price them
             a = self.lagged_survival(request_ids, g, sampled)
             choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting, off)
@@ -190,14 +190,19 @@ class DraftingPolicy(SurvivalEstimates):
         geometry = choice.geometry
         return Decision(geometry.drafts, choice.reason, (g, geometry.num_tokens), sampled)
 
-    def _round_trip_margin(self, row: dict[int, float], g: int) -> float:
+    def _round_trip_margin(self, g: int, sampled: bool) -> float:
         """What plain decoding must win by more to switch drafting off (module docstring): the
-        resuming drafting step's time over the dwell's plain steps, at the step's prices.
+        resuming drafting step's time over the dwell's plain steps, by the table's steady
+        cells. (Not the realised prices: a drafting step with arrivals costs 2-3x its steady
+        time at G = 256, which a switch's round trip, one step that cannot launch ahead, does
+        not; at those prices the rule would keep drafting where plain decoding wins by half.)
 
-          G = 1, priced plain 0.73 ms, full block 1.51 ms, dwell 8: 1.51 / (8 x 0.73) = 0.26
+          G = 1 on the H100 table: plain 0.741 ms, full block 1.272 ms, dwell 8:
+          1.272 / (8 x 0.741) = 0.21;  G = 256: 4.047 / (8 x 1.978) = 0.26
         """
-        full = row[full_block_tokens(g, self.draft_len)]
-        return full / (max(1, self.min_dwell_steps) * row[g])
+        table = self.sampled_table if sampled and self.sampled_table is not None else self.table
+        row = table.cells[g]
+        return row[full_block_tokens(g, self.draft_len)] / (max(1, self.min_dwell_steps) * row[g])
 
     def priced_cells(
         self, num_rows: int, sampled: bool

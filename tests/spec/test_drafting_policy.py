@@ -572,7 +572,11 @@ def test_price_switches_makes_a_switch_off_pay_for_its_round_trip():
             p = _policy(dwell=8, price_switches=priced)
             p.observe(["r0"], logits, [False])
             assert p.decide(["r0"]).drafting is not expect_off, (logits[0, 0], priced)
-    assert _policy(price_switches=True)._round_trip_margin(TABLE.cells[1], 1) == 0.75  # dwell 2
+    # by the table's steady cells, not the realised prices (dwell 2: 1.5 / (2 x 1.0))
+    costs = RealisedCosts(min_steps=1)
+    priced = _policy(price_switches=True, realised_costs=costs)
+    priced.record_step(Decision(True, "full block", (1, 8)), 6.0)  # 4x the table's 1.5
+    assert priced.priced_cells(1, False)[1][8] > 1.5 and priced._round_trip_margin(1, False) == 0.75
 
 
 def test_price_switches_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):

@@ -200,9 +200,13 @@ class DraftingPolicy(SurvivalEstimates):
           G = 1 on the H100 table: plain 0.741 ms, full block 1.272 ms, dwell 8:
           1.272 / (8 x 0.741) = 0.21;  G = 256: 4.047 / (8 x 1.978) = 0.26
         """
-        table = self.sampled_table if sampled and self.sampled_table is not None else self.table
-        row = table.cells[g]
+        row = self._cells(sampled).cells[g]
         return row[full_block_tokens(g, self.draft_len)] / (max(1, self.min_dwell_steps) * row[g])
+
+    def _cells(self, sampled: bool) -> CostTable:
+        """The table that prices a step: the sampled cells when some row samples and the
+        table measured them, else the greedy ones."""
+        return self.sampled_table if sampled and self.sampled_table is not None else self.table
 
     def priced_cells(
         self, num_rows: int, sampled: bool
@@ -214,7 +218,7 @@ class DraftingPolicy(SurvivalEstimates):
         if self.table is None or i == len(self.sizes):
             return None
         g = self.sizes[i]
-        table = self.sampled_table if sampled and self.sampled_table is not None else self.table
+        table = self._cells(sampled)
         row = table.cells[g]
         if self.realised_costs is not None:  # (realised_costs.py)
             row = self.realised_costs.priced(g, row, table is self.sampled_table)
@@ -226,7 +230,7 @@ class DraftingPolicy(SurvivalEstimates):
         if self.realised_costs is None or decision.cell is None:
             return
         g, v = decision.cell
-        table = self.sampled_table if decision.sampled else self.table
+        table = self._cells(decision.sampled)
         self.realised_costs.record(decision.cell, decision.sampled, table.cells[g][v], seconds)
 
     def stale_after(self, g: int, sampled: bool = False) -> int:

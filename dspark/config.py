@@ -53,7 +53,9 @@ class EngineConfig:
     mixed_prefill_tokens: int = 256
     # waiting requests above which an admission beside a step's decode rows or windows is a
     # burst: admitted uncapped, in one eager step, rather than a captured mixed step's tail at
-    # a time (engine/burst.py); None: the captured tail's rows (4), or DSPARK_BURST_REQUESTS
+    # a time (engine/burst.py); None: DSPARK_BURST_REQUESTS, else 4 sqrt(running rows), at
+    # least the captured tail's rows (64 at 256 rows: fixed K = 7 1.22x faster at 256 than
+    # with the tail's 4, H100, docs/PERFORMANCE.md thirty-fourth look)
     burst_requests: int | None = None
     # output tokens a streamed ("delta") request gathers before it is reported (vLLM's and
     # SGLang's stream_interval); its first token and its end are reported at once

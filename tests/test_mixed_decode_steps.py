@@ -210,3 +210,32 @@ def test_a_burst_threshold_from_the_environment(tiny_vocab_dir, monkeypatch):
         monkeypatch.setenv("DSPARK_BURST_REQUESTS", bad)
         with pytest.raises(ValueError, match="DSPARK_BURST_REQUESTS"):
             burst_requests_from_env()
+
+
+def test_the_default_burst_threshold_grows_with_the_running_rows(tiny_vocab_dir, monkeypatch):
+    """Unset (no option, no environment): 4 sqrt(running rows), at least the tail's rows. Six
+    waiting requests beside one decode row are a burst (threshold 4); beside nine they are not
+    (threshold 12), so the step keeps the captured tail's caps."""
+    from dspark.engine.burst import burst_threshold
+
+    assert [burst_threshold(r, MAX_TAIL_ROWS) for r in (0, 1, 9, 16, 250, 256, 512)] == [
+        4, 4, 12, 16, 63, 64, 91]  # fmt: skip
+    assert burst_threshold(256, MAX_TAIL_ROWS, configured=8) == 8
+    monkeypatch.delenv("DSPARK_BURST_REQUESTS", raising=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for num_running, burst in ((1, True), (9, False)):
+        engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=16, async_scheduling=False).engine
+        assert engine.scheduler.burst_requests is None
+        for i in range(num_running):
+            engine.add_request(f"run{i}", PROMPTS[i % 3], params)
+        while len(engine.scheduler.running) < num_running or engine.scheduler.waiting:
+            engine.step()
+        for i, prompt in enumerate(PROMPTS[1:7]):
+            engine.add_request(f"new{i}", prompt, params)
+        plan = engine.scheduler.schedule()
+        tail = [r.num_tokens for r in plan.rows[num_running:]]
+        assert all(r.num_tokens == 1 for r in plan.rows[:num_running])
+        if burst:
+            assert len(tail) == 6, tail  # every waiting request admitted at once
+        else:
+            assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail

@@ -145,7 +145,7 @@ class LLMEngine:
             self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
             self.scheduler.mixed_ahead = config.spec().mixed_steps_ahead
         self.scheduler.decode_mixed_limits = self.runner.decode_mixed_limits  # beside decodes
-        if config.burst_requests is not None:  # (else the environment's, or the tail's rows)
+        if config.burst_requests is not None:  # (else the environment's, or burst.py's default)
             self.scheduler.burst_requests = config.burst_requests
         self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)

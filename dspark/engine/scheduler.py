@@ -24,9 +24,9 @@ windows first, the tail (prefill chunks, plain rows) after: the layout the runne
 A plain step does the same with its decode rows as the head when the runner has captured mixed
 decode steps (`decode_mixed_limits`).
 update() does not depend on the rows' order. A burst (more requests waiting for a free seat than
-the tail has rows) is admitted uncapped, in one eager step: capped, most of it would wait for
-seats it could have for many steps, which costs more than one step's host time (the threshold,
-its measurement and its A/B knob: engine/burst.py).
+a threshold that grows with the running rows) is admitted uncapped, in one eager step: capped,
+most of it would wait for seats it could have for many steps, which costs more than one step's
+host time (the threshold, its measurement and its A/B knob: engine/burst.py).
 
 Speculative steps scheduled ahead, while the step before is in flight (async scheduling of
 drafting steps, mixed steps among them): when they may be, and what their rows are, is
@@ -39,7 +39,7 @@ import time
 from collections import deque
 
 from dspark.engine.ahead import AheadRules
-from dspark.engine.burst import burst_requests_from_env
+from dspark.engine.burst import burst_requests_from_env, burst_threshold
 from dspark.engine.kv_cache import PageAllocator, pages_for
 from dspark.engine.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
@@ -81,7 +81,7 @@ class Scheduler(AheadRules):
         self.mixed_limits: tuple[int, int] | None = None
         self.decode_mixed_limits: tuple[int, int] | None = None
         # waiting requests above which admission beside a head is a burst (uncapped, eager);
-        # None: a mixed step's tail rows (the module docstring)
+        # None: burst_threshold's default, which grows with the running rows (engine/burst.py)
         self.burst_requests = burst_requests_from_env()
         # admissions ahead, into a mixed step's tail, and steps behind mixed ones (ahead.py;
         # set by the engine from speculative_config's "mixed_steps_ahead")
@@ -209,10 +209,11 @@ class Scheduler(AheadRules):
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed)
 
     def _is_burst(self, limits: tuple[int, int]) -> bool:
-        """More requests wait for a free seat than a mixed step's tail has rows (or than
-        burst_requests)."""
+        """More requests wait for a free seat than burst_threshold (burst_requests if set,
+        else 4 sqrt(running rows), at least the mixed step's tail rows)."""
         seats = self.max_num_seqs - len(self.running)
-        return min(len(self.waiting), seats) > (self.burst_requests or limits[0])
+        threshold = burst_threshold(len(self.running), limits[0], self.burst_requests)
+        return min(len(self.waiting), seats) > threshold
 
     def _empty_window(self, req: Request) -> bool:
         """Is req's next row (a plain decode row) its last token, of a drafting request, with

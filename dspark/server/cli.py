@@ -35,7 +35,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     # docs/PERFORMANCE.md, tenth look), for chunks of 8 tokens (7.5 ms apart at one stream)
     "stream_interval": 8,
     "mixed_prefill_tokens": 256,  # EngineConfig's default
-    "burst_requests": None,  # EngineConfig's default: the captured tail's rows
+    "burst_requests": None,  # EngineConfig's default: 4 sqrt(running rows), engine/burst.py
     "speculative_config": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {

@@ -19,7 +19,8 @@ about B^2 / 5 seat-steps. The two meet at B = sqrt(5 k R): 3.2 sqrt(R) for draft
 Measured at R ~ 256 (H100, the real model, a closed loop of 256 requests of spread lengths,
 docs/PERFORMANCE.md thirty-fourth look): a threshold of 64 against the tail's 4 rows ran fixed
 K = 7 1.22x faster (eager drafting steps 174 -> 6 in three repeats), plain decoding 1.02x and
-the drafting policy 1.01x; at 64 requests, 1.00-1.01x. Whole waves still burst: 256 prompts
+the drafting policy 1.01x; at 64 requests, 1.00-1.01x. This default ran exactly the steps
+of the constant 64 there (fixed K = 7, 256 requests). Whole waves still burst: 256 prompts
 at once are admitted by one eager step, where the tail would take ~90 steps.
 """
 

@@ -38,7 +38,9 @@ for name in ('time_to_first_token_seconds', 'e2e_request_latency_seconds'):
 kill -TERM "$pid"
 wait "$pid"
 grep -E "engine loop:|engine pipe, read" /tmp/serve_profile.log | tail -3
-python3 bench/request_phases.py "$OUT/served.json" /tmp/request_trace | tee "$OUT/phases.txt"
+python3 bench/request_phases.py "$OUT/served.json" /tmp/request_trace --first-wave "$C" \
+  | tee "$OUT/phases.txt"
+tar czf "$OUT/request_trace.tgz" -C /tmp $(cd /tmp && ls request_trace.*)  # (the joins, again)
 cp /tmp/serve_profile.log "$OUT/"
 [ -f "$OUT/server.prof" ] || exit 0
 python3 -c "import pstats; pstats.Stats('$OUT/server.prof').sort_stats('tottime').print_stats(45)" \

@@ -3,7 +3,7 @@ the server's per-request trace by response id.
 
     DSPARK_REQUEST_TRACE=/tmp/trace dspark serve ... &
     dspark bench serve --save-requests --out served.json ...
-    python bench/request_phases.py served.json /tmp/trace
+    python bench/request_phases.py served.json /tmp/trace [--first-wave C]
 
 One clock for all three processes (the monotonic clock; the client's perf_counter is the same
 clock on Linux). Each phase's median, mean and 90th percentile, in ms:
@@ -40,8 +40,8 @@ PHASES = (
 )
 
 
-def phases(client_json: str, trace_prefix: str, level: int) -> tuple[int, list[tuple]]:
-    """(requests joined, [(phase, median, mean, p90) in ms])."""
+def joined_requests(client_json: str, trace_prefix: str, level: int) -> list[tuple[dict, dict]]:
+    """(client record, server trace) of each request both saw, in the order they were sent."""
     requests = json.load(open(client_json))["levels"][level]["requests"]
     traces = {}
     for path in glob.glob(f"{trace_prefix}.*"):
@@ -49,13 +49,18 @@ def phases(client_json: str, trace_prefix: str, level: int) -> tuple[int, list[t
             record = json.loads(line)
             traces[record["id"]] = record
     joined = [(c, traces[c["id"]]) for c in requests if c["ok"] and c["id"] in traces]
+    return sorted(joined, key=lambda pair: pair[0]["start"])
+
+
+def phases(joined: list[tuple[dict, dict]]) -> list[tuple]:
+    """[(phase, median, mean, p90) in ms] over these requests."""
     rows = []
     for name, phase in PHASES:
         values = sorted(1e3 * phase(c, t) for c, t in joined)
         if values:
             p90 = values[min(len(values) - 1, 9 * len(values) // 10)]
             rows.append((name, statistics.median(values), statistics.mean(values), p90))
-    return len(joined), rows
+    return rows
 
 
 def main() -> None:
@@ -63,12 +68,24 @@ def main() -> None:
     parser.add_argument("client_json", help="dspark bench serve --save-requests --out")
     parser.add_argument("trace_prefix", help="the server's DSPARK_REQUEST_TRACE")
     parser.add_argument("--level", type=int, default=0, help="which level of the client JSON")
+    parser.add_argument(
+        "--first-wave", type=int, default=0,
+        help="C: the phases of the first C requests sent (sent together, on new connections, "
+        "into an idle server) apart from the rest's",
+    )  # fmt: skip
     args = parser.parse_args()
-    n, rows = phases(args.client_json, args.trace_prefix, args.level)
-    print(f"{n} requests joined")
-    print(f"{'phase':<30}{'median':>9}{'mean':>9}{'p90':>9}  (ms)")
-    for name, median, mean, p90 in rows:
-        print(f"{name:<30}{median:>9.1f}{mean:>9.1f}{p90:>9.1f}")
+    joined = joined_requests(args.client_json, args.trace_prefix, args.level)
+    print(f"{len(joined)} requests joined")
+    groups = {"all": joined}
+    if args.first_wave:
+        groups = {f"first {args.first_wave}": joined[: args.first_wave],
+                  "later": joined[args.first_wave :]}  # fmt: skip
+    for group, members in groups.items():
+        if len(groups) > 1:
+            print(f"{group} ({len(members)} requests)")
+        print(f"{'phase':<30}{'median':>9}{'mean':>9}{'p90':>9}  (ms)")
+        for name, median, mean, p90 in phases(members):
+            print(f"{name:<30}{median:>9.1f}{mean:>9.1f}{p90:>9.1f}")
 
 
 if __name__ == "__main__":

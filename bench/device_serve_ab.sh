@@ -28,6 +28,9 @@ set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
 python3 -c "import fastapi, uvicorn, httpx" || exit 1
+# the serve extra's HTTP parser (uvicorn falls back to h11, pure Python, without it)
+python3 -c "import httptools" 2> /dev/null \
+  || echo "httptools is missing: the servers parse HTTP with h11 (carry its cp312 wheel in .whl)"
 # a drafting policy needs a table for this GPU: measured first if none is shipped or saved
 [ "${MODEL:-default}" = default ] && ensure_cost_table > "$OUT/cost_table.txt" 2>&1
 LEVELS=${LEVELS:-1,64,256}

@@ -73,6 +73,7 @@ from dspark.request import FinishReason, Request, RequestStatus
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import InFlightStep, ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
+from dspark.spec.config import tail_sizes
 from dspark.spec.cost_table import make_fingerprint
 from dspark.spec.policy_trace import PolicyTrace
 from dspark.spec.realised_costs import StepPeriods
@@ -134,7 +135,7 @@ class LLMEngine:
             self.device,
             graph_ladder(config.max_num_seqs) if use_graphs else None,
             spec=self.spec,
-            mixed_tail_tokens=config.spec().mixed_prefill_tokens if self.spec else 0,
+            mixed_tails=tail_sizes(config.spec()) if self.spec else (),
             decode_tail_tokens=config.mixed_prefill_tokens,
             trimmed_widths=config.spec().trimmed_widths if self.spec else (),
             sync_planning=bool(self.spec) and config.spec().scheduler == "sync",

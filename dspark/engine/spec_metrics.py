@@ -50,7 +50,7 @@ def spec_metrics(
                   "graph_steps", "eager_steps")}  # fmt: skip
     # plain steps beside them: the eager ones by reason, those that admitted prefills;
     # Triton compiles that steps met (kernels/compile_watch.py)
-    prefixes = ("eager_steps_", "mixed_decode_steps", "triton_")
+    prefixes = ("eager_steps_", "mixed_decode_steps", "triton_", "spec_graph_steps_mixed_p")
     m["steps"].update({k: n for k, n in stats.items() if k.startswith(prefixes)})
     m["async_spec_steps"] = {
         "launched_ahead": stats["spec_steps_launched_ahead"],

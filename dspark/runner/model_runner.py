@@ -79,7 +79,7 @@ class ModelRunner:
         graph_sizes: list[int] | None = None,  # decode batches pad to these sizes
         capture_graphs: bool = True,  # False: run the padded batches eagerly (tests, debugging)
         spec: SpecDecoder | None = None,  # speculation: drafting, context, verification
-        mixed_tail_tokens: int = 0,  # P of the captured mixed steps (runner/mixed_layout.py)
+        mixed_tails: tuple[int, ...] = (),  # P of the captured mixed steps (mixed_layout.py)
         trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) (spec/ragged.py)
         sync_planning: bool = False,  # verify lengths by Algorithm 1 on the host (eager)
         decode_tail_tokens: int = 0,  # P of the captured mixed decode steps (cuda_graph.py)
@@ -123,9 +123,9 @@ class ModelRunner:
             # off, every row opted out) replay decode graphs that also feed the drafter's
             # context, so drafting can resume on an up-to-date cache.
             ladder = graph_sizes if capture_graphs else []
-            tails = (mixed_tail_tokens,) if mixed_tail_tokens else ()
             self.spec_runner = SpecRunner(
-                spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder, tails,
+                spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder,
+                mixed_tails,
                 trimmed_widths, sync_planning,
             )  # fmt: skip
         graphs = None

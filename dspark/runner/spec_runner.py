@@ -240,6 +240,8 @@ class SpecRunner:
             self._feed_continuations(plan, width, serials)
             self.stats["spec_graph_steps"] += 1
             self.stats["spec_graph_steps_mixed"] += bool(graph_tail)
+            if graph_tail and len(self.graphs.tails) > 1:  # which of several sizes it took
+                self.stats[f"spec_graph_steps_mixed_p{graph_tail}"] += 1
             self.stats["spec_graph_steps_trimmed"] += trimmed is not None
             return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)

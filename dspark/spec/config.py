@@ -2,7 +2,7 @@
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
-     "mixed_prefill_tokens": 256, "trimmed_widths": [], "realised_costs": true,
+     "mixed_prefill_tokens": 256 (or [256, 512]), "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
      "mixed_steps_ahead": false, "regression_target": "population", "price_switches": false}
 
@@ -50,6 +50,11 @@ benchmark's arms can compare values side by side (docs/PERFORMANCE.md, seventeen
 "mixed_prefill_tokens" is the most prompt tokens a drafting step carries beside its windows
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
+A list captures a mixed step for each size P beside every G, and a step pads its tail to the
+smallest P that holds it, so a larger cap (more prompts admitted a step) need not pad every
+mixed step to it: [256, 512] admits up to 512 tokens a step. (One size of 512 served fixed
+K = 7 2.6% more at 256 streams and lost 2-4% at 64, where it padded every tail to 512;
+docs/PERFORMANCE.md, thirty-fourth look. Each size adds its graphs' memory.)
 "regression_target" is what an aged survival estimate is pulled toward: "population" (the
 default: the recent requests' mean) or "request" (the request's own mean, shrunk toward the
 population's), spec/survival_estimates.py. On an H100 at C = 1 "request" drafted 35% of the
@@ -95,7 +100,8 @@ class SpecConfig:
     min_gain: float = 0.02  # what another mode must beat the current one by (squared)
     scheduling: bool = True  # False: fixed K even with a cost table
     unobserved: str = "population"  # how a request that never drafted counts (UNOBSERVED)
-    mixed_prefill_tokens: int = 256  # prefill beside windows in a captured step (0: none)
+    # prefill beside windows in a captured step (0: none); a tuple: one capture per size
+    mixed_prefill_tokens: int | tuple[int, ...] = 256
     trimmed_widths: tuple[int, ...] = ()  # w of the trimmed cells (G, w G) the engine can run
     realised_costs: bool = True  # scale the table by realised step times (realised_costs.py)
     persistence: bool = True  # fit how far a row's own survivals predict its next block
@@ -138,12 +144,7 @@ class SpecConfig:
             )
         scheduling = _flag(d, "scheduling", True)
         unobserved = _choice(d, "unobserved", UNOBSERVED, "population")
-        mixed = d.get("mixed_prefill_tokens", 256)
-        if isinstance(mixed, bool) or not isinstance(mixed, int) or not 0 <= mixed <= 8192:
-            raise ValueError(
-                f'speculative_config "mixed_prefill_tokens" must be an integer in [0, 8192], '
-                f"got {mixed!r}"
-            )
+        mixed = _tail_sizes(d.get("mixed_prefill_tokens", 256))
         widths = d.get("trimmed_widths", [])
         if not isinstance(widths, (list, tuple)) or not all(
             isinstance(w, int) and not isinstance(w, bool) and w >= 2 for w in widths
@@ -177,6 +178,30 @@ class SpecConfig:
                    stale_price_half_life=float(stale),
                    mixed_steps_ahead=mixed_ahead, regression_target=target,
                    price_switches=price_switches)  # fmt: skip
+
+
+def _tail_sizes(value: Any) -> int | tuple[int, ...]:
+    """ "mixed_prefill_tokens": an integer in [0, 8192], or a non-empty list of integers in
+    [1, 8192] (sorted, duplicates dropped; one entry is the integer)."""
+
+    def is_size(v: Any, low: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and low <= v <= 8192
+
+    if is_size(value, 0):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(is_size(v, 1) for v in value):
+        sizes = tuple(sorted(set(value)))
+        return sizes[0] if len(sizes) == 1 else sizes
+    raise ValueError(
+        'speculative_config "mixed_prefill_tokens" must be an integer in [0, 8192] or a '
+        f"non-empty list of integers in [1, 8192], got {value!r}"
+    )
+
+
+def tail_sizes(spec: SpecConfig) -> tuple[int, ...]:
+    """The P of the mixed steps to capture beside each G: () for none."""
+    mixed = spec.mixed_prefill_tokens
+    return tuple(mixed) if isinstance(mixed, tuple) else ((mixed,) if mixed else ())
 
 
 def _flag(d: dict[str, Any], key: str, default: bool) -> bool:

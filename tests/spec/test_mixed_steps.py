@@ -46,6 +46,31 @@ def _llm(tiny_vocab_dir, drafter, padded: bool | None, max_num_seqs: int = 4):
     return llm
 
 
+def test_two_tail_sizes_pad_each_mixed_step_to_the_smaller_that_holds_it(tiny_vocab_dir, drafter):
+    """Tails of 8 and 16 captured ("mixed_prefill_tokens": [8, 16]): the scheduler caps at 16,
+    a mixed step of at most 8 tail tokens replays the P = 8 step, a larger one P = 16; the
+    tokens are plain decoding's."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in [10, 14, 5, 21, 8, 12, 9, 16]]  # fmt: skip
+    plain = _generate(_llm(tiny_vocab_dir, drafter, None), params)
+    llm = _llm(tiny_vocab_dir, drafter, padded=True)
+    replay = llm.engine.runner.spec_runner.graphs = EagerReplay(
+        llm.engine.runner.spec_runner, [1, 2, 4], (8, TAIL)
+    )
+    tails = []
+    mixed_graph = llm.engine.runner.spec_runner.mixed_graph
+
+    def recording(num_windows, num_tail_tokens):  # (G, P) chosen for each live tail
+        key = mixed_graph(num_windows, num_tail_tokens)
+        tails.append((num_tail_tokens, key[1]))
+        return key
+
+    llm.engine.runner.spec_runner.mixed_graph = recording
+    assert [t for t, _ in _generate(llm, params)] == [t for t, _ in plain]
+    assert {p for _, p, _ in replay.replayed} == {0, 8, TAIL}  # full blocks, both tails
+    assert all(p == (8 if n <= 8 else TAIL) for n, p in tails), tails
+
+
 def _generate(llm, params):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -171,3 +196,24 @@ def test_bad_mixed_prefill_tokens_is_refused_by_name(bad):
     ):
         SpecConfig.from_dict({"mixed_prefill_tokens": bad})
     assert SpecConfig.from_dict({"mixed_prefill_tokens": 0}).mixed_prefill_tokens == 0
+
+
+def test_mixed_prefill_tokens_may_list_several_sizes(tiny_vocab_dir, drafter):
+    """A list captures a mixed step per size (sorted, duplicates dropped; one entry is the
+    integer); the scheduler's cap is the largest. Empty lists, zeros and sizes past 8192 are
+    refused with the key named."""
+    from dspark.spec.config import SpecConfig, tail_sizes
+
+    def sizes(value):
+        return SpecConfig.from_dict({"mixed_prefill_tokens": value}).mixed_prefill_tokens
+
+    assert sizes([512, 256, 256]) == (256, 512) and sizes([256]) == 256
+    assert tail_sizes(SpecConfig.from_dict({"mixed_prefill_tokens": [512, 256]})) == (256, 512)
+    assert tail_sizes(SpecConfig.from_dict({"mixed_prefill_tokens": 0})) == ()
+    for bad in ([], [0, 256], [256, 8193], [256, "512"], [True]):
+        with pytest.raises(ValueError, match=r'"mixed_prefill_tokens" must be .* or a non-empty'):
+            sizes(bad)
+    spec = {"model": str(drafter), "mixed_prefill_tokens": [16, 8]}
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=64,
+              max_num_seqs=2, max_model_len=64, speculative_config=spec)  # fmt: skip
+    assert llm.engine.runner.spec_runner.max_tail_tokens == 16

@@ -101,11 +101,13 @@ def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, 
     assert runs[True] == runs[False]
 
 
+@pytest.mark.parametrize("tails", [8, [4, 8]], ids=["one_tail", "two_tails"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "temperature"])
-def test_mixed_graphs_replay_equals_eager(tiny_vocab_dir, vocab_drafter, temperature):
+def test_mixed_graphs_replay_equals_eager(tiny_vocab_dir, vocab_drafter, temperature, tails):
     """Requests admitted while others draft (more prompts than max_num_seqs): with graphs such
-    steps replay captured mixed steps (windows, then the prefill tail), eagerly they run
-    packed. Greedy and seeded sampling give the same tokens."""
+    steps replay captured mixed steps (windows, then the prefill tail, padded to the smallest
+    captured size that holds it), eagerly they run packed. Greedy and seeded sampling give the
+    same tokens."""
     prompts = [*PROMPTS12, [6, 6, 2], [3, 9, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3], [7], [5, 4, 3]]
     params = SamplingParams(temperature=temperature, seed=5, max_tokens=30, ignore_eos=True)
     runs, stats = {}, None
@@ -113,10 +115,13 @@ def test_mixed_graphs_replay_equals_eager(tiny_vocab_dir, vocab_drafter, tempera
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
                   max_num_seqs=3, max_model_len=128, use_cuda_graphs=graphs,
                   speculative_config={"model": str(vocab_drafter),
-                                      "mixed_prefill_tokens": 8})  # fmt: skip
+                                      "mixed_prefill_tokens": tails})  # fmt: skip
         runs[graphs] = _outputs(llm, prompts, params)
         stats = llm.engine.runner.stats
         engine = llm.engine
         assert engine.allocator.num_free == engine.allocator.num_usable
     assert stats["spec_graph_steps_mixed"] > 0, dict(stats)
+    if isinstance(tails, list):  # each captured step counted by the size it took
+        by_size = stats["spec_graph_steps_mixed_p4"] + stats["spec_graph_steps_mixed_p8"]
+        assert by_size == stats["spec_graph_steps_mixed"], dict(stats)
     assert runs[True] == runs[False]

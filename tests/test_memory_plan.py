@@ -28,6 +28,11 @@ def test_speculative_graphs_reserve_their_pool_too():
     # the pool's 3.96 GiB measured on the H100 at this size with five graphs a size, and a
     # sixth graph's share (the mixed step's TEMPERATURE mode), fit the extra reserve
     assert graphs - eager > 3.96 * 6 / 5 * 2**30
+    # a second tail size ("mixed_prefill_tokens": [256, 512]): three mixed graphs a size more
+    two_tails = sampler_bytes(config, 49_152, 8, spec_graphs=True, num_tails=2)
+    assert two_tails == eager * (SAMPLER_BUFFERS + GRAPH_POOL_BUFFERS + 6) / SAMPLER_BUFFERS
+    assert round(two_tails / 2**30, 2) == 9.38  # the docstring's example
+    assert sampler_bytes(config, 49_152, 8, num_tails=2) == eager  # (no graphs: no pool)
 
 
 def test_verified_positions_come_from_the_drafter_block():

@@ -100,6 +100,7 @@ class LLMEngine:
         self.kv_plan = plan_kv(
             config, self.model, self.dtype, self.device, drafter_layers(drafter_dir),
             verified_positions(drafter_dir), spec_graphs=use_graphs and drafter_dir is not None,
+            num_tails=len(tail_sizes(config.spec())) if drafter_dir is not None else 1,
         )  # fmt: skip
         self.max_model_len = self.kv_plan.max_model_len
         kv_caches = allocate_kv_caches(

@@ -28,6 +28,9 @@ SAMPLER_BUFFERS = 6
 # rows of the vocabulary: each graph's outputs (its logits) and the sampled step's temporaries
 # (sampler_bytes)
 GRAPH_POOL_BUFFERS = 13
+# ... and for each captured tail size past the first (speculative_config["mixed_prefill_tokens"]
+# as a list): the mixed step's three sampling modes, ~2 rows each
+EXTRA_TAIL_BUFFERS = 6
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ def plan_kv(
     extra_layers: int = 0,  # the DSpark drafter's layers: its context cache shares the pages
     positions_per_row: int = 1,  # positions a row samples or verifies in a step (K + 1)
     spec_graphs: bool = False,  # speculative steps will be captured (CUDA graphs)
+    num_tails: int = 1,  # tail sizes of the captured mixed speculative steps
 ) -> KVPlan:
     mc = model.config
     per_layer = kv_bytes_per_token(mc, dtype) // mc.num_layers
@@ -58,7 +62,9 @@ def plan_kv(
     if config.num_kv_pages is not None:
         num_pages = config.num_kv_pages
     else:
-        budget = _kv_budget_bytes(config, model, dtype, device, positions_per_row, spec_graphs)
+        budget = _kv_budget_bytes(
+            config, model, dtype, device, positions_per_row, spec_graphs, num_tails
+        )
         num_pages = max(2, int(budget // page_bytes))
     plan = KVPlan(num_pages, _max_model_len(config, mc, num_pages), config.page_size)
     logger.info(
@@ -93,7 +99,11 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig, num_pages: int) -> int
 
 
 def sampler_bytes(
-    config: EngineConfig, vocab_size: int, positions_per_row: int = 1, spec_graphs: bool = False
+    config: EngineConfig,
+    vocab_size: int,
+    positions_per_row: int = 1,
+    spec_graphs: bool = False,
+    num_tails: int = 1,
 ) -> int:
     """The sampler's temporaries at the largest batch: SAMPLER_BUFFERS float32 rows of the
     vocabulary per sampled position. A speculative step verifies K + 1 positions a row, each
@@ -116,8 +126,13 @@ def sampler_bytes(
     ~48 B or 12 rows, and one row of slack:
 
       max_num_seqs 256, K 7, vocab 49,152, graphs: (6 + 13) x 256 x 8 x 49,152 x 4 B = 7.1 GiB
+
+    Each tail size past the first adds three mixed graphs a size, EXTRA_TAIL_BUFFERS rows:
+    [256, 512] at 256 seats reserves (6 + 13 + 6) x 256 x 8 x 49,152 x 4 B = 9.4 GiB.
     """
-    buffers = SAMPLER_BUFFERS + (GRAPH_POOL_BUFFERS if spec_graphs else 0)
+    buffers = SAMPLER_BUFFERS
+    if spec_graphs:
+        buffers += GRAPH_POOL_BUFFERS + EXTRA_TAIL_BUFFERS * max(0, num_tails - 1)
     return buffers * config.max_num_seqs * positions_per_row * vocab_size * 4
 
 
@@ -128,6 +143,7 @@ def _kv_budget_bytes(
     device: torch.device,
     positions_per_row: int = 1,
     spec_graphs: bool = False,
+    num_tails: int = 1,
 ) -> float:
     if config.kv_cache_memory_gb is not None:
         return config.kv_cache_memory_gb * 2**30
@@ -136,7 +152,9 @@ def _kv_budget_bytes(
     _, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
     activations = _profile_step_bytes(config, model, dtype, device)
-    sampler = sampler_bytes(config, model.config.vocab_size, positions_per_row, spec_graphs)
+    sampler = sampler_bytes(
+        config, model.config.vocab_size, positions_per_row, spec_graphs, num_tails
+    )
     budget = total * config.gpu_memory_utilization - weights - activations - sampler
     logger.info(
         "GPU memory: %.1f GB total, weights %.2f GB, step activations %.2f GB, sampler %.2f GB",

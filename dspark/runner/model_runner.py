@@ -125,8 +125,7 @@ class ModelRunner:
             ladder = graph_sizes if capture_graphs else []
             self.spec_runner = SpecRunner(
                 spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder,
-                mixed_tails,
-                trimmed_widths, sync_planning,
+                mixed_tails, trimmed_widths, sync_planning,
             )  # fmt: skip
         graphs = None
         self.sampled_graphs: SampledDecodeGraphs | None = None

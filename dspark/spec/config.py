@@ -60,9 +60,10 @@ default: the recent requests' mean) or "request" (the request's own mean, shrunk
 population's), spec/survival_estimates.py. On an H100 at C = 1 "request" drafted 35% of the
 steps where "population" drafted 63-97%, and ran 1,409 against 1,586 tok/s (docs/PERFORMANCE.md,
 twenty-fifth look): a request that dipped below the line once stays off.
-"price_switches" (default false, until the GPU measures it) makes a switch of drafting off pay
-for its round trip: plain decoding must then win by the resuming drafting step's time over the
-dwell more (drafting_policy.py; docs/PERFORMANCE.md, thirty-third look).
+"price_switches" (default false) makes a switch of drafting off pay for its round trip: plain
+decoding must then win by the resuming drafting step's time over the dwell more
+(drafting_policy.py). On an H100 it kept 1.00x the policy without it at 1, 4 and 64 requests
+and lost 6% at 256, where it kept drafting too long (docs/PERFORMANCE.md, thirty-fourth look).
 "mixed_steps_ahead" lets those mixed steps into the async pipeline: a step of windows launched
 ahead admits waiting requests into its tail, and a step may launch behind a mixed one
 (engine/scheduler.py). Off (false, the default) every admission finishes the step in flight,
@@ -144,7 +145,7 @@ class SpecConfig:
             )
         scheduling = _flag(d, "scheduling", True)
         unobserved = _choice(d, "unobserved", UNOBSERVED, "population")
-        mixed = _tail_sizes(d.get("mixed_prefill_tokens", 256))
+        mixed = _parse_tail_sizes(d.get("mixed_prefill_tokens", 256))
         widths = d.get("trimmed_widths", [])
         if not isinstance(widths, (list, tuple)) or not all(
             isinstance(w, int) and not isinstance(w, bool) and w >= 2 for w in widths
@@ -180,7 +181,7 @@ class SpecConfig:
                    price_switches=price_switches)  # fmt: skip
 
 
-def _tail_sizes(value: Any) -> int | tuple[int, ...]:
+def _parse_tail_sizes(value: Any) -> int | tuple[int, ...]:
     """ "mixed_prefill_tokens": an integer in [0, 8192], or a non-empty list of integers in
     [1, 8192] (sorted, duplicates dropped; one entry is the integer)."""
 

@@ -34,10 +34,11 @@ stale rows bring drafting back.
 
 Flapping is prevented twice over. The other mode must beat the incumbent by (1 + min_gain)^2
 (lagged.choose_drafting), and once drafting is off it stays off for at least min_dwell_steps
-steps. With price_switches (speculative_config "price_switches", off by default until the GPU
-measures it) a switch off must also pay for its round trip: the drafting step that resumes
-after the dwell cannot launch ahead (~0.8 ms at G = 1 on the H100, about one drafting step), so
-plain decoding must win by that step's time spread over the dwell's plain steps more, t_full /
+steps. With price_switches (speculative_config "price_switches", off: on an H100 it gained
+nothing at 1-64 requests and lost 6% at 256, thirty-fourth look) a switch off must also pay
+for its round trip: the drafting step that resumes after the dwell cannot launch ahead
+(~0.8 ms at G = 1 on the H100, about one drafting step), so plain decoding must win by that
+step's time spread over the dwell's plain steps more, t_full /
 (dwell t_plain) by the table's steady cells: +21% at G = 1 (1.27 / (8 x 0.74) ms), where (1 +
 min_gain)^2 alone is 4% and the C = 1 switches it let through bought nothing
 (docs/PERFORMANCE.md, thirty-second and thirty-third looks). Switching drafting off is not

@@ -19,7 +19,7 @@ import json
 import time
 
 from dspark import LLM, SamplingParams
-from dspark.runner.mixed_layout import MAX_TAIL_ROWS
+from dspark.runner.mixed_layout import max_tail_rows
 
 PROMPTS = [
     "What is 17 times 23?",
@@ -48,7 +48,7 @@ def main() -> None:
     spec_runner.uniform_windows = True  # (what graphs turn on)
     if args.mixed_ahead:  # (what captured mixed steps set)
         spec_runner.max_tail_tokens = 256
-        llm.engine.scheduler.mixed_limits = (MAX_TAIL_ROWS, 256)
+        llm.engine.scheduler.mixed_limits = (max_tail_rows(256), 256)
     prompts = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
                for i in range(args.requests)]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -12,7 +12,7 @@ import torch
 
 from dspark.engine.kv_cache import allocate_kv_caches, pages_for
 from dspark.layers.attention_metadata import single_prefill_metadata
-from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS
+from dspark.runner.mixed_layout import graph_tail_rows
 
 
 @torch.no_grad()
@@ -102,7 +102,7 @@ class EagerDecodeGraphs:
 
     def replay(self, size: int, tail: int = 0):
         layout = self.layout
-        assert layout.num_rows == size + (GRAPH_TAIL_ROWS if tail else 0), layout
+        assert layout.num_rows == size + (graph_tail_rows(tail) if tail else 0), layout
         assert layout.num_tokens == size + tail
         self.replays["mixed" if tail else "decode"] += 1
         return self.runner._forward(layout)

@@ -10,7 +10,7 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.config import EngineConfig
-from dspark.runner.mixed_layout import MAX_TAIL_ROWS
+from dspark.runner.mixed_layout import max_tail_rows
 from tests.helpers import EagerDecodeGraphs
 from tests.spec.test_uniform_windows import _assert_same_outputs
 
@@ -19,6 +19,7 @@ PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 
            [7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7], [6, 6],
            [2, 9, 4, 11, 5], [8, 7, 6, 5, 4, 3, 2]]  # fmt: skip
 TAIL = 16  # P of the padded runs
+TAIL_ROWS = max_tail_rows(TAIL)  # live tail rows of its captured mixed steps (4)
 SIZES = [1, 2, 4]  # the graph ladder the padded runs pad decode rows to
 
 
@@ -111,7 +112,7 @@ def test_a_burst_beside_decode_rows_is_admitted_uncapped(tiny_vocab_dir):
     """More requests waiting for a seat than the tail has rows: one eager step takes them all
     (whole prompts); as many as the tail has rows: capped, a mixed decode step."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for num_new, capped in ((MAX_TAIL_ROWS + 1, False), (MAX_TAIL_ROWS, True)):
+    for num_new, capped in ((TAIL_ROWS + 1, False), (TAIL_ROWS, True)):
         engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False).engine
         engine.add_request("a", [2, 3, 4], params)
         engine.step()  # a decodes from now on
@@ -122,7 +123,7 @@ def test_a_burst_beside_decode_rows_is_admitted_uncapped(tiny_vocab_dir):
         assert plan.rows[0].num_tokens == 1  # a's decode row first
         tail = [r.num_tokens for r in plan.rows[1:]]
         if capped:
-            assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+            assert sum(tail) <= TAIL and len(tail) <= TAIL_ROWS, tail
         else:
             assert tail == [len(p) for p in prompts] and sum(tail) > TAIL, tail
 
@@ -188,7 +189,7 @@ def test_a_burst_threshold_from_the_engine_config(tiny_vocab_dir, monkeypatch, t
     assert engine.scheduler.burst_requests == (threshold or 2)
     tail = _six_waiting_beside_a_decode_row(engine)
     if threshold:
-        assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+        assert sum(tail) <= TAIL and len(tail) <= TAIL_ROWS, tail
     else:
         assert len(tail) == 6, tail  # a burst: every waiting request admitted at once
     for bad in (0, "8", True, 2.0):
@@ -205,7 +206,7 @@ def test_a_burst_threshold_from_the_environment(tiny_vocab_dir, monkeypatch):
     engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False).engine
     assert engine.scheduler.burst_requests == 8
     tail = _six_waiting_beside_a_decode_row(engine)
-    assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+    assert sum(tail) <= TAIL and len(tail) <= TAIL_ROWS, tail
     for bad in ("0", "many"):
         monkeypatch.setenv("DSPARK_BURST_REQUESTS", bad)
         with pytest.raises(ValueError, match="DSPARK_BURST_REQUESTS"):
@@ -218,9 +219,9 @@ def test_the_default_burst_threshold_grows_with_the_running_rows(tiny_vocab_dir,
     (threshold 12), so the step keeps the captured tail's caps."""
     from dspark.engine.burst import burst_threshold
 
-    assert [burst_threshold(r, MAX_TAIL_ROWS) for r in (0, 1, 9, 16, 250, 256, 512)] == [
+    assert [burst_threshold(r, TAIL_ROWS) for r in (0, 1, 9, 16, 250, 256, 512)] == [
         4, 4, 12, 16, 63, 64, 91]  # fmt: skip
-    assert burst_threshold(256, MAX_TAIL_ROWS, configured=8) == 8
+    assert burst_threshold(256, TAIL_ROWS, configured=8) == 8
     monkeypatch.delenv("DSPARK_BURST_REQUESTS", raising=False)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for num_running, burst in ((1, True), (9, False)):
@@ -238,4 +239,4 @@ def test_the_default_burst_threshold_grows_with_the_running_rows(tiny_vocab_dir,
         if burst:
             assert len(tail) == 6, tail  # every waiting request admitted at once
         else:
-            assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+            assert sum(tail) <= TAIL and len(tail) <= TAIL_ROWS, tail

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dspark.runner.input_buffers import InputBuffers, StepLayout
-from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, prepare_capture
+from dspark.runner.mixed_layout import graph_tail_rows, prepare_capture
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class DecodeGraphs:
             for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
                 for tail in tails:
                     if tail:
-                        layout = prepare_capture(self.buffers, g, 1, tail, GRAPH_TAIL_ROWS)
+                        layout = prepare_capture(self.buffers, g, 1, tail, graph_tail_rows(tail))
                     else:
                         layout = decode_layout(g)
                         self.buffers.write_pad_rows(0, 0, g)

@@ -36,8 +36,27 @@ from dspark.engine.step_plan import ScheduledRow
 from dspark.request import PENDING_TOKEN
 from dspark.runner.input_buffers import NO_OWNER, InputBuffers, StepLayout
 
-MAX_TAIL_ROWS = 4  # live plain rows a captured mixed step carries after its windows
-GRAPH_TAIL_ROWS = MAX_TAIL_ROWS + 1  # R: its tail rows, one at least a pad row (the leftover)
+# the live plain rows a captured mixed step of P tail tokens carries after its windows: one per
+# TAIL_TOKENS_PER_ROW tokens, at least MIN_TAIL_ROWS (4 at P = 256, 8 at 512). Chat prompts of
+# the development sources average ~88 tokens, so a tail's admissions are bounded by its tokens
+# (~5.8 prompts at 512), not by its rows (4 at any size until the thirty-fifth look of
+# docs/PERFORMANCE.md); an empty row costs a graph nearly nothing (a query run of length 0)
+MIN_TAIL_ROWS = 4
+TAIL_TOKENS_PER_ROW = 64
+
+
+def max_tail_rows(tail_tokens: int) -> int:
+    """Live tail rows of a captured mixed step with a tail of tail_tokens (its P).
+
+    max_tail_rows(16) = 4     max_tail_rows(256) = 4     max_tail_rows(512) = 8
+    """
+    return max(MIN_TAIL_ROWS, tail_tokens // TAIL_TOKENS_PER_ROW)
+
+
+def graph_tail_rows(tail_tokens: int) -> int:
+    """R of a captured mixed step of P = tail_tokens: its live tail rows and one more, so that
+    the leftover (P minus the live tail's tokens) always has a pad row."""
+    return max_tail_rows(tail_tokens) + 1
 
 
 class Tail(NamedTuple):

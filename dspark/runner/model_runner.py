@@ -33,7 +33,7 @@ from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device, to_host
-from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, MAX_TAIL_ROWS
+from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.sampled_decode_graphs import SampledDecodeGraphs, sampled_decode_graphs_enabled
 from dspark.runner.spec_runner import SpecRunner
@@ -93,7 +93,8 @@ class ModelRunner:
         max_rows = max([max_num_seqs, *(graph_sizes or [])])
         # (a mixed step has tail rows after its largest G of windows or decode rows)
         has_tails = spec is not None or decode_tail_tokens > 0
-        buffer_rows = max_rows + (GRAPH_TAIL_ROWS if has_tails else 0)
+        most_tail_tokens = max([decode_tail_tokens, *mixed_tails])
+        buffer_rows = max_rows + (graph_tail_rows(most_tail_tokens) if has_tails else 0)
         self.buffers = InputBuffers(
             max(max_num_tokens, max_rows), buffer_rows, pages_for(max_model_len, page_size),
             device,
@@ -151,7 +152,7 @@ class ModelRunner:
         graphs = self.stager.graphs
         if graphs is None or not graphs.tail_tokens:
             return None
-        return MAX_TAIL_ROWS, graphs.tail_tokens
+        return max_tail_rows(graphs.tail_tokens), graphs.tail_tokens
 
     # ---- the forward ----------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ three modes: GREEDY (every row greedy), TEMPERATURE (no row filters) and FILTERE
 case: rows without filters pass through top-k = vocab, top-p = 1).
 
 A mixed step (windows, then a tail of prefill chunks and plain rows: a request admitted while
-others draft) is captured too, per (G, P): G windows, then MAX_TAIL_ROWS tail rows holding P
+others draft) is captured too, per (G, P): G windows, then max_tail_rows(P) tail rows holding P
 tokens in all (runner/mixed_layout.py), in the same three modes. (Until the twenty-ninth look
 of docs/PERFORMANCE.md a TEMPERATURE mixed step replayed FILTERED, to capture fewer graphs: but
 FILTERED sorts the vocabulary of every drafter slot and every window token, some 4,000 rows of

@@ -47,9 +47,9 @@ from dspark.runner.input_buffers import (
     to_host,
 )
 from dspark.runner.mixed_layout import (
-    GRAPH_TAIL_ROWS,
-    MAX_TAIL_ROWS,
     capture_layout,
+    graph_tail_rows,
+    max_tail_rows,
     prepare_capture,
 )
 from dspark.runner.persistent_batch import NOT_FOUND, index_of
@@ -140,7 +140,7 @@ class SpecRunner:
         reason = None
         if n == 0 or any(r.num_draft or r.empty_window for r in tail):
             reason = "windows_not_first"
-        elif len(tail) > MAX_TAIL_ROWS:
+        elif len(tail) > max_tail_rows(self.max_tail_tokens):
             reason = "tail_rows"
         elif num_tail_tokens > self.max_tail_tokens:
             reason = "tail_tokens"
@@ -157,18 +157,29 @@ class SpecRunner:
         prefill a drafting step carries; None without them."""
         if self.graphs is None or not self.graphs.tails:
             return None
-        return MAX_TAIL_ROWS, self.max_tail_tokens
+        return max_tail_rows(self.max_tail_tokens), self.max_tail_tokens
 
-    def mixed_graph(self, num_windows: int, num_tail_tokens: int) -> tuple[int, int] | None:
-        """The captured mixed step (G, P) a mixed step pads to, or None (eager)."""
+    def mixed_graph(
+        self, num_windows: int, num_tail_tokens: int, num_tail_rows: int
+    ) -> tuple[int, int] | None:
+        """The captured mixed step (G, P) a mixed step pads to, or None (eager): the smallest
+        G that holds its windows, and the smallest P that holds its tail's tokens and rows
+        (mixed_windows() checked that the largest does).
+
+          tails (256, 512): 3 rows of 200 tokens -> P 256; 3 rows of 300 -> 512; 6 of 200 -> 512
+        """
         if self.graphs is None or not self.graphs.tails:
             return None
         i = bisect.bisect_left(self.graphs.sizes, num_windows)
         if i == len(self.graphs.sizes):
             self.stats["eager_spec_steps_batch_too_large"] += 1
             return None
-        tails = self.graphs.tails
-        return self.graphs.sizes[i], tails[bisect.bisect_left(tails, num_tail_tokens)]
+        P = next(
+            p
+            for p in self.graphs.tails
+            if p >= num_tail_tokens and max_tail_rows(p) >= num_tail_rows
+        )
+        return self.graphs.sizes[i], P
 
     @property
     def max_uniform_rows(self) -> int:
@@ -443,7 +454,7 @@ class SpecRunner:
         inputs: the scratch page only)."""
         b, width = self.buffers, 1 + self.spec.num_verify
         if tail:
-            layout = prepare_capture(b, size, width, tail, GRAPH_TAIL_ROWS)
+            layout = prepare_capture(b, size, width, tail, graph_tail_rows(tail))
         else:
             b.write_pad_rows(0, 0, size, width)
             b.np("logits_indices")[: size * width] = range(size * width)
@@ -459,7 +470,7 @@ class SpecRunner:
             target, cell = self._trimmed_step(size, trimmed)
             return self.spec.step(size, mode, target, None, cell)
         if tail:  # a mixed step: the windows' logits come first
-            layout = capture_layout(size, width, tail, GRAPH_TAIL_ROWS)
+            layout = capture_layout(size, width, tail, graph_tail_rows(tail))
             index = slice(0, size * width)
         else:
             layout, index = window_layout(size, width), None

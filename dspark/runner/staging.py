@@ -29,7 +29,7 @@ from dspark.engine.step_plan import StepPlan
 from dspark.request import PENDING_TOKEN, Request
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID, InputBuffers, StepLayout
-from dspark.runner.mixed_layout import GRAPH_TAIL_ROWS, MAX_TAIL_ROWS, stage_tail, write_tail_pads
+from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows, stage_tail, write_tail_pads
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.spec_decoder import SpecDecoder
@@ -155,7 +155,7 @@ class StepStager:
             return None  # (nothing but decode rows, or windows)
         tail = rows[n:]
         reason = None  # (a one-token row may be in the tail: staged as a chunk of 1)
-        if len(tail) > MAX_TAIL_ROWS:
+        if len(tail) > max_tail_rows(graphs.tail_tokens):
             reason = "tail_rows"
         elif sum(r.num_tokens for r in tail) > graphs.tail_tokens:
             reason = "tail_tokens"
@@ -187,15 +187,16 @@ class StepStager:
         tail = stage_tail(b, plan.rows[n:], n, n, self.page_size)
         m, t_live = len(plan.rows) - n, n + tail.num_tokens
         b.write_pad_rows(n + m, t_live, G - n)
-        write_tail_pads(b, G + m, t_live + G - n, GRAPH_TAIL_ROWS - m, P - tail.num_tokens)
+        tail_rows = graph_tail_rows(P)
+        write_tail_pads(b, G + m, t_live + G - n, tail_rows - m, P - tail.num_tokens)
         logits = [*range(n), *tail.last_tokens]
-        logits += [0] * (G + GRAPH_TAIL_ROWS - len(logits))
+        logits += [0] * (G + tail_rows - len(logits))
         b.np("logits_indices")[: len(logits)] = logits
-        rows = G + GRAPH_TAIL_ROWS  # (the host mirrors: what the staging above wrote)
+        rows = G + tail_rows  # (the host mirrors: what the staging above wrote)
         cu, seq_lens = b.np("cu_num_tokens")[: rows + 1], b.np("seq_lens")[:rows]
         layout = StepLayout(G + P, rows, len(logits), tuple(cu.tolist()),
                             tuple(seq_lens.tolist()), num_fed=num_fed,
-                            tail_rows=GRAPH_TAIL_ROWS)  # fmt: skip
+                            tail_rows=tail_rows)  # fmt: skip
         sampled = np.concatenate([self._arange[:n], n + np.array(tail.sampled, dtype=np.int64)])
         ends = np.concatenate([starts + 1, np.array(tail.sampled_ends, dtype=np.int64)])
         return Staged(layout, G, reqs, serials, sampled, ends, graph_tail=P)
@@ -263,10 +264,11 @@ class StepStager:
         tail = stage_tail(b, plan.rows[n:], n, t_windows, self.page_size)
         m, t_live = len(plan.rows) - n, t_windows + tail.num_tokens
         window_logits = list(range(t_windows))
-        key = self.spec_runner.mixed_graph(n, tail.num_tokens)
+        key = self.spec_runner.mixed_graph(n, tail.num_tokens, m)
         G, P, tail_rows = n, tail.num_tokens, m
         if key is not None:  # pad windows after the live tail; the tail's pads last
-            (G, P), tail_rows = key, GRAPH_TAIL_ROWS
+            (G, P) = key
+            tail_rows = graph_tail_rows(P)
             b.write_pad_rows(n + m, t_live, G - n, width)
             t_pads = t_live + (G - n) * width
             window_logits += range(t_live, t_pads)

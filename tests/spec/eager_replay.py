@@ -4,6 +4,7 @@ cells) run through the engine on the CPU."""
 
 from __future__ import annotations
 
+from dspark.runner.mixed_layout import graph_tail_rows
 from dspark.runner.spec_graphs import graph_mode
 
 
@@ -36,6 +37,7 @@ class EagerReplay:
     def replay(self, size, mode, tail=0, trimmed=None):
         r, width = self.spec_runner, self.layout.window_width
         assert self.layout.num_rows == size + (self.layout.tail_rows if tail else 0)
+        assert not tail or self.layout.tail_rows == graph_tail_rows(tail)
         self.replayed.append((size, tail, trimmed))
         self.modes.append(graph_mode(mode))
         if trimmed is not None:

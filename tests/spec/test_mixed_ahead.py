@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from dspark import LLM, SamplingParams
-from dspark.runner.mixed_layout import MAX_TAIL_ROWS
+from dspark.runner.mixed_layout import max_tail_rows
 from tests.helpers import assert_same_run
 from tests.spec.eager_replay import EagerReplay
 from tests.tiny_models import make_tiny_drafter
@@ -18,6 +18,7 @@ PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 
            [7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7], [6, 6],
            [2, 9, 4, 11, 5], [10, 3], [8, 8, 8]]  # fmt: skip
 TAIL = 16  # tail tokens of a mixed step (the 20-token prompt takes two chunks)
+TAIL_ROWS = max_tail_rows(TAIL)  # live tail rows of its captured mixed steps (4)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def _llm(tiny_vocab_dir, drafter, async_scheduling: bool, padded: bool, mixed_ah
     spec_runner, scheduler = llm.engine.runner.spec_runner, llm.engine.scheduler
     spec_runner.uniform_windows = True
     spec_runner.max_tail_tokens = TAIL
-    scheduler.mixed_limits = (MAX_TAIL_ROWS, TAIL)  # the same chunks in every run
+    scheduler.mixed_limits = (TAIL_ROWS, TAIL)  # the same chunks in every run
     scheduler.mixed_ahead = mixed_ahead
     if padded:
         spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4], (TAIL,))

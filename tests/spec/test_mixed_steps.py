@@ -10,7 +10,7 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
-from dspark.runner.mixed_layout import MAX_TAIL_ROWS, capture_layout, write_tail_pads
+from dspark.runner.mixed_layout import capture_layout, max_tail_rows, write_tail_pads
 from dspark.runner.spec_graphs import MODES, SpecGraphs
 from dspark.spec.spec_buffers import FILTERED, TEMPERATURE
 from tests.spec.eager_replay import EagerReplay
@@ -22,6 +22,7 @@ PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 
            [7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7], [6, 6],
            [2, 9, 4, 11, 5]]  # fmt: skip
 TAIL = 16  # tail tokens of the padded runs (the scheduler caps the prefill beside windows)
+TAIL_ROWS = max_tail_rows(TAIL)  # live tail rows of its captured mixed steps (4)
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,11 @@ def drafter(tiny_vocab_dir, tmp_path_factory):
     return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter_mixed"), taps=(0,))
 
 
-def _llm(tiny_vocab_dir, drafter, padded: bool | None, max_num_seqs: int = 4):
+def _llm(tiny_vocab_dir, drafter, padded: bool | None, max_num_seqs: int = 4,
+         max_model_len: int = 64):  # fmt: skip
     """padded None: no speculation; False: the live mixed layout; True: padded to graph sizes."""
     kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=max_num_seqs,
-              max_model_len=64, async_spec_steps=False)  # fmt: skip
+              max_model_len=max_model_len, async_spec_steps=False)  # fmt: skip
     if padded is None:
         return LLM(str(tiny_vocab_dir), **kw)
     llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(drafter),
@@ -40,7 +42,7 @@ def _llm(tiny_vocab_dir, drafter, padded: bool | None, max_num_seqs: int = 4):
     spec_runner = llm.engine.runner.spec_runner
     spec_runner.uniform_windows = True
     spec_runner.max_tail_tokens = TAIL
-    llm.engine.scheduler.mixed_limits = (MAX_TAIL_ROWS, TAIL)  # the same chunks in both runs
+    llm.engine.scheduler.mixed_limits = (TAIL_ROWS, TAIL)  # the same chunks in both runs
     if padded:
         spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4], (TAIL,))
     return llm
@@ -60,8 +62,8 @@ def test_two_tail_sizes_pad_each_mixed_step_to_the_smaller_that_holds_it(tiny_vo
     tails = []
     mixed_graph = llm.engine.runner.spec_runner.mixed_graph
 
-    def recording(num_windows, num_tail_tokens):  # (G, P) chosen for each live tail
-        key = mixed_graph(num_windows, num_tail_tokens)
+    def recording(num_windows, num_tail_tokens, num_tail_rows):  # (G, P) of each live tail
+        key = mixed_graph(num_windows, num_tail_tokens, num_tail_rows)
         tails.append((num_tail_tokens, key[1]))
         return key
 
@@ -69,6 +71,42 @@ def test_two_tail_sizes_pad_each_mixed_step_to_the_smaller_that_holds_it(tiny_vo
     assert [t for t, _ in _generate(llm, params)] == [t for t, _ in plain]
     assert {p for _, p, _ in replay.replayed} == {0, 8, TAIL}  # full blocks, both tails
     assert all(p == (8 if n <= 8 else TAIL) for n, p in tails), tails
+
+
+def test_a_larger_tail_size_carries_more_rows(tiny_vocab_dir, drafter):
+    """Tails of 16 and 512 tokens captured: 4 and 8 live rows (max_tail_rows). Six requests
+    that opted out of speculation decode beside two drafting ones, so a drafting step's tail
+    holds 6 one-token rows: too many rows for P = 16, so it pads to P = 512 (9 graph rows),
+    where tails of 16 alone ran it eagerly. The tokens are plain decoding's."""
+    prompts = PROMPTS[:8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, use_speculation=i < 2)
+              for i, n in enumerate([10, 14, 5, 21, 8, 12, 9, 16])]  # fmt: skip
+    plain = _llm(tiny_vocab_dir, drafter, None, max_num_seqs=8).generate(
+        prompts, params, use_tqdm=False
+    )
+    # (a pad row holds a tail's leftover, up to 512 tokens on the scratch page: its block-table
+    # row must be as wide)
+    llm = _llm(tiny_vocab_dir, drafter, padded=True, max_num_seqs=8, max_model_len=512)
+    spec_runner = llm.engine.runner.spec_runner
+    spec_runner.max_tail_tokens = 512
+    replay = spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4, 8], (TAIL, 512))
+    llm.engine.scheduler.mixed_limits = spec_runner.mixed_limits
+    assert spec_runner.mixed_limits == (8, 512)
+    chosen = []
+    mixed_graph = spec_runner.mixed_graph
+
+    def recording(num_windows, num_tail_tokens, num_tail_rows):
+        key = mixed_graph(num_windows, num_tail_tokens, num_tail_rows)
+        chosen.append((num_tail_tokens, num_tail_rows, key[1]))
+        return key
+
+    spec_runner.mixed_graph = recording
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert any(rows > TAIL_ROWS and p == 512 for _, rows, p in chosen), chosen
+    assert all(p == (TAIL if n <= TAIL and r <= TAIL_ROWS else 512) for n, r, p in chosen)
+    assert 512 in {p for _, p, _ in replay.replayed}
+    assert spec_runner.stats["eager_spec_steps_mixed_tail_rows"] == 0
 
 
 def _generate(llm, params):
@@ -171,7 +209,7 @@ def test_a_burst_beside_windows_is_admitted_uncapped(tiny_vocab_dir, drafter):
     """More requests waiting for a seat than the tail has rows: one step admits them all, with
     their whole prompts (eagerly); as many as the tail has rows: capped, a mixed step."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for num_new, capped in ((MAX_TAIL_ROWS + 1, False), (MAX_TAIL_ROWS, True)):
+    for num_new, capped in ((TAIL_ROWS + 1, False), (TAIL_ROWS, True)):
         engine = _llm(tiny_vocab_dir, drafter, False, max_num_seqs=8).engine
         engine.add_request("a", [2, 3, 4], params)
         engine.step()  # prefill alone: a is drafting from now on
@@ -182,7 +220,7 @@ def test_a_burst_beside_windows_is_admitted_uncapped(tiny_vocab_dir, drafter):
         assert plan.rows[0].num_draft > 0  # a's window comes first
         tail = [r.num_tokens for r in plan.rows[1:]]
         if capped:
-            assert sum(tail) <= TAIL and len(tail) <= MAX_TAIL_ROWS, tail
+            assert sum(tail) <= TAIL and len(tail) <= TAIL_ROWS, tail
         else:
             assert tail == [len(p) for p in prompts] and sum(tail) > TAIL, tail
 

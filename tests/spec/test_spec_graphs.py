@@ -125,3 +125,26 @@ def test_mixed_graphs_replay_equals_eager(tiny_vocab_dir, vocab_drafter, tempera
         by_size = stats["spec_graph_steps_mixed_p4"] + stats["spec_graph_steps_mixed_p8"]
         assert by_size == stats["spec_graph_steps_mixed"], dict(stats)
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "temperature"])
+def test_a_tail_of_many_rows_replays_equals_eager(tiny_vocab_dir, vocab_drafter, temperature):
+    """Tails of 16 and 512 tokens (4 and 8 live rows, max_tail_rows): six requests that opted
+    out of speculation decode beside two drafting ones, so drafting steps carry tails of more
+    rows than P = 16 holds and replay the P = 512 graph (9 tail rows). The tokens are eager
+    decoding's."""
+    prompts = [*PROMPTS12, [6, 6, 2], [3, 9, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3], [7]]
+    params = [SamplingParams(temperature=temperature, seed=5, max_tokens=n, ignore_eos=True,
+                             use_speculation=i < 2)
+              for i, n in enumerate([30, 25, 12, 28, 20, 16, 24, 9])]  # fmt: skip
+    runs, stats = {}, None
+    for graphs in (False, True):
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
+                  max_num_seqs=8, max_model_len=640, use_cuda_graphs=graphs,
+                  speculative_config={"model": str(vocab_drafter),
+                                      "mixed_prefill_tokens": [16, 512]})  # fmt: skip
+        runs[graphs] = _outputs(llm, prompts, params)
+        stats = llm.engine.runner.stats
+    assert stats["spec_graph_steps_mixed_p512"] > 0, dict(stats)
+    assert stats["eager_spec_steps_mixed_tail_rows"] == 0, dict(stats)
+    assert runs[True] == runs[False]

@@ -51,10 +51,12 @@ benchmark's arms can compare values side by side (docs/PERFORMANCE.md, seventeen
 with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a prompt follows
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
 A list captures a mixed step for each size P beside every G, and a step pads its tail to the
-smallest P that holds it, so a larger cap (more prompts admitted a step) need not pad every
-mixed step to it: [256, 512] admits up to 512 tokens a step. (One size of 512 served fixed
-K = 7 2.6% more at 256 streams and lost 2-4% at 64, where it padded every tail to 512;
-docs/PERFORMANCE.md, thirty-fourth look. Each size adds its graphs' memory.)
+smallest P that holds its tokens and its rows, so a larger cap (more prompts admitted a step)
+need not pad every mixed step to it: [256, 512] admits up to 512 tokens a step. A size's tail
+holds one row per 64 tokens, at least 4 (runner/mixed_layout.py max_tail_rows: 8 at 512).
+(One size of 512, then of 4 rows, served fixed K = 7 2.6% more at 256 streams and lost 2-4% at
+64, where it padded every tail to 512; docs/PERFORMANCE.md, thirty-fourth look. Each size adds
+its graphs' memory.)
 "regression_target" is what an aged survival estimate is pulled toward: "population" (the
 default: the recent requests' mean) or "request" (the request's own mean, shrunk toward the
 population's), spec/survival_estimates.py. On an H100 at C = 1 "request" drafted 35% of the

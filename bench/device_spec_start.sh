@@ -7,11 +7,12 @@
 #
 #   MODEL=/tmp/rs DRAFTER=/tmp/rd bash bench/device_spec_start.sh     (random weights)
 #   bash bench/device_spec_start.sh                                    (the default model)
+#   SPEC_EXTRA=', "mixed_prefill_tokens": [256, 512]' bash bench/device_spec_start.sh  (more keys)
 set -u
 source bench/device_setup.sh
 mkdir -p "$OUT"
 MODEL=${MODEL:-default}
-SC="{\"method\": \"dspark\"${DRAFTER:+, \"model\": \"$DRAFTER\"}}"
+SC="{\"method\": \"dspark\"${DRAFTER:+, \"model\": \"$DRAFTER\"}${SPEC_EXTRA:-}}"
 timeout 300 python3 - "$MODEL" "$SC" > "$OUT/spec_start.txt" 2>&1 <<'PY'
 import json, sys, time
 import torch

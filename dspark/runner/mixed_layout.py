@@ -147,9 +147,14 @@ def capture_layout(num_windows: int, width: int, tail_tokens: int, tail_rows: in
 
 def prepare_capture(b: InputBuffers, num_windows: int, width: int, tail_tokens: int,
                     tail_rows: int) -> StepLayout:  # fmt: skip
-    """Fill the buffers with a mixed graph's capture inputs (the scratch page only)."""
+    """Fill the buffers with a mixed graph's capture inputs (the scratch page only). Each tail
+    row's logits index is a token of the step: a tail of fewer tokens than rows (P = 4, R = 5)
+    would otherwise index past its last token (a device-side assert in the capture's gather)."""
     t_windows = num_windows * width
     b.write_pad_rows(0, 0, num_windows, width)
     write_tail_pads(b, num_windows, t_windows, tail_rows, tail_tokens)
-    b.np("logits_indices")[: t_windows + tail_rows] = np.arange(t_windows + tail_rows)
+    last_token = t_windows + tail_tokens - 1
+    b.np("logits_indices")[: t_windows + tail_rows] = np.minimum(
+        np.arange(t_windows + tail_rows), last_token
+    )
     return capture_layout(num_windows, width, tail_tokens, tail_rows)

@@ -140,7 +140,7 @@ def test_a_tail_of_many_rows_replays_equals_eager(tiny_vocab_dir, vocab_drafter,
     runs, stats = {}, None
     for graphs in (False, True):
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
-                  max_num_seqs=8, max_model_len=640, use_cuda_graphs=graphs,
+                  max_num_seqs=8, max_model_len=512, use_cuda_graphs=graphs,
                   speculative_config={"model": str(vocab_drafter),
                                       "mixed_prefill_tokens": [16, 512]})  # fmt: skip
         runs[graphs] = _outputs(llm, prompts, params)

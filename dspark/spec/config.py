@@ -2,7 +2,7 @@
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K,
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
-     "mixed_prefill_tokens": 256 (or [256, 512]), "trimmed_widths": [], "realised_costs": true,
+     "mixed_prefill_tokens": [256, 512], "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
      "mixed_steps_ahead": false, "regression_target": "population", "price_switches": false}
 
@@ -52,11 +52,14 @@ with CUDA graphs (a captured mixed step, runner/mixed_layout.py; the rest of a p
 in later steps); 0 turns mixed graphs off (such steps then run eagerly, their prefill uncapped).
 A list captures a mixed step for each size P beside every G, and a step pads its tail to the
 smallest P that holds its tokens and its rows, so a larger cap (more prompts admitted a step)
-need not pad every mixed step to it: [256, 512] admits up to 512 tokens a step. A size's tail
-holds one row per 64 tokens, at least 4 (runner/mixed_layout.py max_tail_rows: 8 at 512).
-(One size of 512, then of 4 rows, served fixed K = 7 2.6% more at 256 streams and lost 2-4% at
-64, where it padded every tail to 512; docs/PERFORMANCE.md, thirty-fourth look. Each size adds
-its graphs' memory.)
+need not pad every mixed step to it. A size's tail holds one row per 64 tokens, at least 4
+(runner/mixed_layout.py max_tail_rows: 8 at 512). The default, [256, 512], admits up to 512
+tokens (~5.8 chat prompts) a step. On an H100 (docs/PERFORMANCE.md, thirty-fifth look) it
+served the drafting policy 1.05-1.06x faster than 256 alone at 256 streams (0.92 of offline
+against 0.87-0.89), fixed K = 7 1.01x (0.90 against 0.89), and kept C = 64 within the runs'
+noise. (One size of 512, of 4 rows then, lost 2-4% at 64, where it padded every tail to 512:
+thirty-fourth look.) Each size past the first adds three mixed graphs a G: 2.3 GiB more of the
+memory plan's reserve at 256 seats (engine/memory.py).
 "regression_target" is what an aged survival estimate is pulled toward: "population" (the
 default: the recent requests' mean) or "request" (the request's own mean, shrunk toward the
 population's), spec/survival_estimates.py. On an H100 at C = 1 "request" drafted 35% of the
@@ -83,6 +86,8 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("dspark",)
+# the tail sizes of captured mixed drafting steps ("mixed_prefill_tokens"; the docstring)
+DEFAULT_TAIL_SIZES = (256, 512)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
         "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
         "persistence", "scheduler", "dwell_steps", "stale_price_half_life",
@@ -104,7 +109,7 @@ class SpecConfig:
     scheduling: bool = True  # False: fixed K even with a cost table
     unobserved: str = "population"  # how a request that never drafted counts (UNOBSERVED)
     # prefill beside windows in a captured step (0: none); a tuple: one capture per size
-    mixed_prefill_tokens: int | tuple[int, ...] = 256
+    mixed_prefill_tokens: int | tuple[int, ...] = DEFAULT_TAIL_SIZES
     trimmed_widths: tuple[int, ...] = ()  # w of the trimmed cells (G, w G) the engine can run
     realised_costs: bool = True  # scale the table by realised step times (realised_costs.py)
     persistence: bool = True  # fit how far a row's own survivals predict its next block
@@ -147,7 +152,7 @@ class SpecConfig:
             )
         scheduling = _flag(d, "scheduling", True)
         unobserved = _choice(d, "unobserved", UNOBSERVED, "population")
-        mixed = _parse_tail_sizes(d.get("mixed_prefill_tokens", 256))
+        mixed = _parse_tail_sizes(d.get("mixed_prefill_tokens", DEFAULT_TAIL_SIZES))
         widths = d.get("trimmed_widths", [])
         if not isinstance(widths, (list, tuple)) or not all(
             isinstance(w, int) and not isinstance(w, bool) and w >= 2 for w in widths

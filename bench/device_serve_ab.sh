@@ -13,6 +13,9 @@
 # SERVE_REPEATS (1) timed runs: the table gives their median (the upper one of an even count).
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments",
 # whose leading VAR=value words are set in that server's environment ("burst32|DSPARK_BURST_REQUESTS=32").
+# An arm whose words set DSPARK_POLICY_TRACE=DIR (a fresh directory) traces its engine's drafting
+# policy step by step: $OUT gets policy_trace_NAME.txt (bench/policy_trace.py) and the trace
+# itself, packed (policy_trace_NAME.tgz); every level and repeat of the arm is in one file.
 # SPREAD (e.g. 0.5): seeded lengths in 256 * [1 - S, 1 + S], the same in both engines, so requests
 # end at different steps instead of a whole level's at once (unset: every request 256 tokens).
 # OFFLINE_ARMS (a `dspark bench --arms` object) gives the offline engines: a served arm is
@@ -105,6 +108,16 @@ for arm in "$@"; do
   done
   kill -TERM "$pid" 2> /dev/null
   wait "$pid"
+  # an arm with DSPARK_POLICY_TRACE=DIR among its words: its engine's trace, summarised and
+  # packed (`python3 bench/policy_trace.py FILE` again here for more)
+  for word in "${arm_env[@]}"; do
+    [[ $word == DSPARK_POLICY_TRACE=* ]] || continue
+    trace_dir=${word#DSPARK_POLICY_TRACE=}
+    for f in "$trace_dir"/*.jsonl; do
+      [ -f "$f" ] && python3 bench/policy_trace.py "$f" > "$OUT/policy_trace_${name}.txt" 2>&1
+    done
+    tar czf "$OUT/policy_trace_${name}.tgz" -C "$trace_dir" . 2> /dev/null
+  done
   { grep "dspark stats" "$log" | tail -6
     grep -E "engine loop:|output sender|engine pipe, read" "$log"
     grep -v "clean_up_tokenization" "$log" | grep -E -A8 "WARNING|ERROR|Traceback" | head -80

@@ -267,7 +267,7 @@ class StepStager:
         key = self.spec_runner.mixed_graph(n, tail.num_tokens, m)
         G, P, tail_rows = n, tail.num_tokens, m
         if key is not None:  # pad windows after the live tail; the tail's pads last
-            (G, P) = key
+            G, P = key
             tail_rows = graph_tail_rows(P)
             b.write_pad_rows(n + m, t_live, G - n, width)
             t_pads = t_live + (G - n) * width

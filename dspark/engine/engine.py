@@ -169,6 +169,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
+        self._last_arrivals = False  # the last decided step admitted or prefilled (arrival_costs)
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -314,8 +315,18 @@ class LLMEngine:
         if self.policy_trace is not None:  # (before record_step: the prices it decided by)
             self.policy_trace.decided(decision, running, self.scheduler, self.runner.stats,
                                       counted, now)  # fmt: skip
-        if counted is not None:
-            self.policy.record_step(*counted)
+        if counted is not None:  # (the period is the previous decision's step)
+            self.policy.record_step(*counted, arrivals=self._last_arrivals)
+        costs = self.policy.realised_costs
+        if costs is not None and costs.split_arrivals:  # ("arrival_costs": realised_costs.py)
+            self._last_arrivals = self._has_arrivals(reqs)
+
+    def _has_arrivals(self, running: list) -> bool:
+        """Does the step about to be scheduled admit waiting requests or prefill running ones?"""
+        sched = self.scheduler
+        if sched.waiting and len(running) < sched.max_num_seqs:
+            return True
+        return any(r.num_computed_tokens < r.num_prompt_tokens for r in running)
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

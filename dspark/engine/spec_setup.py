@@ -150,7 +150,8 @@ def build_policy(
         decision_lag=ahead,  # (the same cause: a decision reads survivals one block older)
         trimmed_widths=spec_runner.trimmed_widths,
         price_switches=spec_config.price_switches,
-        realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life)
+        realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life,
+                                     split_arrivals=spec_config.arrival_costs)
         if spec_config.realised_costs else None,
     )  # fmt: skip
     if table is None or policy.table is None:

@@ -4,7 +4,8 @@
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": [256, 512], "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
-     "mixed_steps_ahead": false, "regression_target": "population", "price_switches": false}
+     "mixed_steps_ahead": false, "regression_target": "population", "price_switches": false,
+     "arrival_costs": false}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -36,6 +37,12 @@ revert toward the cell's long-run level, halfway per that many steps counted in 
 whatever turned drafting off. On the H200 (docs/PERFORMANCE.md, twenty-third look) 16 served
 1.09x and 1.24x the frozen prices' throughput at 64 and 256 requests; offline, six side-by-side
 runs at 1 to 256 read 0.92-1.07x, median 1.02x.
+"arrival_costs" (default false) keeps each cell's realised price apart for steps that admit or
+prefill requests and steps that do not, and prices a cell by their mix at the share of recent
+steps at its G with arrivals, which plain steps measure too (spec/realised_costs.py). A served
+first wave has arrivals in nearly every step; with one price per cell it can hold the full
+block's price high after the wave, and drafting off with it (docs/PERFORMANCE.md, thirty-fifth
+look: the policy at 64 served streams). Off until measured on a GPU.
 "persistence" (default true) lets a request's own lagged survivals count only as far as they
 have been seen to predict its next block (a slope fitted online, drafting_policy.py); false
 trusts them in full, as before 2026-12-04.
@@ -91,7 +98,7 @@ DEFAULT_TAIL_SIZES = (256, 512)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "min_gain", "scheduling",
         "unobserved", "mixed_prefill_tokens", "trimmed_widths", "realised_costs",
         "persistence", "scheduler", "dwell_steps", "stale_price_half_life",
-        "mixed_steps_ahead", "regression_target", "price_switches")  # fmt: skip
+        "mixed_steps_ahead", "regression_target", "price_switches", "arrival_costs")  # fmt: skip
 SCHEDULERS = ("lagged", "sync")
 UNOBSERVED = ("confident", "population")
 REGRESSION_TARGETS = ("population", "request")
@@ -119,6 +126,7 @@ class SpecConfig:
     mixed_steps_ahead: bool = False  # mixed steps in the async pipeline (module docstring)
     regression_target: str = "population"  # an aged estimate's pull (REGRESSION_TARGETS)
     price_switches: bool = False  # a switch off pays for its round trip (drafting_policy.py)
+    arrival_costs: bool = False  # steps with arrivals priced apart (realised_costs.py)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -165,6 +173,7 @@ class SpecConfig:
         persistence = _flag(d, "persistence", True)
         mixed_ahead = _flag(d, "mixed_steps_ahead", False)
         price_switches = _flag(d, "price_switches", False)
+        arrival_costs = _flag(d, "arrival_costs", False)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
         target = _choice(d, "regression_target", REGRESSION_TARGETS, "population")
         dwell = d.get("dwell_steps", 8)
@@ -185,7 +194,7 @@ class SpecConfig:
                    scheduler=scheduler, dwell_steps=dwell,
                    stale_price_half_life=float(stale),
                    mixed_steps_ahead=mixed_ahead, regression_target=target,
-                   price_switches=price_switches)  # fmt: skip
+                   price_switches=price_switches, arrival_costs=arrival_costs)  # fmt: skip
 
 
 def _parse_tail_sizes(value: Any) -> int | tuple[int, ...]:

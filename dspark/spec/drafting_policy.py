@@ -225,14 +225,16 @@ class DraftingPolicy(SurvivalEstimates):
             row = self.realised_costs.priced(g, row, table is self.sampled_table)
         return g, row, table is self.sampled_table
 
-    def record_step(self, decision: Decision, seconds: float) -> None:
-        """The engine's period of a step the policy decided (realised_costs.py); a decision
-        with no cell (no table, idle, beyond the table) teaches nothing."""
+    def record_step(self, decision: Decision, seconds: float, arrivals: bool = False) -> None:
+        """The engine's period of a step the policy decided (realised_costs.py), and whether
+        that step admitted or prefilled requests; a decision with no cell (no table, idle,
+        beyond the table) teaches nothing."""
         if self.realised_costs is None or decision.cell is None:
             return
         g, v = decision.cell
         table = self._cells(decision.sampled)
-        self.realised_costs.record(decision.cell, decision.sampled, table.cells[g][v], seconds)
+        self.realised_costs.record(decision.cell, decision.sampled, table.cells[g][v], seconds,
+                                   arrivals)  # fmt: skip
 
     def stale_after(self, g: int, sampled: bool = False) -> int:
         """Steps after which a request's survivals are stale at graph size G (module doc), by

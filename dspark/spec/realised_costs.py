@@ -37,6 +37,22 @@ drafting resumed after 101 plain steps frozen, the staleness bound, and after 11
   full block: recent ratio 2.2, long-run 1.6, H = 16; 16 plain steps counted since
   -> priced at 1.6 + (2.2 - 1.6) / 2 = 1.9 times the table
 
+Steps with arrivals apart (split_arrivals; speculative_config "arrival_costs", off by
+default). A drafting step that admits requests does not launch ahead, so the pipeline drains
+into it: at G = 64 on an H100 such a step took ~4.0 ms where a steady one took 2.05 (an offline
+trace, docs/PERFORMANCE.md thirty-fifth look). One ratio per cell mixes the two in whatever
+share the steps it happened to count had. A served first wave has arrivals in nearly every
+step: its full blocks then price at ~2x the table, drafting goes off, and the long-run level
+holds the wave's share until probes wear it down. With split_arrivals each cell keeps a ratio
+for steps with arrivals and one for steps without, and a cell is priced by their mix at the
+share of recent steps at its G that had arrivals. Plain steps count toward that share too,
+so the price of the full block follows the load while drafting is off. A part not yet
+measured is the other part of its cell, or, for a full block's steady part, its G's plain
+cell's (the machine's drift), else the table:
+
+  G 64: full block steady 1.1, with arrivals 2.1; share of steps with arrivals 0.33
+  -> priced 0.67 x 1.1 + 0.33 x 2.1 = 1.43 x the table (after a first wave, share 1.0: 2.1)
+
 Which periods count (StepPeriods). Under async scheduling a call to step() launches step k and
 then waits for step k - 1, so the period from decision k to decision k + 1 ends when step k - 1
 completes: it is cell k's cost only when step k - 1 ran the same cell. At a switch (drafting on
@@ -66,6 +82,8 @@ class RealisedCosts:
         min_steps: float = 8.0,
         stale_half_life: float = 0.0,  # counted steps of other cells (0: prices never revert)
         baseline_half_life: float = 1024.0,  # steps, of a cell's long-run ratio
+        split_arrivals: bool = False,  # steps with arrivals priced apart (module docstring)
+        share_half_life: float = 64.0,  # counted steps at a G, of its share with arrivals
     ) -> None:
         if half_life <= 0 or min_steps <= 0 or baseline_half_life <= 0:
             raise ValueError(f"half_life, min_steps and baseline_half_life must be > 0, got "
@@ -77,14 +95,31 @@ class RealisedCosts:
         self.min_steps = min_steps
         self.stale_half_life = stale_half_life
         self._counted = 0  # steps counted in any cell: the clock of a price's staleness
-        # (G, V, sampled) -> [weighted sum of ratios, weight, steps seen, the long-run sum and
-        # weight, the clock when last counted]: realised / table
-        self._ratios: dict[tuple[int, int, bool], list] = {}
+        # (G, V, sampled), with split_arrivals (G, V, sampled, arrivals) -> [weighted sum of
+        # ratios, weight, steps seen, the long-run sum and weight, the clock when last
+        # counted]: realised / table
+        self._ratios: dict[tuple, list] = {}
+        self.split_arrivals = split_arrivals
+        self._share_decay = 0.5 ** (1.0 / share_half_life)
+        # (G, sampled) -> [weighted count of steps with arrivals, weight] (split_arrivals)
+        self._shares: dict[tuple[int, bool], list[float]] = {}
 
-    def record(self, cell: tuple[int, int], sampled: bool, table_s: float, seconds: float) -> None:
+    def record(
+        self,
+        cell: tuple[int, int],
+        sampled: bool,
+        table_s: float,
+        seconds: float,
+        arrivals: bool = False,  # the step admitted or prefilled requests
+    ) -> None:
         """One step of `cell` took `seconds`; the table says `table_s`."""
         ratio = min(MAX_RATIO, max(MIN_RATIO, seconds / table_s))
         key = (*cell, sampled)
+        if self.split_arrivals:
+            key = (*key, arrivals)
+            share = self._shares.setdefault((cell[0], sampled), [0.0, 0.0])
+            d = self._share_decay
+            share[:] = [share[0] * d + arrivals, share[1] * d + 1.0]
         state = self._ratios.get(key)
         if state is None:
             state = self._ratios[key] = [0.0, 0.0, 0, 0.0, 0.0, self._counted]
@@ -98,8 +133,25 @@ class RealisedCosts:
 
     def ratio(self, cell: tuple[int, int], sampled: bool) -> float | None:
         """The recent realised / table ratio of a cell (reverted toward its long-run level as
-        it goes stale, with stale_half_life), or None with fewer than min_steps."""
-        state = self._ratios.get((*cell, sampled))
+        it goes stale, with stale_half_life), or None with fewer than min_steps; with
+        split_arrivals, the mix of its two parts (module docstring)."""
+        if not self.split_arrivals:
+            return self._ratio_of((*cell, sampled))
+        g, v = cell
+        steady, busy = self._ratio_of((g, v, sampled, False)), self._ratio_of((g, v, sampled, True))
+        if steady is None and busy is None:
+            return None
+        if steady is None:  # a full block seen only with arrivals: the machine's drift
+            plain = self._ratio_of((g, g, sampled, False)) if v != g else None
+            steady = plain if plain is not None else 1.0
+        if busy is None:
+            busy = steady
+        count, weight = self._shares.get((g, sampled), (0.0, 0.0))
+        share = count / weight if weight else 0.0
+        return (1.0 - share) * steady + share * busy
+
+    def _ratio_of(self, key: tuple) -> float | None:
+        state = self._ratios.get(key)
         if state is None or state[2] < self.min_steps:
             return None
         return self._reverted(state) if self.stale_half_life else state[0] / state[1]
@@ -119,8 +171,11 @@ class RealisedCosts:
     def as_dict(self) -> dict[str, float]:
         """The known ratios for the metrics: "G=256 V=2048 greedy" -> 1.6."""
         out = {}
-        for (g, v, sampled), (total, weight, *_) in sorted(self._ratios.items()):
-            out[f"G={g} V={v} {'sampled' if sampled else 'greedy'}"] = round(total / weight, 3)
+        for (g, v, sampled, *arrivals), (total, weight, *_) in sorted(self._ratios.items()):
+            name = f"G={g} V={v} {'sampled' if sampled else 'greedy'}"
+            if arrivals:  # (split_arrivals: each part on its own)
+                name += " arrivals" if arrivals[0] else " steady"
+            out[name] = round(total / weight, 3)
         return out
 
 

@@ -192,3 +192,83 @@ def test_a_spiked_price_holds_drafting_off_until_staleness_unless_it_reverts():
 
 def policy_stale_after(table: CostTable) -> int:
     return DraftingPolicy(table, {False: torch.ones(K), True: torch.ones(K)}, K).stale_after(64)
+
+
+def test_a_first_wave_of_arrivals_holds_drafting_off_unless_arrivals_are_priced_apart():
+    """A fresh engine's first wave: every step admits requests, and a drafting step with
+    arrivals costs ~2.1x the table (the pipeline drains into it), a steady one 1.1x. With one
+    price per cell the wave sets the full block's long-run level too, so once drafting is off
+    its price stays near 2.1x and drafting stays mostly off (41% of the steps after the wave
+    drafted when written). With arrivals priced apart (split_arrivals), plain steps without
+    arrivals lower the share that prices the full block, and drafting resumes (97%)."""
+    g, full = 64, 64 * (K + 1)
+    table = CostTable({}, {g: {g: 1.0, full: 1.75}})  # the H100 table's ratio at G = 64
+    ones = {False: torch.ones(K), True: torch.ones(K)}
+    ids = [f"r{i}" for i in range(g)]
+    logits = torch.full((g, K), 0.8)  # ~2.06 drafts kept a row: drafting pays at 1.1x
+
+    def drafting_share(costs: RealisedCosts) -> float:
+        """The share of 300 steps after a 40-step first wave that drafted."""
+        policy = DraftingPolicy(table, ones, K, realised_costs=costs)
+
+        def step(arrivals: bool) -> bool:
+            decision = policy.decide(ids)
+            if decision.drafting:
+                policy.observe(ids, logits, [False] * g)
+                ratio = 2.1 if arrivals else 1.1
+            else:
+                ratio = 1.2
+            policy.record_step(decision, ratio * table.cells[g][decision.cell[1]], arrivals)
+            return decision.drafting
+
+        for _ in range(40):  # the wave: every step admits
+            step(arrivals=True)
+        return sum(step(arrivals=i % 3 == 0) for i in range(300)) / 300  # then a third do
+
+    one_price = drafting_share(RealisedCosts(stale_half_life=16))
+    apart = drafting_share(RealisedCosts(stale_half_life=16, split_arrivals=True))
+    assert one_price < 0.6 and apart > 0.9, (one_price, apart)
+
+
+def test_a_cell_priced_apart_mixes_its_parts_at_the_share_of_arrivals():
+    """The module docstring's example: a full block steady at 1.1, with arrivals at 2.1, a
+    third of the steps at its G with arrivals; a part not yet measured is the other's, and a
+    full block seen only with arrivals takes its steady part from the plain cell."""
+    costs = RealisedCosts(min_steps=1, split_arrivals=True)
+    plain, block = (64, 64), (64, 512)
+    for i in range(300):
+        arrivals = i % 3 == 0
+        costs.record(block, False, 1.0, 2.1 if arrivals else 1.1, arrivals)
+    assert costs.ratio(block, False) == pytest.approx(1.1 + (2.1 - 1.1) / 3, abs=0.02)
+    assert "G=64 V=512 greedy arrivals" in costs.as_dict()
+    wave = RealisedCosts(min_steps=1, split_arrivals=True)
+    wave.record(block, False, 1.0, 2.1, arrivals=True)
+    assert wave.ratio(block, False) == pytest.approx(2.1)  # every step so far had arrivals
+    for _ in range(200):
+        wave.record(plain, False, 1.0, 1.2, arrivals=False)
+    assert wave.ratio(plain, False) == pytest.approx(1.2)
+    assert wave.ratio(block, False) == pytest.approx(1.2, abs=0.05)  # the plain cell's drift
+
+
+def test_arrival_costs_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):  # noqa: F811
+    """ "arrival_costs": true reaches the engine's realised costs (off by default); the engine
+    records both kinds of steps (twice as many prompts as seats, ending apart: later ones
+    arrive while others decode), and the tokens stay the target's greedy ones."""
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    assert probe.engine.config.spec().arrival_costs is False  # the default
+    cells = {g: {g: 1e-3, g * 4: 1.2e-3} for g in (1, 2, 4)}
+    path = tmp_path / "t.json"
+    path.write_text(CostTable(probe.engine.cost_fingerprint(), cells).to_json())
+    spec = _spec(drafter, cost_table=str(path), realised_costs=True, arrival_costs=True)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    assert llm.engine.policy.realised_costs.split_arrivals is True
+    prompts = PROMPTS * 2
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (40, 12, 30, 20, 16, 36, 24, 28)]  # fmt: skip
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    kinds = {name.rsplit(" ", 1)[1] for name in llm.get_metrics()["realised_cost_ratios"]}
+    assert kinds == {"arrivals", "steady"}, kinds
+    with pytest.raises(ValueError, match='"arrival_costs" must be true or false'):
+        LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, arrival_costs=1), **KW)

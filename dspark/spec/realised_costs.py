@@ -141,7 +141,7 @@ class RealisedCosts:
         steady, busy = self._ratio_of((g, v, sampled, False)), self._ratio_of((g, v, sampled, True))
         if steady is None and busy is None:
             return None
-        if steady is None:  # a full block seen only with arrivals: the machine's drift
+        if steady is None:  # seen only with arrivals: the plain cell's steady part (drift)
             plain = self._ratio_of((g, g, sampled, False)) if v != g else None
             steady = plain if plain is not None else 1.0
         if busy is None:

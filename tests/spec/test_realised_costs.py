@@ -272,3 +272,33 @@ def test_arrival_costs_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, t
     assert kinds == {"arrivals", "steady"}, kinds
     with pytest.raises(ValueError, match='"arrival_costs" must be true or false'):
         LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, arrival_costs=1), **KW)
+
+
+def test_arrivals_priced_apart_still_keep_drafting_off_where_arrival_steps_make_it_lose():
+    """The other side: at G = 256 a drafting step with arrivals costs ~2.5x the table (the
+    thirty-third look: 2-3x) and half the steps have arrivals. Drafting there loses to plain
+    decoding, and priced apart the policy keeps it off as much as with one price per cell."""
+    g, full = 256, 256 * (K + 1)
+    table = CostTable({}, {g: {g: 1.0, full: 2.05}})  # the H100 table's ratio at G = 256
+    ones = {False: torch.ones(K), True: torch.ones(K)}
+    ids = [f"r{i}" for i in range(g)]
+    logits = torch.full((g, K), 0.8)
+
+    def drafting_share(costs: RealisedCosts) -> float:
+        policy = DraftingPolicy(table, ones, K, realised_costs=costs)
+        drafted = 0
+        for i in range(1000):
+            arrivals = i % 2 == 0
+            decision = policy.decide(ids)
+            if decision.drafting:
+                policy.observe(ids, logits, [False] * g)
+                ratio = 2.5 if arrivals else 1.3
+            else:
+                ratio = 1.1
+            policy.record_step(decision, ratio * table.cells[g][decision.cell[1]], arrivals)
+            drafted += decision.drafting and i >= 500
+        return drafted / 500
+
+    one_price = drafting_share(RealisedCosts(stale_half_life=16))
+    apart = drafting_share(RealisedCosts(stale_half_life=16, split_arrivals=True))
+    assert one_price < 0.1 and apart < 0.1, (one_price, apart)

@@ -201,26 +201,11 @@ def test_a_first_wave_of_arrivals_holds_drafting_off_unless_arrivals_are_priced_
     its price stays near 2.1x and drafting stays mostly off (41% of the steps after the wave
     drafted when written). With arrivals priced apart (split_arrivals), plain steps without
     arrivals lower the share that prices the full block, and drafting resumes (97%)."""
-    g, full = 64, 64 * (K + 1)
-    table = CostTable({}, {g: {g: 1.0, full: 1.75}})  # the H100 table's ratio at G = 64
-    ones = {False: torch.ones(K), True: torch.ones(K)}
-    ids = [f"r{i}" for i in range(g)]
-    logits = torch.full((g, K), 0.8)  # ~2.06 drafts kept a row: drafting pays at 1.1x
 
     def drafting_share(costs: RealisedCosts) -> float:
-        """The share of 300 steps after a 40-step first wave that drafted."""
-        policy = DraftingPolicy(table, ones, K, realised_costs=costs)
-
-        def step(arrivals: bool) -> bool:
-            decision = policy.decide(ids)
-            if decision.drafting:
-                policy.observe(ids, logits, [False] * g)
-                ratio = 2.1 if arrivals else 1.1
-            else:
-                ratio = 1.2
-            policy.record_step(decision, ratio * table.cells[g][decision.cell[1]], arrivals)
-            return decision.drafting
-
+        """The share of 300 steps after a 40-step first wave that drafted (G = 64, the H100
+        table's full / plain 1.75: drafting pays at 1.1x)."""
+        step = _policy_stepper(64, 1.75, costs, {False: 1.1, True: 2.1}, plain_ratio=1.2)
         for _ in range(40):  # the wave: every step admits
             step(arrivals=True)
         return sum(step(arrivals=i % 3 == 0) for i in range(300)) / 300  # then a third do
@@ -278,27 +263,37 @@ def test_arrivals_priced_apart_still_keep_drafting_off_where_arrival_steps_make_
     """The other side: at G = 256 a drafting step with arrivals costs ~2.5x the table (the
     thirty-third look: 2-3x) and half the steps have arrivals. Drafting there loses to plain
     decoding, and priced apart the policy keeps it off as much as with one price per cell."""
-    g, full = 256, 256 * (K + 1)
-    table = CostTable({}, {g: {g: 1.0, full: 2.05}})  # the H100 table's ratio at G = 256
-    ones = {False: torch.ones(K), True: torch.ones(K)}
-    ids = [f"r{i}" for i in range(g)]
-    logits = torch.full((g, K), 0.8)
 
     def drafting_share(costs: RealisedCosts) -> float:
-        policy = DraftingPolicy(table, ones, K, realised_costs=costs)
-        drafted = 0
-        for i in range(1000):
-            arrivals = i % 2 == 0
-            decision = policy.decide(ids)
-            if decision.drafting:
-                policy.observe(ids, logits, [False] * g)
-                ratio = 2.5 if arrivals else 1.3
-            else:
-                ratio = 1.1
-            policy.record_step(decision, ratio * table.cells[g][decision.cell[1]], arrivals)
-            drafted += decision.drafting and i >= 500
-        return drafted / 500
+        """The share of the last 500 of 1,000 steps that drafted (G = 256, the H100 table's
+        full / plain 2.05)."""
+        step = _policy_stepper(256, 2.05, costs, {False: 1.3, True: 2.5}, plain_ratio=1.1)
+        drafted = [step(arrivals=i % 2 == 0) for i in range(1000)]
+        return sum(drafted[500:]) / 500
 
     one_price = drafting_share(RealisedCosts(stale_half_life=16))
     apart = drafting_share(RealisedCosts(stale_half_life=16, split_arrivals=True))
     assert one_price < 0.1 and apart < 0.1, (one_price, apart)
+
+
+def _policy_stepper(g: int, full_price: float, costs: RealisedCosts, draft_ratios, plain_ratio):
+    """One policy deciding for G identical rows (~2.06 drafts kept a row) over a table of
+    plain 1.0 and full block `full_price`; step(arrivals) decides, feeds the survivals when it
+    drafts, and records the period: the table's price times draft_ratios[arrivals] (drafting)
+    or plain_ratio. Returns step, which returns whether the step drafted."""
+    full = g * (K + 1)
+    table = CostTable({}, {g: {g: 1.0, full: full_price}})
+    policy = DraftingPolicy(table, {False: torch.ones(K), True: torch.ones(K)}, K,
+                            realised_costs=costs)  # fmt: skip
+    ids = [f"r{i}" for i in range(g)]
+    logits = torch.full((g, K), 0.8)
+
+    def step(arrivals: bool) -> bool:
+        decision = policy.decide(ids)
+        if decision.drafting:
+            policy.observe(ids, logits, [False] * g)
+        ratio = draft_ratios[arrivals] if decision.drafting else plain_ratio
+        policy.record_step(decision, ratio * table.cells[g][decision.cell[1]], arrivals)
+        return decision.drafting
+
+    return step

@@ -1,13 +1,11 @@
 """Is a CUDA graph's first replay slower than its next ones? Times three replays of every graph
 the engine captures, right after its capture, on the inputs it was captured with.
 
-    python bench/first_replay.py --model /tmp/rs --drafter /tmp/rd [--max-num-seqs 256] [--cold]
+    python bench/first_replay.py --model /tmp/rs --drafter /tmp/rd [--max-num-seqs 256]
 
 A graph's first launch uploads the executable graph to the device unless it was uploaded
-before (cudaGraphUpload); without a replay at start-up the engine's live steps would pay that at
-each graph's first use, in a fresh server's first wave (docs/PERFORMANCE.md, thirty-fifth look,
-"Noticed"). --cold captures as the engine did before its warm replay (cuda_graph.captured), so
-the first timed replay is a graph's first; without it, its second. Each replay is
+before (cudaGraphUpload); the engine's live steps would pay that at each graph's first use, in
+a fresh server's first wave (docs/PERFORMANCE.md, thirty-fifth look, "Noticed"). Each replay is
 timed on the host, from the launch to a synchronize (the upload and the GPU's work together).
 Prints, per kind of graph (decode, sampled decode, speculative), the median of each replay's
 time and of the first's excess over the third, then the summed excess: what a fresh engine's
@@ -28,16 +26,6 @@ import dspark.runner.sampled_decode_graphs as sampled_decode_graphs
 import dspark.runner.spec_graphs as spec_graphs
 
 TIMES: dict[str, list[list[float]]] = {"decode": [], "sampled decode": [], "speculative": []}
-
-
-def cold_captured(run, args, pool, stream):
-    """cuda_graph.captured before its warm replay: the eager run, then the capture."""
-    run(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        output = run(*args)
-    return graph, output
 
 
 def timed_captured(kind: str, captured):
@@ -63,14 +51,9 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--drafter", help="the drafter directory (default: the model's own)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument(
-        "--cold",
-        action="store_true",
-        help="capture without the engine's warm replay (cuda_graph.captured)",
-    )
     parser.add_argument("--out")
     args = parser.parse_args()
-    original = cold_captured if args.cold else cuda_graph.captured
+    original = cuda_graph.captured
     cuda_graph.captured = timed_captured("decode", original)
     sampled_decode_graphs.captured = timed_captured("sampled decode", original)
     spec_graphs.captured = timed_captured("speculative", original)

@@ -54,19 +54,12 @@ def capture_stream() -> torch.cuda.Stream:
 
 def captured(run: Callable, args: tuple, pool, stream: torch.cuda.Stream):
     """(graph, output): run(*args) once eagerly (compiles kernels, settles the allocator), then
-    captured into `pool` on `stream`, then replayed once. Called inside
-    `no_garbage_collection()`.
-
-    The replay is a graph's first launch, which also uploads it to the device (PyTorch does not
-    call cudaGraphUpload): paid here at start-up, not by a live step of a fresh engine's first
-    requests (bench/first_replay.py measures it). It runs on the inputs the capture left, as a
-    second eager run would: pad rows on the scratch page, sampling seeded per row."""
+    captured into `pool` on `stream`. Called inside `no_garbage_collection()`."""
     run(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         output = run(*args)
-    graph.replay()
     return graph, output
 
 

@@ -4,9 +4,11 @@ the engine captures, right after its capture, on the inputs it was captured with
     python bench/first_replay.py --model /tmp/rs --drafter /tmp/rd [--max-num-seqs 256]
 
 A graph's first launch uploads the executable graph to the device unless it was uploaded
-before (cudaGraphUpload); the engine's live steps would pay that at each graph's first use, in
-a fresh server's first wave (docs/PERFORMANCE.md, thirty-fifth look, "Noticed"). Each replay is
-timed on the host, from the launch to a synchronize (the upload and the GPU's work together).
+before (cudaGraphUpload); the engine's live steps pay that at each graph's first use, in a
+fresh server's first wave. Measured on an H100 (docs/PERFORMANCE.md, thirty-sixth look): about
+0.4 ms a graph, 33 ms over a 256-seat engine's graphs, against ~0.45 s that a replay of each at
+start-up would add; so the engine does not replay them there. Each replay is timed on the host,
+from the launch to a synchronize (the upload and the GPU's work together).
 Prints, per kind of graph (decode, sampled decode, speculative), the median of each replay's
 time and of the first's excess over the third, then the summed excess: what a fresh engine's
 first steps pay.

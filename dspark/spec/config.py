@@ -5,7 +5,7 @@
      "mixed_prefill_tokens": [256, 512], "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
      "mixed_steps_ahead": false, "regression_target": "population", "price_switches": false,
-     "arrival_costs": false}
+     "arrival_costs": true}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
@@ -37,12 +37,14 @@ revert toward the cell's long-run level, halfway per that many steps counted in 
 whatever turned drafting off. On the H200 (docs/PERFORMANCE.md, twenty-third look) 16 served
 1.09x and 1.24x the frozen prices' throughput at 64 and 256 requests; offline, six side-by-side
 runs at 1 to 256 read 0.92-1.07x, median 1.02x.
-"arrival_costs" (default false) keeps each cell's realised price apart for steps that admit or
+"arrival_costs" (default true) keeps each cell's realised price apart for steps that admit or
 prefill requests and steps that do not, and prices a cell by their mix at the share of recent
 steps at its G with arrivals, which plain steps measure too (spec/realised_costs.py). A served
-first wave has arrivals in nearly every step; with one price per cell it can hold the full
-block's price high after the wave, and drafting off with it (docs/PERFORMANCE.md, thirty-fifth
-look: the policy at 64 served streams). Off until measured on a GPU.
+first wave has arrivals in nearly every step; with one price per cell it held the full block's
+price at 4.6 plain steps after the wave, and drafting off with it through the runs that
+followed; priced apart, drafting resumed ten steps later (an H100, 64 streams,
+docs/PERFORMANCE.md thirty-sixth look: served 1.06x median of three pairs, offline 1.04-1.07x).
+False keeps one price per cell, as before 2026-12-06.
 "persistence" (default true) lets a request's own lagged survivals count only as far as they
 have been seen to predict its next block (a slope fitted online, drafting_policy.py); false
 trusts them in full, as before 2026-12-04.
@@ -126,7 +128,7 @@ class SpecConfig:
     mixed_steps_ahead: bool = False  # mixed steps in the async pipeline (module docstring)
     regression_target: str = "population"  # an aged estimate's pull (REGRESSION_TARGETS)
     price_switches: bool = False  # a switch off pays for its round trip (drafting_policy.py)
-    arrival_costs: bool = False  # steps with arrivals priced apart (realised_costs.py)
+    arrival_costs: bool = True  # steps with arrivals priced apart (realised_costs.py)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
@@ -173,7 +175,7 @@ class SpecConfig:
         persistence = _flag(d, "persistence", True)
         mixed_ahead = _flag(d, "mixed_steps_ahead", False)
         price_switches = _flag(d, "price_switches", False)
-        arrival_costs = _flag(d, "arrival_costs", False)
+        arrival_costs = _flag(d, "arrival_costs", True)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")
         target = _choice(d, "regression_target", REGRESSION_TARGETS, "population")
         dwell = d.get("dwell_steps", 8)

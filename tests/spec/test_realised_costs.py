@@ -236,15 +236,18 @@ def test_a_cell_priced_apart_mixes_its_parts_at_the_share_of_arrivals():
 
 
 def test_arrival_costs_is_a_key_of_speculative_config(tiny_vocab_dir, drafter, tmp_path):  # noqa: F811
-    """ "arrival_costs": true reaches the engine's realised costs (off by default); the engine
-    records both kinds of steps (twice as many prompts as seats, ending apart: later ones
-    arrive while others decode), and the tokens stay the target's greedy ones."""
+    """ "arrival_costs" reaches the engine's realised costs (on by default; false keeps one
+    price per cell); the engine records both kinds of steps (twice as many prompts as seats,
+    ending apart: later ones arrive while others decode), and the tokens stay the target's
+    greedy ones."""
     probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
-    assert probe.engine.config.spec().arrival_costs is False  # the default
+    assert probe.engine.config.spec().arrival_costs is True  # the default
     cells = {g: {g: 1e-3, g * 4: 1.2e-3} for g in (1, 2, 4)}
     path = tmp_path / "t.json"
     path.write_text(CostTable(probe.engine.cost_fingerprint(), cells).to_json())
-    spec = _spec(drafter, cost_table=str(path), realised_costs=True, arrival_costs=True)
+    spec = _spec(drafter, cost_table=str(path), realised_costs=True)
+    off = LLM(str(tiny_vocab_dir), speculative_config={**spec, "arrival_costs": False}, **KW)
+    assert off.engine.policy.realised_costs.split_arrivals is False
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
     assert llm.engine.policy.realised_costs.split_arrivals is True
     prompts = PROMPTS * 2

@@ -1,6 +1,6 @@
 """Summarise a drafting policy's trace (DSPARK_POLICY_TRACE, dspark/spec/policy_trace.py).
 
-    python bench/policy_trace.py TRACE.jsonl [--stretches N]
+    python bench/policy_trace.py TRACE.jsonl [--stretches N] [--decisions N]
 
 Per segment (between the bench's marks: arm, concurrency, repeat):
 - steps, time and the median step period by graph size G, mode and arrivals (a step's period
@@ -14,7 +14,9 @@ Per segment (between the bench's marks: arm, concurrency, repeat):
 - every stretch without drafting: where it began (G, the full block's price over plain's as
   priced and in the table, the expected tokens per row drafting, the rows by kind, arrivals)
   and what ended it (the first drafting decision's reason and its stale and unseen rows),
-  counted by cause (end_cause: stale rows, smaller G, new requests or prices).
+  counted by cause (end_cause: stale rows, smaller G, new requests or prices);
+- with --decisions N, the first N decisions one by one: how a fresh server's first wave turned
+  drafting off (docs/PERFORMANCE.md, thirty-sixth look).
 
 Break-even, for reading the stretches: drafting pays when (R + S) / full > R / plain, that is
 when 1 + S / R (expected tokens per row) exceeds full / plain (the price ratio).
@@ -142,7 +144,25 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(path: str, max_stretches: int = 20) -> str:
+def decisions(lines: list[dict], count: int) -> list[str]:
+    """A segment's first `count` decisions, one a line: what a first wave looks like to the
+    policy (its time from the segment's first decision, the rows, the decision and the full
+    block's price over plain decoding's as priced then)."""
+    out = [f"   first {min(count, len(lines))} decisions: ms, running R, waiting, prefilling, "
+           "drafting, reason, cell, price full/plain, tokens/row drafting"]  # fmt: skip
+    t0 = lines[0]["t"]
+    for i, line in enumerate(lines[:count]):
+        per_row = 1 + line.get("survival_sum", 0) / max(line["R"], 1)
+        out.append(
+            f"   {i:5d} {(line['t'] - t0) * 1e3:9.1f} R={line['R']:<4} w={line['waiting']:<4} "
+            f"pf={line['prefilling']} {'draft' if line['drafting'] else 'plain'} "
+            f"{line.get('reason', '-')!r} cell={line.get('cell')} "
+            f"price {_fmt(price_ratio(line))} tokens/row {_fmt(per_row)}"
+        )  # fmt: skip
+    return out
+
+
+def report(path: str, max_stretches: int = 20, max_decisions: int = 0) -> str:
     out = []
     for mark, lines in load(path):
         label = " ".join(f"{k}={v}" for k, v in mark.items()) if mark else "(before any mark)"
@@ -170,6 +190,8 @@ def report(path: str, max_stretches: int = 20) -> str:
             median_ms = statistics.median(seconds) * 1e3
             out.append(f"   taught G={g} V={v} {'arrivals' if arr else 'steady'}: "
                        f"{len(seconds)} x median {median_ms:.3f} ms")  # fmt: skip
+        if max_decisions:
+            out += decisions(lines, max_decisions)
         found = stretches(lines)
         if found:
             causes = Counter(end_cause(s) for s in found)
@@ -200,8 +222,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--stretches", type=int, default=20, help="stretches listed a segment")
+    parser.add_argument(
+        "--decisions",
+        type=int,
+        default=0,
+        help="a segment's first N decisions listed one by one (a first wave)",
+    )
     args = parser.parse_args()
-    print(report(args.trace, args.stretches))
+    print(report(args.trace, args.stretches, args.decisions))
 
 
 if __name__ == "__main__":

@@ -110,6 +110,13 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     text = summary.report(str(trace.path))
     assert "== arm=edge repeat=0" in text and f"{len(stretches)} stretches without drafting" in text
     assert "price full/plain 1.20 (table 1.20)" in text and "(sync wait 0.000, host work" in text
+    assert "decisions:" not in text
+    listed = summary.report(str(trace.path), max_decisions=3).splitlines()  # (--decisions 3)
+    first = listed.index(next(t for t in listed if "first 3 decisions" in t))
+    for i, (t, line) in enumerate(zip(listed[first + 1 : first + 4], lines[:3], strict=True)):
+        assert t.split()[:2] == [str(i), f"{(line['t'] - lines[0]['t']) * 1e3:.1f}"], t
+        assert ("draft" if line["drafting"] else "plain") in t.split()
+    assert "cell=" not in listed[first + 4]  # three, then the rest of the summary
 
 
 def test_steps_beyond_the_table_are_traced_without_a_cell(

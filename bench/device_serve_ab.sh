@@ -22,7 +22,8 @@
 # compared with the offline arm of its own name, else with the first one; without it, one
 # offline arm of the default engine. Of each server's log only its last stats lines (steps
 # and the share that ran eagerly among them), warnings and errors are kept
-# (serve_NAME_log.txt): the files that come back are few.
+# (serve_NAME_log.txt): the files that come back are few (past 8 files, those logs and the
+# traces' summaries are packed into serve_logs.tgz).
 #
 # ENGINE_CPUS, SERVER_CPUS, CLIENT_CPUS (taskset lists, e.g. "0,1"): pin the server's children
 # (the engine process, all its threads, and any API workers), the server process and the load
@@ -169,3 +170,12 @@ json.dump(table, open(f"{out}/serve_ab.json", "w"), indent=1)
 open(f"{out}/serve_ab.txt", "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY
+
+# At most 8 files come back from a device call. Past that, the servers' logs and the traces'
+# summaries travel in one archive (serve_logs.tgz; `tar xzf` it), so none is left behind.
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+  packed=$(cd "$OUT" && ls serve_*_log.txt policy_trace_*.txt 2> /dev/null)
+  [ -n "$packed" ] && tar czf "$OUT/serve_logs.tgz" -C "$OUT" $packed \
+    && (cd "$OUT" && rm -f $packed)
+  ls "$OUT" | wc -l | xargs -I{} echo "{} files in $OUT (the logs and trace summaries in serve_logs.tgz)"
+fi

@@ -49,9 +49,9 @@ after it (the price fell only to 3.0-3.9 while a row expected ~2.7 tokens). With
 split_arrivals each cell keeps a ratio for steps with arrivals and one for steps without, and
 a cell is priced by their mix at the share of recent steps at its G that had arrivals. Plain
 steps count toward that share too, so the price of the full block follows the load while
-drafting is off (in the same server's twin, drafting resumed ten plain steps after the wave). A part not yet
-measured is the other part of its cell, or, for a full block's steady part, its G's plain
-cell's (the machine's drift), else the table:
+drafting is off (in the same server's twin, drafting resumed ten plain steps after the wave).
+A part not yet measured is the other part of its cell, or, for a full block's steady part, its
+G's plain cell's (the machine's drift), else the table:
 
   G 64: full block steady 1.1, with arrivals 2.1; share of steps with arrivals 0.33
   -> priced 0.67 x 1.1 + 0.33 x 2.1 = 1.43 x the table (after a first wave, share 1.0: 2.1)

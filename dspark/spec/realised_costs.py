@@ -37,21 +37,20 @@ drafting resumed after 101 plain steps frozen, the staleness bound, and after 11
   full block: recent ratio 2.2, long-run 1.6, H = 16; 16 plain steps counted since
   -> priced at 1.6 + (2.2 - 1.6) / 2 = 1.9 times the table
 
-Steps with arrivals apart (split_arrivals; speculative_config "arrival_costs", on by
-default). A drafting step that admits requests does not launch ahead, so the pipeline drains
-into it: at G = 64 on an H100 such a step took ~4.0 ms where a steady one took 2.05 (an offline
-trace, docs/PERFORMANCE.md thirty-fifth look). One ratio per cell mixes the two in whatever
-share the steps it happened to count had. A served first wave has arrivals in nearly every
-step: in a fresh server's trace at 64 streams (thirty-sixth look) its drafting steps at G = 64
-took ~5.3 ms, 2.8x the table, so the full block priced at 4.6 plain steps after ten of them;
-drafting went off and stayed off through the ~250 steps left of the wave and the timed run
-after it (the price fell only to 3.0-3.9 while a row expected ~2.7 tokens). With
-split_arrivals each cell keeps a ratio for steps with arrivals and one for steps without, and
-a cell is priced by their mix at the share of recent steps at its G that had arrivals. Plain
-steps count toward that share too, so the price of the full block follows the load while
-drafting is off (in the same server's twin, drafting resumed ten plain steps after the wave).
-A part not yet measured is the other part of its cell, or, for a full block's steady part, its
-G's plain cell's (the machine's drift), else the table:
+Steps with arrivals apart (split_arrivals; speculative_config "arrival_costs", on by default). A
+drafting step that admits requests does not launch ahead, so the pipeline drains into it: at G = 64
+on an H100 such a step took ~4.0 ms where a steady one took 2.05 (an offline trace,
+docs/PERFORMANCE.md thirty-fifth look). One ratio per cell mixes the two in whatever share the steps
+it happened to count had. A served first wave has arrivals in nearly every step: in a fresh server's
+trace at 64 streams (thirty-sixth look) its drafting steps at G = 64 took ~5.3 ms, 2.8x the table,
+so the full block priced at 4.6 plain steps after ten of them; drafting went off and stayed off
+through the ~250 steps left of the wave and the timed run after it (the price fell only to 3.0-3.9
+while a row expected ~2.7 tokens). With split_arrivals each cell keeps a ratio for steps with
+arrivals and one for steps without, and a cell is priced by their mix at the share of recent steps
+at its G that had arrivals. Plain steps count toward that share too, so the price of the full block
+follows the load while drafting is off (in its twin with split_arrivals, off at the wave's end, it
+drafted again ten steps later). A part not yet measured is the other part of its cell, or, for a
+full block's steady part, its G's plain cell's (the machine's drift), else the table:
 
   G 64: full block steady 1.1, with arrivals 2.1; share of steps with arrivals 0.33
   -> priced 0.67 x 1.1 + 0.33 x 2.1 = 1.43 x the table (after a first wave, share 1.0: 2.1)

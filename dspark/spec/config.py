@@ -41,7 +41,7 @@ runs at 1 to 256 read 0.92-1.07x, median 1.02x.
 prefill requests and steps that do not, and prices a cell by their mix at the share of recent
 steps at its G with arrivals, which plain steps measure too (spec/realised_costs.py). A served
 first wave has arrivals in nearly every step; with one price per cell it held the full block's
-price at 4.6 plain steps after the wave, and drafting off with it through the runs that
+price at 4.6 plain steps after the wave, and drafting off with it through the timed run that
 followed; priced apart, drafting resumed ten steps later (an H100, 64 streams,
 docs/PERFORMANCE.md thirty-sixth look: served 1.06x median of three pairs, offline 1.04-1.07x).
 False keeps one price per cell, as before 2026-12-06.

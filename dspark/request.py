@@ -85,6 +85,11 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def is_prefilling(self) -> bool:
+        """Part of its prompt still has no KV (a chunked prefill in progress, or not begun)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 

@@ -319,14 +319,7 @@ class LLMEngine:
             self.policy.record_step(*counted, arrivals=self._last_arrivals)
         costs = self.policy.realised_costs
         if costs is not None and costs.split_arrivals:  # ("arrival_costs": realised_costs.py)
-            self._last_arrivals = self._has_arrivals(reqs)
-
-    def _has_arrivals(self, running: list) -> bool:
-        """Does the step about to be scheduled admit waiting requests or prefill running ones?"""
-        sched = self.scheduler
-        if sched.waiting and len(running) < sched.max_num_seqs:
-            return True
-        return any(r.num_computed_tokens < r.num_prompt_tokens for r in running)
+            self._last_arrivals = self.scheduler.has_arrivals()
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

@@ -102,6 +102,12 @@ class Scheduler(AheadRules):
 
     # ---- schedule -------------------------------------------------------------------------
 
+    def has_arrivals(self) -> bool:
+        """Will the next step admit waiting requests or prefill running ones?"""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return True
+        return any(r.is_prefilling for r in self.running)
+
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []

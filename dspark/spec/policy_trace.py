@@ -142,7 +142,7 @@ class PolicyTrace:
             "R": len(running),
             "waiting": len(scheduler.waiting),
             "seats": scheduler.max_num_seqs - len(running),
-            "prefilling": sum(r.num_computed_tokens < r.num_prompt_tokens for r in running),
+            "prefilling": sum(r.is_prefilling for r in running),
         }
 
     def mark(self, **labels) -> None:

@@ -127,8 +127,7 @@ def _measure_cell(
         seeded = dataclasses.replace(params, seed=i) if params.temperature else params
         engine.add_request(f"profile-{g}-{i}-{next(_serial)}", prompt, seeded)
     sched.drafting, sched.trimmed_cell = False, None
-    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                               for r in sched.running):  # fmt: skip
+    while sched.waiting or any(r.is_prefilling for r in sched.running):
         engine.step()
     sched.drafting, sched.trimmed_cell = drafting, trimmed
     ran = _trimmed_steps(engine)

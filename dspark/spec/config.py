@@ -4,7 +4,7 @@
      "cost_table": PATH, "min_gain": 0.02, "scheduling": true, "unobserved": "population",
      "mixed_prefill_tokens": [256, 512], "trimmed_widths": [], "realised_costs": true,
      "persistence": true, "scheduler": "lagged", "dwell_steps": 8, "stale_price_half_life": 16,
-     "mixed_steps_ahead": false, "regression_target": "population", "price_switches": false,
+     "mixed_steps_ahead": true, "regression_target": "population", "price_switches": false,
      "arrival_costs": true}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
@@ -80,12 +80,13 @@ decoding must then win by the resuming drafting step's time over the dwell more
 and lost 6% at 256, where it kept drafting too long (docs/PERFORMANCE.md, thirty-fourth look).
 "mixed_steps_ahead" lets those mixed steps into the async pipeline: a step of windows launched
 ahead admits waiting requests into its tail, and a step may launch behind a mixed one
-(engine/scheduler.py). Off (false, the default) every admission finishes the step in flight,
-and the mixed step itself, before the next is scheduled: on the H200 drafting steps with
-arrivals took 48% of a closed loop at 64 requests, at 4.6 ms against 2.1 (docs/PERFORMANCE.md,
-twenty-third look). On the H200 it won alone (fixed K = 7: 1.25x at 64 requests, 1.14x at 256)
-and lost under the drafting policy at 256 (0.81-0.90x offline, 0.67x served: the policy drafted
-four times as many windows), so it stays off (twenty-fourth look).
+(engine/scheduler.py). On by default. False makes every admission finish the step in flight,
+and the mixed step itself, before the next is scheduled: on an H100 a drafting step with
+arrivals then took 4.4 ms where a steady one took 2.2 (64 requests; docs/PERFORMANCE.md,
+thirty-seventh look). With the drafting policy, arrivals priced apart and the burst threshold,
+it served 0.98x / 1.06x / 1.27x / 1.11x false's output at 1 / 16 / 64 / 256 streams on an
+H100, offline 1.03x / 1.06x / 1.25x / 1.15x (thirty-seventh look). On the H200, before those,
+it lost under the policy at 256 (0.81-0.90x offline: twenty-fourth look).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class SpecConfig:
     scheduler: str = "lagged"  # who chooses verify lengths (SCHEDULERS; module docstring)
     dwell_steps: int = 8  # plain steps drafting stays off once the policy turned it off
     stale_price_half_life: float = 16.0  # steps (0: an unmeasured price never reverts)
-    mixed_steps_ahead: bool = False  # mixed steps in the async pipeline (module docstring)
+    mixed_steps_ahead: bool = True  # mixed steps in the async pipeline (module docstring)
     regression_target: str = "population"  # an aged estimate's pull (REGRESSION_TARGETS)
     price_switches: bool = False  # a switch off pays for its round trip (drafting_policy.py)
     arrival_costs: bool = True  # steps with arrivals priced apart (realised_costs.py)
@@ -173,7 +174,7 @@ class SpecConfig:
             )
         realised = _flag(d, "realised_costs", True)
         persistence = _flag(d, "persistence", True)
-        mixed_ahead = _flag(d, "mixed_steps_ahead", False)
+        mixed_ahead = _flag(d, "mixed_steps_ahead", True)
         price_switches = _flag(d, "price_switches", False)
         arrival_costs = _flag(d, "arrival_costs", True)
         scheduler = _choice(d, "scheduler", SCHEDULERS, "lagged")

@@ -93,7 +93,7 @@ def test_without_mixed_ahead_an_arrival_finishes_the_step_in_flight(tiny_vocab_d
 def test_mixed_steps_ahead_is_a_speculative_config_key(tiny_vocab_dir, drafter):
     from dspark.spec.config import SpecConfig
 
-    assert not SpecConfig.from_dict({"method": "dspark"}).mixed_steps_ahead  # off by default
+    assert SpecConfig.from_dict({"method": "dspark"}).mixed_steps_ahead  # on by default
     for on in (True, False):
         spec = {"model": str(drafter), "mixed_steps_ahead": on}
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=16,

@@ -14,9 +14,12 @@ windows scheduled ahead may also admit waiting requests into a captured mixed st
 (their prompt tokens are on the host), and a mixed step may have a step scheduled behind it.
 There, a request whose prefill the tail completed has its first token in flight (a
 PENDING_TOKEN with no window): it gets no row (deferred), and its first window one step later,
-the window the synchronous engine gives it. Without this each arrival finished the step in
-flight and the mixed step itself before the next was scheduled: two host turns with the GPU
-idle (docs/PERFORMANCE.md, twenty-third look).
+the window the synchronous engine gives it. That step's lag behind the other requests can move
+where the KV pages run out among them: when they do, the preemptions, and so the windows after
+a recomputed prefill, may differ from the synchronous engine's; the tokens do not
+(tests/spec/test_async_drafting_steps.py, "preemption"). Without this each arrival finished the
+step in flight and the mixed step itself before the next was scheduled: two host turns with
+the GPU idle (docs/PERFORMANCE.md, twenty-third look).
 """
 
 from __future__ import annotations

@@ -145,3 +145,22 @@ def test_a_sender_of_one_of_several_servers_stops_when_its_pipe_closes():
     sender.post_step([("a", "y", [2], None, None)], (0, 0, 0, 0, 8, 0, None))  # dropped
     sender.send((wire.STOPPED,))
     assert sender.drain(timeout=1.0)  # nothing left waiting
+
+
+def test_a_step_posted_while_the_sender_keeps_up_goes_out_as_it_came():
+    """The usual case (kept as posted, not merged): the message holds the step's outputs
+    exactly, logprobs and final included."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sender = OutputSender(writer, on_closed_exit=3)
+    outputs = [("a", "x", [1, 2], None, None), ("b", "", [3], [{3: -0.1}], ("stop", None))]
+    sender.post_step(outputs, ("stats", 0))
+    assert sender.drain(timeout=5)
+    assert reader.recv() == (wire.STEP, outputs, ("stats", 0))
+
+
+def test_bench_sender_cost_runs(monkeypatch, capsys):
+    from tests.helpers import bench_module
+
+    monkeypatch.setattr("sys.argv", ["sender_cost.py", "--outputs", "8", "--steps", "20"])
+    bench_module("sender_cost").main()
+    assert "8 outputs a step, 20 steps: post_step median" in capsys.readouterr().out

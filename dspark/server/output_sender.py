@@ -129,9 +129,8 @@ class OutputSender:
         times = self.times
         while True:
             with self._cond:
-                self._cond.wait_for(
-                    lambda: self._queue or self._pending or self._step is not None or self._stats
-                )
+                # (a step kept as posted comes with its stats: _stats covers it)
+                self._cond.wait_for(lambda: self._queue or self._pending or self._stats)
                 if not self._queue:
                     self._flush_locked()
                 message = self._queue.popleft()

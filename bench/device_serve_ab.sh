@@ -12,7 +12,9 @@
 # Each served level runs one untimed wave of C requests first (SERVE_WARMUP=0 skips it), then
 # SERVE_REPEATS (1) timed runs: the table gives their median (the upper one of an even count).
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments",
-# whose leading VAR=value words are set in that server's environment ("burst32|DSPARK_BURST_REQUESTS=32").
+# whose leading VAR=value words are set in that server's environment ("burst32|DSPARK_BURST_REQUESTS=32"),
+# except TREE=DIR: that server runs an earlier tree's package, unpacked there by `unpack_before
+# TARBALL` (bench/device_setup.sh): "before|TREE=/tmp/before --speculative-config {...}".
 # An arm whose words set DSPARK_POLICY_TRACE=DIR (a fresh directory) traces its engine's drafting
 # policy step by step: $OUT gets policy_trace_NAME.txt (bench/policy_trace.py) and the trace
 # itself, packed (policy_trace_NAME.tgz); every level and repeat of the arm is in one file.
@@ -73,13 +75,16 @@ for arm in "$@"; do
   name=${arm%%|*}
   read -r -a extra <<< "${arm#*|}"
   arm_env=()  # leading VAR=value words: the server's environment (e.g. DSPARK_BURST_REQUESTS=32)
+  tree=$PWD  # TREE=DIR among them: the server runs that tree's package (unpack_before's)
   while [ ${#extra[@]} -gt 0 ] && [[ ${extra[0]} =~ ^[A-Z_][A-Z0-9_]*= ]]; do
-    arm_env+=("${extra[0]}"); extra=("${extra[@]:1}")
+    if [[ ${extra[0]} == TREE=* ]]; then tree=${extra[0]#TREE=}; else arm_env+=("${extra[0]}"); fi
+    extra=("${extra[@]:1}")
   done
   port=$((port + 1))
   log=/tmp/serve_${name}.log
-  ${SERVER_CPUS:+taskset -c "$SERVER_CPUS"} env "${arm_env[@]}" python3 -m dspark.cli serve "$MODEL" --port "$port" \
-    --max-num-seqs 256 --disable-access-log "${extra[@]}" > "$log" 2>&1 &
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree exec ${SERVER_CPUS:+taskset -c "$SERVER_CPUS"} \
+    env "${arm_env[@]}" python3 -m dspark.cli serve "$MODEL" --port "$port" \
+    --max-num-seqs 256 --disable-access-log "${extra[@]}") > "$log" 2>&1 &
   pid=$!
   wait_healthy "$port" "$pid" || echo "server $name did not come up"
   engine_pids=$(pgrep -P "$pid" | tr '\n' ' ')

@@ -14,7 +14,8 @@ on its side) instead of a backlog:
 
 Order is kept: a control message (ADDED, FAILED, STOPPED) goes out after every output posted
 before it, and a request id that finished in the pending message and comes back (ids may be
-reused) starts a new message. Only the newest stats snapshot of a merged message is sent.
+reused) starts a new message. Only the newest stats snapshot of a merged message is sent, with the newest of each of its
+metrics parts.
 Pickling happens on the sender thread; the write itself releases the interpreter lock.
 
 Each message goes out in one write, its length header and its pickle together
@@ -75,8 +76,8 @@ class OutputSender:
                     step, self._step = self._step, None
                     self._merge(step)
                 self._merge(outputs)
-            if stats[-1] is None and self._stats is not None:  # keep a merged step's metrics
-                stats = (*stats[:-1], self._stats[-1])
+            if self._stats is not None:  # a merged step's metrics parts are kept
+                stats = _kept_metrics(self._stats, stats)
             self._stats = stats
             self.num_steps_posted += 1
             self._cond.notify()
@@ -166,6 +167,16 @@ def send_whole(conn: Connection, message) -> None:
     fd = conn.fileno()
     while view:
         view = view[os.write(fd, view) :]
+
+
+def _kept_metrics(pending: tuple, stats: tuple) -> tuple:
+    """`stats`, with each metrics part it leaves out (None) taken from `pending`'s."""
+    *counts, spec, requests = stats
+    return (
+        *counts,
+        pending[-2] if spec is None else spec,
+        pending[-1] if requests is None else requests,
+    )
 
 
 def _list(logprobs) -> list | None:

@@ -96,11 +96,11 @@ def test_a_message_is_written_whole_in_the_framing_connection_recv_reads(monkeyp
 
 
 def test_metrics_are_sent_when_due_and_never_lost_in_a_merge(tiny_vocab_dir, monkeypatch):
-    """The engine loop sends its metrics part (get_metrics() and the request metrics) at most
-    every METRICS_INTERVAL_S (or when forced: a step where a request ended); a step without
-    it keeps the previous one, on the server (merge_stats) and in a merged message (the
-    sender)."""
-    from dspark import LLM
+    """The engine loop sends its two metrics parts (get_metrics(), the request metrics) every
+    METRICS_INTERVAL_S; between, the request metrics go whenever they changed (a request ended),
+    the speculative part only once nothing is left to run. A part left out keeps the previous
+    one, on the server (merge_stats) and in a merged message (the sender)."""
+    from dspark import LLM, SamplingParams
     from dspark.server import engine_process
     from dspark.server.engine_process import METRICS_INTERVAL_S, EngineServer
     from dspark.server.wire import EngineStats, merge_stats
@@ -111,24 +111,30 @@ def test_metrics_are_sent_when_due_and_never_lost_in_a_merge(tiny_vocab_dir, mon
     monkeypatch.setattr(engine_process, "monotonic", lambda: clock[0])
     engine = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=32).engine
     loop = EngineServer(engine, conns=[], senders=[])
-    assert loop._stats()[-1] is not None  # due at once
-    assert loop._stats()[-1] is None and loop._stats(force=True)[-1] is not None
+    assert loop._stats()[-2:] != (None, None)  # due at once
+    assert loop._stats()[-2:] == (None, None)
+    assert loop._stats(requests_changed=True)[-2] is not None  # nothing runs: both go
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+    spec, requests = loop._stats(requests_changed=True)[-2:]
+    assert spec is None and requests is not None  # one still runs: the dear part waits
     clock[0] += METRICS_INTERVAL_S
-    assert loop._stats()[-1] is not None
+    assert None not in loop._stats()[-2:]
     before = EngineStats(spec={"num_drafts": 3}, requests=(5, 6, {}, {}, ()))
     kept = EngineStats(1, 0, 0, 2, 8, 0, {"num_drafts": 3}, (5, 6, {}, {}, ()))
-    assert merge_stats(before, (1, 0, 0, 2, 8, 0, None)) == kept
-    assert merge_stats(before, (1, 0, 0, 2, 8, 0, ({}, ()))).spec == {}
+    assert merge_stats(before, (1, 0, 0, 2, 8, 0, None, None)) == kept
+    assert merge_stats(before, (1, 0, 0, 2, 8, 0, {}, None)).spec == {}
+    assert merge_stats(before, (1, 0, 0, 2, 8, 0, None, ())).requests == ()
     reader, writer = multiprocessing.Pipe(duplex=False)
     sender = OutputSender(writer, on_closed_exit=3)
-    big = "x" * 200_000  # blocks the first send: the next two steps merge
-    sender.post_step([("a", big, [1], None, None)], (0, 0, 0, 0, 8, 0, None))
+    big = "x" * 200_000  # blocks the first send: the next three steps merge
+    sender.post_step([("a", big, [1], None, None)], (0, 0, 0, 0, 8, 0, None, None))
     time.sleep(0.2)
-    sender.post_step([("a", "b", [2], None, None)], (1, 0, 0, 1, 8, 0, ({"num_drafts": 5}, ())))
-    sender.post_step([("a", "c", [3], None, None)], (1, 0, 0, 1, 8, 0, None))
+    sender.post_step([("a", "b", [2], None, None)], (1, 0, 0, 1, 8, 0, {"num_drafts": 5}, ()))
+    sender.post_step([("a", "c", [3], None, None)], (1, 0, 0, 1, 8, 0, None, (7,)))
+    sender.post_step([("a", "d", [4], None, None)], (1, 0, 0, 1, 8, 0, None, None))
     sender.send((wire.STOPPED,))
     steps = [m for m in _read_all(reader, wire.STOPPED) if m[0] == wire.STEP]
-    assert steps[-1][2] == (1, 0, 0, 1, 8, 0, ({"num_drafts": 5}, ()))
+    assert steps[-1][2] == (1, 0, 0, 1, 8, 0, {"num_drafts": 5}, (7,))
 
 
 def test_a_sender_of_one_of_several_servers_stops_when_its_pipe_closes():
@@ -137,12 +143,12 @@ def test_a_sender_of_one_of_several_servers_stops_when_its_pipe_closes():
     reader, writer = multiprocessing.Pipe(duplex=False)
     sender = OutputSender(writer, on_closed_exit=None)
     reader.close()  # the API process is gone
-    sender.post_step([("a", "x", [1], None, None)], (0, 0, 0, 0, 8, 0, None))
+    sender.post_step([("a", "x", [1], None, None)], (0, 0, 0, 0, 8, 0, None, None))
     deadline = time.monotonic() + 5
     while not sender.closed:
         assert time.monotonic() < deadline, "the sender did not notice the closed pipe"
         time.sleep(0.01)
-    sender.post_step([("a", "y", [2], None, None)], (0, 0, 0, 0, 8, 0, None))  # dropped
+    sender.post_step([("a", "y", [2], None, None)], (0, 0, 0, 0, 8, 0, None, None))  # dropped
     sender.send((wire.STOPPED,))
     assert sender.drain(timeout=1.0)  # nothing left waiting
 

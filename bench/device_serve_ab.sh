@@ -14,7 +14,8 @@
 # MODEL defaults to the default model; PROMPTS_DIR to .data; an arm is "NAME|serve arguments",
 # whose leading VAR=value words are set in that server's environment ("burst32|DSPARK_BURST_REQUESTS=32"),
 # except TREE=DIR: that server runs an earlier tree's package, unpacked there by `unpack_before
-# TARBALL` (bench/device_setup.sh): "before|TREE=/tmp/before --speculative-config {...}".
+# TARBALL` (bench/device_setup.sh): "before|TREE=/tmp/before --speculative-config {...}", and
+# CLIENT=FLAG: that arm's load generator gets FLAG ("nopre|CLIENT=--no-preconnect").
 # An arm whose words set DSPARK_POLICY_TRACE=DIR (a fresh directory) traces its engine's drafting
 # policy step by step: $OUT gets policy_trace_NAME.txt (bench/policy_trace.py) and the trace
 # itself, packed (policy_trace_NAME.tgz); every level and repeat of the arm is in one file.
@@ -76,8 +77,13 @@ for arm in "$@"; do
   read -r -a extra <<< "${arm#*|}"
   arm_env=()  # leading VAR=value words: the server's environment (e.g. DSPARK_BURST_REQUESTS=32)
   tree=$PWD  # TREE=DIR among them: the server runs that tree's package (unpack_before's)
+  client_args=()  # CLIENT=--flag among them: that arm's load generator gets the flag
   while [ ${#extra[@]} -gt 0 ] && [[ ${extra[0]} =~ ^[A-Z_][A-Z0-9_]*= ]]; do
-    if [[ ${extra[0]} == TREE=* ]]; then tree=${extra[0]#TREE=}; else arm_env+=("${extra[0]}"); fi
+    case ${extra[0]} in
+      TREE=*) tree=${extra[0]#TREE=} ;;
+      CLIENT=*) client_args+=("${extra[0]#CLIENT=}") ;;
+      *) arm_env+=("${extra[0]}") ;;
+    esac
     extra=("${extra[@]:1}")
   done
   port=$((port + 1))
@@ -103,7 +109,7 @@ for arm in "$@"; do
       server0=$(cpu_s "$pid") engine0=$(cpu_s $engine_pids) start=$(date +%s.%N)
       TIMEFORMAT="%U %S"  # bash's `time`: the client's user and system CPU seconds
       { time ${CLIENT_CPUS:+taskset -c "$CLIENT_CPUS"} timeout 120 python3 -m dspark.cli bench serve --base-url "http://127.0.0.1:$port" \
-        "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot \
+        "${COMMON[@]}" --concurrency "$c" --num-prompts "$n" --no-plot "${client_args[@]}" \
         --out "$out" > /dev/null 2>&1 ; } 2> "/tmp/client_cpu.txt"
       # the level's wall, and the CPU seconds of the server, its children (the engine process
       # and any API workers of --api-server-count) and the client

@@ -5,7 +5,8 @@
 # .carry/tok (a random SmolLM2-shaped model) or give MODEL. Results under $OUT. PROFILE=0: no
 # cProfile (the server at full speed; the loop-lag and reader lines still say where time goes).
 # The server also traces each stream (DSPARK_REQUEST_TRACE) and the client keeps its records
-# (--save-requests): bench/request_phases.py prints where a request's time went.
+# (--save-requests): bench/request_phases.py prints where a request's time went. SERVE_WARMUP=1:
+# one untimed wave of C requests first (a fresh server's first wave is slower: cold paths).
 #
 #   C=256 bash bench/device_serve_profile.sh [serve arguments...]     (SPREAD=0.5: spread lengths)
 set -u
@@ -27,6 +28,11 @@ python3 -m dspark.cli serve "$MODEL" --port 8290 \
   --max-num-seqs 256 --disable-access-log "$@" > /tmp/serve_profile.log 2>&1 &
 pid=$!
 wait_healthy 8290 "$pid" || echo "the server did not come up"
+if [ "${SERVE_WARMUP:-0}" = 1 ]; then  # one untimed wave first, as device_serve_ab.sh's levels
+  python3 -m dspark.cli bench serve --base-url http://127.0.0.1:8290 --prompts-dir "$PROMPTS" \
+    --sources gsm8k,alpaca,vicuna --output-len 256 --concurrency "$C" --num-prompts "$C" \
+    --no-plot --out /tmp/serve_profile_warm.json > /dev/null 2>&1
+fi
 python3 -m dspark.cli bench serve --base-url http://127.0.0.1:8290 --prompts-dir "$PROMPTS" \
   --sources gsm8k,alpaca,vicuna --output-len 256 ${SPREAD:+--output-len-spread "$SPREAD"} --concurrency "$C" --num-prompts $((4 * C)) \
   --no-plot --save-requests --out "$OUT/served.json" 2>&1 | tail -2

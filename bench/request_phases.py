@@ -9,6 +9,8 @@ One clock for all three processes (the monotonic clock; the client's perf_counte
 clock on Linux). Each phase's median, mean and 90th percentile, in ms:
 
     client -> app                  the client sent it; the server's app was called
+    client: start -> sent          the client's part: a connection, the request written
+    sent -> app                    the server's part: accepting, parsing, its event loop
     app -> engine                  ... the engine added it (validation, tokenization, pipe)
     engine: added -> first token   the engine's own time to first token
     app -> acked                   the engine's acknowledgement reached the handler
@@ -28,6 +30,8 @@ import statistics
 
 PHASES = (
     ("client -> app", lambda c, t: t["asgi"] - c["start"]),
+    ("client: start -> sent", lambda c, t: c["sent"] - c["start"]),
+    ("sent -> app", lambda c, t: t["asgi"] - c["sent"]),
     ("app -> engine", lambda c, t: t["added"] - t["asgi"]),
     ("engine: added -> first token", lambda c, t: t["first_token"] - t["added"]),
     ("app -> acked", lambda c, t: t["acked"] - t["asgi"]),
@@ -52,11 +56,19 @@ def joined_requests(client_json: str, trace_prefix: str, level: int) -> list[tup
     return sorted(joined, key=lambda pair: pair[0]["start"])
 
 
+def _value(phase, client: dict, trace: dict) -> float | None:
+    """A phase's seconds, None where a record lacks a stamp (files of older versions)."""
+    try:
+        return phase(client, trace)
+    except (KeyError, TypeError):
+        return None
+
+
 def phases(joined: list[tuple[dict, dict]]) -> list[tuple]:
     """[(phase, median, mean, p90) in ms] over these requests."""
     rows = []
     for name, phase in PHASES:
-        values = sorted(1e3 * phase(c, t) for c, t in joined)
+        values = sorted(1e3 * v for c, t in joined if (v := _value(phase, c, t)) is not None)
         if values:
             p90 = values[min(len(values) - 1, 9 * len(values) // 10)]
             rows.append((name, statistics.median(values), statistics.mean(values), p90))

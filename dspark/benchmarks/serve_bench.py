@@ -82,6 +82,13 @@ def add_serve_bench_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="let requests stop at EOS (ignore_eos is a vLLM extension)",
     )
+    p.add_argument(
+        "--no-preconnect",
+        action="store_true",
+        help="open each level's connections as its requests go out, inside its clock (by "
+        "default a level of C streams, or a rate level capped at C, opens its C connections "
+        "first)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -221,6 +228,8 @@ async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
         level_name, levels = _levels(args)
         for level in levels:
             before = await read_spec_counters(client, base_url)
+            if not args.no_preconnect and level["concurrency"] is not None:  # (its clients)
+                level["preconnected"] = await pool.fill(min(level["concurrency"], len(payloads)))
             cpu_start = time.process_time()
             records, wall = await run_level(
                 pool, path, payloads, headers, level["concurrency"], level["rate"], args.seed
@@ -228,8 +237,8 @@ async def run_bench(args: argparse.Namespace, base_url: str) -> dict:
             level["summary"] = summarize(records, wall, slos)
             if args.save_requests:
                 level["requests"] = [
-                    {"id": r.response_id, "start": r.start, "ttft": r.ttft, "e2e": r.e2e,
-                     "output_tokens": r.output_tokens, "ok": r.ok}
+                    {"id": r.response_id, "start": r.start, "sent": r.sent, "ttft": r.ttft,
+                     "e2e": r.e2e, "output_tokens": r.output_tokens, "ok": r.ok}
                     for r in records
                 ]  # fmt: skip
             level["client_cpu_s"] = time.process_time() - cpu_start

@@ -37,8 +37,12 @@ def _run(tmp_path, *args: str) -> dict:
 
 def test_concurrency_levels_against_the_speculative_server(spec_server, tmp_path, capsys):
     results = _run(tmp_path, "--base-url", spec_server.url, "--api-key", API_KEY,
-                   "--concurrency", "1,4", "--slo-ttft-ms", "60000")  # fmt: skip
+                   "--concurrency", "1,4", "--slo-ttft-ms", "60000", "--save-requests")  # fmt: skip
     assert results["model"] == MODEL and results["level_name"] == "concurrency"
+    # each level starts with its clients connected: C = 4 finds C = 1's connection open
+    assert [level["preconnected"] for level in results["levels"]] == [1, 3]
+    for record in results["levels"][1]["requests"]:
+        assert record["start"] <= record["sent"] <= record["start"] + record["e2e"]
     for level in results["levels"]:
         s = level["summary"]
         assert s["num_completed"] == 6 and s["output_tokens"] == 36, s
@@ -57,6 +61,7 @@ def test_poisson_rates_on_the_completions_endpoint(spec_server, tmp_path):
                    "completions", "--request-rate", "40,inf", "--slo-tpot-ms", "0.001",
                    "--output-len-spread", "0.5")  # fmt: skip
     assert [lv["label"] for lv in results["levels"]] == ["40/s", "inf/s"]
+    assert "preconnected" not in results["levels"][0]  # (no cap: no fixed number of clients)
     lengths = output_lengths(6, 6, 0.5, seed=0)  # the offline bench's lengths, e.g. [5, 8, ...]
     assert len(set(lengths)) > 1 and results["output_len_spread"] == 0.5
     for level in results["levels"]:
@@ -66,7 +71,9 @@ def test_poisson_rates_on_the_completions_endpoint(spec_server, tmp_path):
 
 
 def test_a_bad_key_is_recorded_as_failures(server, tmp_path):
-    results = _run(tmp_path, "--base-url", server.url, "--api-key", "wrong", "--model", MODEL)
+    results = _run(tmp_path, "--base-url", server.url, "--api-key", "wrong", "--model", MODEL,
+                   "--no-preconnect")  # fmt: skip
+    assert "preconnected" not in results["levels"][0]
     summary = results["levels"][0]["summary"]
     assert summary["num_failed"] == 6 and "HTTP 401" in summary["errors"][0]
     assert results["levels"][0]["speculation"] is None  # a plain server has no such counters

@@ -14,8 +14,8 @@ on its side) instead of a backlog:
 
 Order is kept: a control message (ADDED, FAILED, STOPPED) goes out after every output posted
 before it, and a request id that finished in the pending message and comes back (ids may be
-reused) starts a new message. Only the newest stats snapshot of a merged message is sent, with the newest of each of its
-metrics parts.
+reused) starts a new message. Only the newest stats snapshot of a merged message is sent,
+with the newest of each of its metrics parts.
 Pickling happens on the sender thread; the write itself releases the interpreter lock.
 
 Each message goes out in one write, its length header and its pickle together

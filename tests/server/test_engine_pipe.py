@@ -145,3 +145,47 @@ print(before, "transformers" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stderr
+
+
+def test_admission_counts_the_submissions_the_engine_has_not_acknowledged():
+    """The queue limits count what was sent and not yet acknowledged beside what the engine
+    reports waiting; an acknowledgement, accepted or refused, frees its share."""
+    import pytest
+
+    from dspark.sampling_params import SamplingParams
+    from dspark.server.engine_loop import SubRequest
+    from dspark.server.errors import APIError
+
+    stats = (0, 0, 0, 0, 8, 0, None, None)  # the engine: nothing waiting
+
+    def subs(name: str) -> list[SubRequest]:
+        return [SubRequest(name, [1] * 10, SamplingParams(max_tokens=1))]
+
+    async def scenario() -> None:
+        engine_loop = EngineLoop(lambda: None, max_queued_requests=2, max_queued_tokens=100)
+        engine_loop._loop = asyncio.get_running_loop()
+        engine_loop._conn, child = multiprocessing.Pipe()
+        engine_loop.state, engine_loop.info = EngineState.SERVING, EngineInfo(None, 64, 0)
+        first = asyncio.ensure_future(engine_loop.submit(subs("a")))
+        second = asyncio.ensure_future(engine_loop.submit(subs("b")))
+        await asyncio.sleep(0)  # both sent, neither acknowledged
+        with pytest.raises(APIError) as full:
+            await engine_loop.submit(subs("c"))
+        assert full.value.code == "queue_full"
+        assert "(2 requests and 20 prompt tokens waiting" in str(full.value)
+        ack_a, ack_b = (child.recv()[1] for _ in range(2))
+        engine_loop._acknowledge(((ack_a, None),), stats)
+        await first
+        third = asyncio.ensure_future(engine_loop.submit(subs("c")))  # room for one again
+        await asyncio.sleep(0)
+        refusal = (wire.INVALID, "a token outside the vocabulary")
+        engine_loop._acknowledge(((ack_b, refusal),), stats)
+        with pytest.raises(APIError) as refused:
+            await second
+        assert refused.value.status == 400
+        assert (engine_loop._num_pending_requests, engine_loop._num_pending_tokens) == (1, 10)
+        engine_loop._acknowledge(((child.recv()[1], None),), stats)
+        await third
+        assert (engine_loop._num_pending_requests, engine_loop._num_pending_tokens) == (0, 0)
+
+    asyncio.run(scenario())

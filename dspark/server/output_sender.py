@@ -77,7 +77,7 @@ class OutputSender:
                     self._merge(step)
                 self._merge(outputs)
             if self._stats is not None:  # a merged step's metrics parts are kept
-                stats = _kept_metrics(self._stats, stats)
+                stats = wire.kept_parts(stats, *self._stats[-2:])
             self._stats = stats
             self.num_steps_posted += 1
             self._cond.notify()
@@ -167,16 +167,6 @@ def send_whole(conn: Connection, message) -> None:
     fd = conn.fileno()
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _kept_metrics(pending: tuple, stats: tuple) -> tuple:
-    """`stats`, with each metrics part it leaves out (None) taken from `pending`'s."""
-    *counts, spec, requests = stats
-    return (
-        *counts,
-        pending[-2] if spec is None else spec,
-        pending[-1] if requests is None else requests,
-    )
 
 
 def _list(logprobs) -> list | None:

@@ -86,11 +86,16 @@ def stats_of(engine, requests=None, with_spec: bool = True, with_requests: bool 
 
 def merge_stats(previous: EngineStats, stats: tuple) -> EngineStats:
     """A received stats tuple; a part left out (None) keeps the previous one."""
-    *counts, spec, requests = stats
-    return EngineStats(
+    return EngineStats(*kept_parts(stats, previous.spec, previous.requests))
+
+
+def kept_parts(stats: tuple, spec, requests) -> tuple:
+    """`stats` with each metrics part it leaves out (None) taken from these."""
+    *counts, new_spec, new_requests = stats
+    return (
         *counts,
-        previous.spec if spec is None else spec,
-        previous.requests if requests is None else requests,
+        spec if new_spec is None else new_spec,
+        requests if new_requests is None else new_requests,
     )
 
 

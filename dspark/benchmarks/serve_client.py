@@ -238,7 +238,7 @@ class ConnectionPool:
         fails is left to the request that needs it, which records the error).
 
         A level runs with its clients connected: C connections opened together cost the
-        load generator's event loop ~0.1 ms each (27 ms for 256 on the 2-core development
+        load generator's event loop ~0.1 ms each (18-27 ms for 256 on the 2-core development
         VM, before the first request is written), which is the client's cost, not the
         server's, and a level after a smaller one would otherwise find some already open."""
         self._idle = [c for c in self._idle if c.transport is not None]

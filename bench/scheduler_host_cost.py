@@ -16,7 +16,7 @@ import time
 
 from dspark.engine.kv_cache import PageAllocator
 from dspark.engine.scheduler import Scheduler
-from dspark.engine.step_plan import SampledTokens
+from dspark.step_plan import SampledTokens
 from dspark.request import Request
 from dspark.sampling_params import SamplingParams
 

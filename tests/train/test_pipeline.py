@@ -28,11 +28,9 @@ COUNTS = {"gsm8k": 4, "vicuna": 2, "alpaca": 2, "humaneval": 2, "self": 3}
 
 
 def _prompts_dir(root):
-    from dspark.benchmarks.prompts import default_prompts_dir
-
     import itertools
 
-    from dspark.benchmarks.prompts import read_source_rows
+    from dspark.benchmarks.prompts import default_prompts_dir, read_source_rows
 
     src, dst = default_prompts_dir(), root / "prompts"
     dst.mkdir()

@@ -1,4 +1,6 @@
-"""The step plan: what the scheduler hands the runner, and what the runner hands back.
+"""The seam between the engine and the runner: the step plan the scheduler hands the runner,
+what the runner hands back per row, the launched step in flight, and the KV page conventions
+both sides keep.
 
 `Scheduler.schedule()` (engine/scheduler.py) returns a frozen StepPlan, one ScheduledRow per
 request that runs; the runner reads it without mutating requests and returns one SampledTokens
@@ -12,7 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+import torch
+
 from dspark.request import Request, TokenLogprobs
+
+# Page SCRATCH_PAGE is reserved: the allocator never hands it to a request. Pad rows (and
+# anything else that must write somewhere harmless) write there, so a zero-initialised slot
+# buffer is harmless too.
+SCRATCH_PAGE = 0
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold num_tokens tokens: pages_for(17, 16) == 2."""
+    return -(-num_tokens // page_size)
+
 
 # a NamedTuple built from all its fields, in order, without its generated __new__ (a Python
 # call): for the per-row tuples of a step, a few hundred at high load
@@ -89,3 +105,24 @@ class SampledTokens(NamedTuple):
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] | None = None
     num_draft: int | None = None  # drafts its window verified, where fewer than planned
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: its plan and the host copies of its results, valid once `done`."""
+
+    plan: StepPlan
+    plain: list[int]  # plan rows that sampled one token, in the order of `tokens`
+    tokens: torch.Tensor | None = None  # [len(plain)]
+    logprobs: tuple[torch.Tensor, ...] | None = None
+    window_rows: list[int] | None = None  # plan rows with a window, in verification order
+    verify_len: list[int] | None = None
+    verified: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens, num accepted
+    device_verify_len: torch.Tensor | None = None  # [R] chosen on the device: a trimmed
+    #   cell's, or lowered for continuations near their requests' ends
+    confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
+    window_logprobs: tuple[torch.Tensor, ...] | None = None
+    is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it
+    windows_first: bool = False  # its windows K + 1 wide in rows 0..n-1, a tail after or not
+    sampled_serials: np.ndarray | None = None  # [len(plain)] the requests of `tokens`
+    done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once

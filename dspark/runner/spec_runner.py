@@ -26,7 +26,6 @@ A step launched behind one gets its continuation anchors on the device (runner/c
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import Counter
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from dspark.runner.mixed_layout import (
     prepare_capture,
 )
 from dspark.runner.persistent_batch import NOT_FOUND, index_of
+from dspark.runner.shapes import leading_windows, padded_size, tail_size, window_width
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import top_logprobs
 from dspark.spec.ragged import TrimmedCell
@@ -103,42 +103,21 @@ class SpecRunner:
 
     def window_width(self, plan: StepPlan) -> int | None:
         """K + 1 if every row of the step is a window laid out at full width (empty windows
-        among them), else None."""
-        width = 1 + self.spec.num_verify
-        if not self.uniform_windows or not all(r.num_draft or r.empty_window for r in plan.rows):
+        among them), else None (runner/shapes.py)."""
+        if not self.uniform_windows:
             return None
-        if not any(r.num_draft for r in plan.rows):  # (only last tokens: a plain decode step)
-            return None
-        if len(plan.rows) * width > self.capacity:  # the token buffers' size
-            return None
-        return width
+        return window_width(plan, self.spec.num_verify, self.capacity)
 
     def mixed_windows(self, plan: StepPlan) -> int | None:
         """A mixed step laid out windows first, then its tail (mixed_layout.py): how many of
         its leading rows are windows (empty windows among them). None if it is not one, the
-        reason counted when it has windows."""
+        reason counted when it has windows (runner/shapes.py)."""
         if not self.uniform_windows:
             return None
-        rows = plan.rows
-        n = 0
-        while n < len(rows) and (rows[n].num_draft or rows[n].empty_window):
-            n += 1
-        if n == len(rows) or not any(r.num_draft for r in rows):
-            return None  # (all windows, or no window: not a mixed step)
-        tail = rows[n:]
-        num_tail_tokens = sum(r.num_tokens for r in tail)
-        reason = None
-        if n == 0 or any(r.num_draft or r.empty_window for r in tail):
-            reason = "windows_not_first"
-        elif len(tail) > max_tail_rows(self.max_tail_tokens):
-            reason = "tail_rows"
-        elif num_tail_tokens > self.max_tail_tokens:
-            reason = "tail_tokens"
-        elif n * (1 + self.spec.num_verify) + num_tail_tokens > self.capacity:
-            reason = "token_buffers"
+        n, reason = leading_windows(plan, self.spec.num_verify, self.capacity,
+                                    self.max_tail_tokens)  # fmt: skip
         if reason is not None:
             self.stats[f"eager_spec_steps_mixed_{reason}"] += 1
-            return None
         return n
 
     @property
@@ -156,20 +135,15 @@ class SpecRunner:
         G that holds its windows, and the smallest P that holds its tail's tokens and rows
         (mixed_windows() checked that the largest does).
 
-          tails (256, 512): 3 rows of 200 tokens -> P 256; 3 rows of 300 -> 512; 6 of 200 -> 512
+          tails (256, 512): 200 tail tokens in 3 rows -> P 256; 300 in 3 -> 512; 200 in 6 -> 512
         """
         if self.graphs is None or not self.graphs.tails:
             return None
-        i = bisect.bisect_left(self.graphs.sizes, num_windows)
-        if i == len(self.graphs.sizes):
+        size = padded_size(self.graphs.sizes, num_windows)
+        if size is None:
             self.stats["eager_spec_steps_batch_too_large"] += 1
             return None
-        P = next(
-            p
-            for p in self.graphs.tails
-            if p >= num_tail_tokens and max_tail_rows(p) >= num_tail_rows
-        )
-        return self.graphs.sizes[i], P
+        return size, tail_size(self.graphs.tails, num_tail_tokens, num_tail_rows)
 
     @property
     def max_uniform_rows(self) -> int:
@@ -186,11 +160,10 @@ class SpecRunner:
             return None
         if any(r.num_draft < self.spec.num_verify for r in plan.rows):
             self.stats["spec_graph_steps_with_short_windows"] += 1
-        i = bisect.bisect_left(self.graphs.sizes, len(plan.rows))
-        if i == len(self.graphs.sizes):
+        size = padded_size(self.graphs.sizes, len(plan.rows))
+        if size is None:
             self.stats["eager_spec_steps_batch_too_large"] += 1
-            return None
-        return self.graphs.sizes[i]
+        return size
 
     # ---- the step ---------------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ TINY_WORDS = ["<unk>", "<eos>", "a", "b", "c", "d", "e", "f", "g", "h", "i", "j"
 
 
 def _llama_config(vocab_size: int, arch: str = "llama", **overrides):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -36,6 +36,8 @@ def _llama_config(vocab_size: int, arch: str = "llama", **overrides):
         eos_token_id=2,
         initializer_range=0.2,
     )
+    if arch == "qwen3":  # heads x head_dim (128) differs from the hidden size, as in Qwen3
+        kwargs.update(head_dim=32, attention_bias=False)
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -45,6 +47,10 @@ def save_random_model(directory: Path, config, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # q/k norm weights start at one: random ones show a swap or a miss
+        for name, w in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                w.uniform_(0.5, 1.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

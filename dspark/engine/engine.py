@@ -212,7 +212,7 @@ class LLMEngine:
         (the server passes its handler's time, so the latency metrics include tokenization and
         the pipe); default now.
         """
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).with_eos_ids(self.model_config.eos_token_ids[1:])
         prompt_ids, text = self._prompt_ids(prompt)
         prompt_text = text if text is not None else prompt_text
         self.validate_request(request_id, prompt_ids, params)

@@ -24,6 +24,7 @@ never the token it scores.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
 from dspark.models.folded_context import FoldedContext, folded_context_enabled
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -131,10 +134,10 @@ class DrafterLayer(nn.Module):
         w = a.qkv_proj.weight[a.q_size :]
         bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias[a.q_size :]
         kc, vc = F.linear(ctx, w, bias).split([a.kv_size, a.kv_size], dim=-1)  # [B, L, kv]
-        q, kb = a.rotary(
-            positions.reshape(-1), q.reshape(B * Q, nh, hd), kb.reshape(B * Q, nkv, hd)
-        )
+        q, kb = a.norm_heads(q.reshape(B * Q, nh, hd), kb.reshape(B * Q, nkv, hd))
+        q, kb = a.rotary(positions.reshape(-1), q, kb)
         kc = kc.reshape(B * L, nkv, hd)
+        _, kc = a.norm_heads(kc[:, :0], kc)
         kc, _ = a.rotary(ctx_positions.reshape(-1), kc, kc)  # context tokens are keys only
         keys = torch.cat([kc.view(B, L, nkv, hd), kb.view(B, Q, nkv, hd)], dim=1)  # [B, S, nkv, hd]
         vals = torch.cat([vc.view(B, L, nkv, hd), vb.view(B, Q, nkv, hd)], dim=1)
@@ -312,7 +315,11 @@ class DSparkDrafter(nn.Module):
             device
         )
         if backend == "triton" and folded_context_enabled():
-            drafter.folded_context = drafter.fold_context()
+            if drafter.target_config.use_qk_norm:  # k norm is per head: it does not fold
+                logger.info("drafter context upkeep unfolded: %s has q/k norm",
+                            drafter.target_config.architecture)  # fmt: skip
+            else:
+                drafter.folded_context = drafter.fold_context()
         return drafter
 
     def fold_context(self) -> FoldedContext:

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2): the target model.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3): the target model.
+
+Qwen3 differs only inside attention: per-head q/k RMSNorm before rotary (layers/attention.py).
 
 One forward runs any ragged mix of prefill chunks, decode tokens and verify windows. It returns
 logits only for the rows asked for (`logits_indices`) and, on request, the residual stream after

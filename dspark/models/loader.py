@@ -105,7 +105,7 @@ def _load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         hf_config = json.loads((directory / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{directory / 'config.json'} is not valid JSON: {e}") from e
-    config = ModelConfig.from_hf_dict(hf_config)
+    config = ModelConfig.from_hf_dict(hf_config, _read_json(directory / "generation_config.json"))
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} has config.json but no .safetensors weights")
@@ -116,3 +116,13 @@ def _load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
     return config, weights
+
+
+def _read_json(path: Path) -> dict | None:
+    """An optional JSON file of the checkpoint: its dict, or None where it is absent."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e

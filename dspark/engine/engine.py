@@ -86,7 +86,7 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.revision)
         model_config, weights = load_checkpoint(source)
         self.model_config = model_config
         self.tokenizer: Tokenizer = load_tokenizer(source)

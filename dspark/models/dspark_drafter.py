@@ -37,6 +37,12 @@ from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
+from dspark.models.deepspec_format import (
+    deepspec_dims,
+    deepspec_drafter_config,
+    deepspec_state_dict,
+    is_deepspec,
+)
 from dspark.models.folded_context import FoldedContext, folded_context_enabled
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
@@ -302,13 +308,18 @@ class DSparkDrafter(nn.Module):
         backend: str = "torch",
     ) -> DSparkDrafter:
         directory = Path(directory)
-        if not (directory / CONFIG_FILE).is_file():
-            raise FileNotFoundError(f"{directory} is not a DSpark drafter (no {CONFIG_FILE})")
-        config = DrafterConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        hf = read_drafter_config(directory)
+        tensors = None
+        if is_deepspec(hf):  # DeepSeek's layout: identity by the frozen embedding and head
+            identity = target_identity(target, target_weights_hash)
+            config = deepspec_drafter_config(hf, target, identity)
+            tensors = deepspec_state_dict(read_weights(directory), config, target)
+        else:
+            config = DrafterConfig.from_dict(hf)
         device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         drafter = cls(config, target, target_weights_hash, backend)  # checks the identity first
-        drafter.load_state_dict(read_weights(directory))
+        drafter.load_state_dict(tensors if tensors is not None else read_weights(directory))
         drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # .to(dtype) rounded the (shared) rotary frequencies: the kernels want them in fp32
         drafter.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(drafter.target_config).to(
@@ -332,6 +343,19 @@ class DSparkDrafter(nn.Module):
             kv.append((a.qkv_proj.weight[a.q_size :], None if bias is None else bias[a.q_size :]))
         return FoldedContext(self.fc, self.context_norm.weight, self.context_norm.eps, kv,
                              self.layers[0].self_attn.rotary.inv_freq)  # fmt: skip
+
+
+def read_drafter_config(directory: Path) -> dict:
+    """A drafter directory's config.json: this engine's DrafterConfig, or DeepSpec's."""
+    if not (directory / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{directory} is not a DSpark drafter (no {CONFIG_FILE})")
+    return json.loads((directory / CONFIG_FILE).read_text())
+
+
+def drafter_dims(directory: Path) -> tuple[int, int]:
+    """(drafter layers, draft length K) from a drafter directory's config, either layout."""
+    hf = read_drafter_config(directory)
+    return deepspec_dims(hf) if is_deepspec(hf) else (int(hf["num_layers"]), int(hf["draft_len"]))
 
 
 def check_identity(expected: TargetIdentity, live: TargetIdentity) -> None:

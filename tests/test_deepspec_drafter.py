@@ -19,10 +19,10 @@ from dspark.models.dspark_drafter import DrafterMismatchError, DSparkDrafter
 from dspark.models.llama import build_model
 from dspark.models.loader import load_checkpoint, resolve_model
 from tests.helpers import full_logits
+from tests.test_dspark_drafter import K, _paged_block
 from tests.test_hub import MAIN, lay_hub_cache, offline_cache  # noqa: F401 - a fixture
 from tests.tiny_models import make_deepspec_drafter, make_tiny_llama
 
-K = 4
 TAPS = (0, 1)  # of the 3-layer target: the last layer (2) is not a tap DeepSpec's format allows
 
 
@@ -95,7 +95,8 @@ def _deepspec_block_logits(directory, features, anchor, prev) -> torch.Tensor:
 
 @pytest.mark.parametrize("markov_rank", [8, 0])
 def test_block_logits_equal_deepspecs_forward(tmp_path, qwen3_dir, target, markov_rank):
-    d = make_deepspec_drafter(qwen3_dir, tmp_path / "drafter", TAPS, K, markov_rank)
+    # 3 layers: as many as the target, whose shape _paged_block allocates the cache in
+    d = make_deepspec_drafter(qwen3_dir, tmp_path / "drafter", TAPS, K, markov_rank, num_layers=3)
     drafter = DSparkDrafter.load(d, target, "unused")
     assert (drafter.markov_in is None) == (markov_rank == 0)
     assert (drafter.confidence is None) == (markov_rank == 0)
@@ -109,6 +110,9 @@ def test_block_logits_equal_deepspecs_forward(tmp_path, qwen3_dir, target, marko
         got = drafter.base_logits(hidden) + drafter.markov_bias(prev)
     want = _deepspec_block_logits(d, features[:L], ids[L], prev)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the paged inference path (k-normed context keys in the cache) drafts the same block
+    paged = _paged_block(drafter, features, anchor=ids[L], anchor_pos=L)
+    torch.testing.assert_close(paged, hidden, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("markov_rank", [8, 0], ids=["dspark", "dflash"])

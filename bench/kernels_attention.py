@@ -2,7 +2,7 @@
 torch SDPA on a dense (unpaged) KV layout as a rough ceiling.
 
     python bench/kernels_attention.py --out kernels_attention.json
-    python bench/kernels_attention.py --smoke --out /tmp/smoke.json   # CPU, interpreter, tiny
+    python bench/kernels_attention.py --smoke --out smoke.json   # CPU, interpreter, tiny
 
 SmolLM2 shapes (9 heads, 3 kv heads, head_dim 64), bf16, page size 16. Decode batches of 1, 16,
 64 and 256 requests at contexts 512 and 2048, and one 2048-token prefill chunk. Times are

@@ -2,7 +2,7 @@
 replaces (RMSNorm, residual add + RMSNorm, rotary on the fused qkv, SiLU-and-mul).
 
     python bench/kernels_fused_ops.py --out kernels_fused_ops.json
-    python bench/kernels_fused_ops.py --smoke --out /tmp/smoke.json   # CPU, interpreter, tiny
+    python bench/kernels_fused_ops.py --smoke --out smoke.json   # CPU, interpreter, tiny
 
 SmolLM2-135M shapes (hidden 576, 9 heads, 3 kv heads, head_dim 64, intermediate 1536), bf16,
 T in {1, 64, 256, 2048} tokens. Times are medians in ms: triton.testing.do_bench for plain

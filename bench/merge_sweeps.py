@@ -1,9 +1,9 @@
-"""One issue-6 sweep from its parts: `dspark bench --arms` results of disjoint levels, merged.
+"""One sweep from its parts: `dspark bench --arms` results of disjoint levels, merged.
 
     python bench/merge_sweeps.py OUT.json PART.json [PART.json ...]
 
-The whole sweep (C = 1 to 512 over six arms, three repeats) does not fit one 600 s device call,
-so bench/device_issue6_sweep.sh runs it in parts (LEVELS=1,2,4,8,16,32, then 64,128,256, ...).
+A whole sweep (C = 1 to 512 over six arms, three repeats) may not fit one session on a remote
+GPU, so it runs in parts (`dspark bench --concurrency 1,2`, then `4,8,...,256`, ...).
 Each part is one run with its arms side by side; this concatenates every arm's levels in
 concurrency order and recomputes the ratios between arms (level by level, so no ratio mixes
 two runs), then draws the throughput plot (dspark.benchmarks.plot) beside OUT.json. The parts

@@ -35,7 +35,7 @@ which arms to take to the GPU.
 
     PYTHONPATH=. python bench/policy_replay.py --table dspark/drafters/smollm2_135m_instruct/\\
         cost_tables/h200_torch2.11_cu130.json --concurrency 1,4 --num-prompts 12 \\
-        --output-len 256 --arms '{"scheduled": {}, "dwell2": {"dwell_steps": 2}}' --out r.json
+        --output-len 256 --ahead --out r.json
 """
 
 from __future__ import annotations
@@ -147,7 +147,6 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1")
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--prompts-dir", default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument(
         "--ahead",
@@ -164,7 +163,7 @@ def main() -> int:
     k, tok = probe.engine.spec.draft_len, probe.get_tokenizer()
     paths = tables(gpu, probe.engine.cost_fingerprint(), k, Path(tempfile.mkdtemp()))
     del probe
-    convs = load_prompts(Path(args.prompts_dir) if args.prompts_dir else default_prompts_dir())
+    convs = load_prompts(default_prompts_dir())  # the package's held-out prompts
     prompts = [tok.apply_chat_template(c) for c in convs[: args.num_prompts]]
     base = {"method": "dspark", "realised_costs": False}
     arms = {"plain": {**base, "cost_table": str(paths["never"])},

@@ -15,8 +15,8 @@ Per segment (between the bench's marks: arm, concurrency, repeat):
   priced and in the table, the expected tokens per row drafting, the rows by kind, arrivals)
   and what ended it (the first drafting decision's reason and its stale and unseen rows),
   counted by cause (end_cause: stale rows, smaller G, new requests or prices);
-- with --decisions N, the first N decisions one by one: how a fresh server's first wave turned
-  drafting off (docs/PERFORMANCE.md, thirty-sixth look).
+- with --decisions N, the first N decisions one by one (e.g. how a fresh server's first wave
+  seats and when drafting first goes off).
 
 Break-even, for reading the stretches: drafting pays when (R + S) / full > R / plain, that is
 when 1 + S / R (expected tokens per row) exceeds full / plain (the price ratio).

@@ -1,6 +1,6 @@
 """Write a random-initialised DSpark drafter for a target checkpoint (the cost of speculation).
 
-    python bench/random_drafter.py --target /tmp/smollm2-random --out /tmp/drafter-random
+    python bench/random_drafter.py --target smollm2-random --out drafter-random
 
 The drafter has the default recipe's shape (2 layers, K = 7, taps (1, 10, 19, 28), Markov rank
 64, confidence head) and passes the identity check against `--target`. Its drafts are almost

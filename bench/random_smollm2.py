@@ -1,6 +1,6 @@
 """Write a random-weight checkpoint with SmolLM2-135M's exact shapes (HF directory, bf16).
 
-    python bench/random_smollm2.py --out /tmp/smollm2-random --tokenizer DIR
+    python bench/random_smollm2.py --out smollm2-random --tokenizer DIR
 
 Decoding speed does not depend on weight values (requests run with ignore_eos to a fixed
 length), so this stands in for the real checkpoint in speed measurements on a machine that has

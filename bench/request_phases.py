@@ -1,9 +1,9 @@
 """Where served streams spend their time: the load generator's per-request records joined with
 the server's per-request trace by response id.
 
-    DSPARK_REQUEST_TRACE=/tmp/trace dspark serve ... &
+    DSPARK_REQUEST_TRACE=trace dspark serve ... &
     dspark bench serve --save-requests --out served.json ...
-    python bench/request_phases.py served.json /tmp/trace [--first-wave C]
+    python bench/request_phases.py served.json trace [--first-wave C]
 
 One clock for all three processes (the monotonic clock; the client's perf_counter is the same
 clock on Linux). Each phase's median, mean and 90th percentile, in ms:

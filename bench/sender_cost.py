@@ -6,7 +6,7 @@ Posts a step of --outputs wire outputs (three tokens each, as `wire.encode_outpu
 them) to an OutputSender over a real pipe, waits until it is sent, and repeats: the median
 post_step() time (the engine's step loop pays it) and the sender thread's mean time a message
 (pickle and write: the loop pays it too, in the interpreter lock). 190 outputs: a served
-step at 256 streams (docs/PERFORMANCE.md, thirty-seventh look).
+step at 256 streams (about 190 requests running a step).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """How long `LLM(model)` takes to start, in fresh processes: the import, then the engine's start.
 
     python bench/startup_time.py [--model default] [--repeats 3] [--device cpu] [--out X.json]
+    python bench/startup_time.py --device cuda --dtype bfloat16 --max-num-seqs 256 \
+        --speculative-config '{"method": "dspark"}'      # the speculative engine, graphs captured
 
 Each repeat is a new Python process (imports and first-use costs included, as a user's
 `dspark generate` pays them); the file cache is warm after the first. Prints each repeat and
@@ -22,7 +24,7 @@ t = time.perf_counter()
 from dspark import LLM
 imported = time.perf_counter() - t
 t = time.perf_counter()
-LLM(model=sys.argv[1], dtype=sys.argv[2], device=sys.argv[3])
+LLM(**json.loads(sys.argv[1]))
 print(json.dumps({"import_s": imported, "init_s": time.perf_counter() - t}))
 """
 
@@ -32,13 +34,20 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--speculative-config", default=None, help="JSON, as `dspark generate`")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out")
     args = parser.parse_args()
+    engine = {"model": args.model, "dtype": args.dtype, "device": args.device}
+    if args.max_num_seqs:
+        engine["max_num_seqs"] = args.max_num_seqs
+    if args.speculative_config:
+        engine["speculative_config"] = json.loads(args.speculative_config)
     runs = []
     for i in range(args.repeats):
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, args.model, args.dtype, args.device],
+            [sys.executable, "-c", CHILD, json.dumps(engine)],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -48,7 +57,7 @@ def main() -> None:
     result = {
         "commit": commit,
         "model": args.model,
-        "device": args.device,
+        "engine": engine,
         "runs": runs,
         "median_import_s": statistics.median(r["import_s"] for r in runs),
         "median_init_s": statistics.median(r["init_s"] for r in runs),

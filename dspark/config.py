@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark import envs
+
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -39,12 +41,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     use_cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA + triton only)
     # schedule and launch step N+1 before reading step N's tokens back (host work overlaps the
-    # GPU's); off, every step waits for its own results
+    # GPU's), drafting steps of full windows too (their anchors written on the device from step
+    # N's verification, engine.py); off, every step waits for its own results
     async_scheduling: bool = True
-    # with async_scheduling: a drafting step N+1 of full windows may launch behind a drafting
-    # step N still in flight, its anchors taken from N's verification on the device (engine.py);
-    # off, a step that drafts waits for its own results
-    async_spec_steps: bool = True
     # with CUDA graphs: a decode step that also carries prefill chunks (at most 4 rows of up to
     # this many tokens in all: requests admitted while others decode) replays a captured mixed
     # decode graph instead of running eagerly (runner/mixed_layout.py); 0: such steps run
@@ -52,12 +51,6 @@ class EngineConfig:
     # 1.43x / 2.88x / 3.84x faster than 0 at 16 / 64 / 256 requests (H200, docs/PERFORMANCE.md,
     # tenth look). (Drafting steps have their own: speculative_config["mixed_prefill_tokens"].)
     mixed_prefill_tokens: int = 256
-    # waiting requests above which an admission beside a step's decode rows or windows is a
-    # burst: admitted uncapped, in one eager step, rather than a captured mixed step's tail at
-    # a time (engine/burst.py); None: DSPARK_BURST_REQUESTS, else 4 sqrt(running rows), at
-    # least the captured tail's rows (64 at 256 rows: fixed K = 7 1.22x faster at 256 than
-    # with the tail's 4, H100, docs/PERFORMANCE.md thirty-fourth look)
-    burst_requests: int | None = None
     # output tokens a streamed ("delta") request gathers before it is reported (vLLM's and
     # SGLang's stream_interval); its first token and its end are reported at once
     stream_interval: int = 1
@@ -102,11 +95,6 @@ class EngineConfig:
             f"{self.mixed_prefill_tokens!r}",
         )
         _require(
-            self.burst_requests is None
-            or (type(self.burst_requests) is int and self.burst_requests >= 1),
-            f"burst_requests must be None or an integer >= 1, got {self.burst_requests!r}",
-        )
-        _require(
             isinstance(self.stream_interval, int) and self.stream_interval >= 1,
             f"stream_interval must be an integer >= 1, got {self.stream_interval!r}",
         )
@@ -130,6 +118,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def attention_backend_for(self, device: torch.device) -> str:
+        if envs.ENVS.reference_ops:  # (debugging: every op on its PyTorch reference)
+            return "torch"
         if self.attention_backend == "auto":
             return "triton" if device.type == "cuda" else "torch"
         return self.attention_backend

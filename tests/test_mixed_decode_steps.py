@@ -177,56 +177,17 @@ def _six_waiting_beside_a_decode_row(engine) -> list[int]:
     return [r.num_tokens for r in engine.scheduler.schedule().rows[1:]]
 
 
-@pytest.mark.parametrize("threshold", [None, 8])
-def test_a_burst_threshold_from_the_engine_config(tiny_vocab_dir, monkeypatch, threshold):
-    """EngineConfig.burst_requests (an arm's engine option in `dspark bench --arms`, `dspark
-    serve --burst-requests`): at 8, six waiting requests beside a decode row are no burst, so
-    the step keeps the captured tail's caps; unset, they are one (uncapped). It wins over the
-    environment's; a bad value is refused with the field named."""
-    monkeypatch.setenv("DSPARK_BURST_REQUESTS", "2")
-    engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False,
-                  burst_requests=threshold).engine  # fmt: skip
-    assert engine.scheduler.burst_requests == (threshold or 2)
-    tail = _six_waiting_beside_a_decode_row(engine)
-    if threshold:
-        assert sum(tail) <= TAIL and len(tail) <= TAIL_ROWS, tail
-    else:
-        assert len(tail) == 6, tail  # a burst: every waiting request admitted at once
-    for bad in (0, "8", True, 2.0):
-        with pytest.raises(ValueError, match=r"burst_requests must be None or an integer >= 1"):
-            EngineConfig(burst_requests=bad)
-
-
-def test_a_burst_threshold_from_the_environment(tiny_vocab_dir, monkeypatch):
-    """DSPARK_BURST_REQUESTS=8: six waiting requests beside a decode row are no burst, so the
-    step keeps the captured tail's caps; a bad value is refused with the variable named."""
-    from dspark.engine.burst import burst_requests_from_env
-
-    monkeypatch.setenv("DSPARK_BURST_REQUESTS", "8")
-    engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=8, async_scheduling=False).engine
-    assert engine.scheduler.burst_requests == 8
-    tail = _six_waiting_beside_a_decode_row(engine)
-    assert sum(tail) <= TAIL and len(tail) <= TAIL_ROWS, tail
-    for bad in ("0", "many"):
-        monkeypatch.setenv("DSPARK_BURST_REQUESTS", bad)
-        with pytest.raises(ValueError, match="DSPARK_BURST_REQUESTS"):
-            burst_requests_from_env()
-
-
-def test_the_default_burst_threshold_grows_with_the_running_rows(tiny_vocab_dir, monkeypatch):
-    """Unset (no option, no environment): 4 sqrt(running rows), at least the tail's rows. Six
+def test_the_burst_threshold_grows_with_the_running_rows(tiny_vocab_dir):
+    """4 sqrt(running rows), at least the tail's rows. Six
     waiting requests beside one decode row are a burst (threshold 4); beside nine they are not
     (threshold 12), so the step keeps the captured tail's caps."""
     from dspark.engine.burst import burst_threshold
 
     assert [burst_threshold(r, TAIL_ROWS) for r in (0, 1, 9, 16, 250, 256, 512)] == [
         4, 4, 12, 16, 63, 64, 91]  # fmt: skip
-    assert burst_threshold(256, TAIL_ROWS, configured=8) == 8
-    monkeypatch.delenv("DSPARK_BURST_REQUESTS", raising=False)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for num_running, burst in ((1, True), (9, False)):
         engine = _llm(tiny_vocab_dir, padded=True, max_num_seqs=16, async_scheduling=False).engine
-        assert engine.scheduler.burst_requests is None
         for i in range(num_running):
             engine.add_request(f"run{i}", PROMPTS[i % 3], params)
         while len(engine.scheduler.running) < num_running or engine.scheduler.waiting:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.request import Request
 from dspark.runner.input_buffers import NO_OWNER, InputBuffers
 from dspark.runner.model_runner import ModelRunner
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.staging import StepStager
 from dspark.sample.sampling_rows import SamplingRows
+from dspark.step_plan import SCRATCH_PAGE
 
 VOCAB = 50
 FIELDS = ("temperature", "top_k", "top_p", "seed", "min_tokens_end", "logprobs")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.engine.kv_cache import SCRATCH_PAGE, PageAllocator
+from dspark.engine.kv_cache import PageAllocator
 from dspark.engine.scheduler import Scheduler
-from dspark.engine.step_plan import SampledTokens
 from dspark.request import FinishReason, Request, RequestStatus
 from dspark.sampling_params import SamplingParams
+from dspark.step_plan import SCRATCH_PAGE, SampledTokens
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:

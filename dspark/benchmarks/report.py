@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import torch
+
+from dspark import envs
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def git_state() -> dict:
     """The commit measured, and whether uncommitted edits were part of it. DSPARK_GIT_COMMIT,
     when set, names the commit instead: a tree copied without its .git (the device machine's)
     would otherwise report whatever repository git finds above it."""
-    named = os.environ.get("DSPARK_GIT_COMMIT")
+    named = envs.ENVS.git_commit
     if named:
         return {"git_commit": named, "git_dirty": None}
 
@@ -108,9 +109,8 @@ def git_state() -> dict:
     return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
 
 
-def write_results(results: dict, out: Path, plot: Path | None, draw=None) -> None:
-    """The JSON first (the record), then the plot drawn from it by `draw(json, png)` (default:
-    the offline sweep's plot)."""
+def write_results(results: dict, out: Path, plot: Path | None, draw) -> None:
+    """The JSON first (the record), then the plot drawn from it by `draw(json, png)`."""
     has_plot = plot is not None and find_spec("matplotlib") is not None
     if plot is not None and not has_plot:
         logger.warning("matplotlib is not installed: no plot (pip install matplotlib)")
@@ -118,8 +118,6 @@ def write_results(results: dict, out: Path, plot: Path | None, draw=None) -> Non
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     if has_plot:
-        if draw is None:
-            from dspark.benchmarks.plot import plot_results as draw
         draw(out, plot)
     print(f"wrote {out}" + (f" and {plot}" if has_plot else ""), file=sys.stderr)
 

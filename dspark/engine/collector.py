@@ -6,8 +6,7 @@ with and without a drafter): reference counting frees it all. The collector stil
 by allocation counts, and stops the loop while it walks what it tracks:
 - a full (generation-2) collection walks the whole heap, ~450,000 objects once an engine is
   built (modules, weights' wrappers, the tokenizer, torch's and triton's state): 200-280 ms,
-  in two of every three runs of a 256-request loop with drafting on an H100
-  (docs/PERFORMANCE.md, twenty-fourth look);
+  in two of every three runs of a 256-request loop with drafting on an H100;
 - a drafting step makes enough short-lived tuples (rows, windows, results) to set off about
   one generation-0 collection per step at 256 rows, and each of those moves the rows still in
   flight a generation up, which is what brings the full collections on.
@@ -23,33 +22,23 @@ per request and per chunk).
 
 An offline loop restores both at its end, so an engine dropped later (a benchmark's earlier
 arm, a test's earlier LLM) is still collected if a reference cycle holds it. A heap someone
-froze already is left as it is, and so are thresholds someone set. `DSPARK_STEADY_GC=0` gives
-the behaviour before this module, for A/B runs: no freeze offline, the default thresholds (the
-served processes froze their heaps before, and still do).
+froze already is left as it is, and so are thresholds someone set.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Iterator
 
 # the default (700, 10, 10) with a young generation that holds ~30 drafting steps' allocations
 STEP_LOOP_THRESHOLDS = (20_000, 10, 10)
 
 
-def steady_gc_enabled() -> bool:
-    return os.environ.get("DSPARK_STEADY_GC", "1") != "0"
-
-
 @contextlib.contextmanager
 def steady_collector() -> Iterator[None]:
     """Run a step loop with the current heap frozen and young collections rarer; both are
     restored at the end (what this call did, not what it found done)."""
-    if not steady_gc_enabled():
-        yield
-        return
     freeze = gc.get_freeze_count() == 0
     thresholds = gc.get_threshold()
     raise_threshold = thresholds[0] < STEP_LOOP_THRESHOLDS[0]
@@ -72,5 +61,5 @@ def steady_collector_for_good() -> None:
     threshold for the rest of its life."""
     gc.collect()
     gc.freeze()
-    if steady_gc_enabled() and gc.get_threshold()[0] < STEP_LOOP_THRESHOLDS[0]:
+    if gc.get_threshold()[0] < STEP_LOOP_THRESHOLDS[0]:
         gc.set_threshold(*STEP_LOOP_THRESHOLDS)

@@ -16,7 +16,7 @@ written, detokenized and checked for stops while the GPU runs N+1:
 A request that stops at step N (EOS, stop string) already has a row in N+1; that row's token
 is dropped. Outputs therefore reach the caller one step after their token was computed.
 
-Drafting steps run the same way (async_spec_steps, on by default) when their windows are laid
+Drafting steps run the same way when their windows are laid
 out K + 1 wide (uniform windows: on with speculative CUDA graphs): a drafting step N+1 is
 launched behind a drafting step N still in flight. Its rows are windows of two kinds: a
 continuation, whose anchor is the last token its request's window in N emits, at position
@@ -27,7 +27,7 @@ N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a 
 flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens;
 a request's last token is not one: it is verified as an empty window among the windows),
 a waiting request that could be admitted (unless a captured mixed step's tail takes it:
-Scheduler.mixed_ahead), a token budget the windows could exhaust, too few free pages for the
+engine/ahead.py), a token budget the windows could exhaust, too few free pages for the
 worst case (Scheduler.ahead_blocker). A continuation whose request nears
 max_tokens or max_model_len has its window shortened on the device, to the length the
 synchronous engine gives it (runner/continuations.py); one whose in-flight window could emit
@@ -71,12 +71,13 @@ from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import DeltaOutput, RequestOutput
 from dspark.request import FinishReason, Request, RequestStatus
 from dspark.runner.cuda_graph import graph_ladder
-from dspark.runner.model_runner import InFlightStep, ModelRunner
+from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.config import tail_sizes
 from dspark.spec.cost_table import make_fingerprint
 from dspark.spec.policy_trace import PolicyTrace
 from dspark.spec.realised_costs import StepPeriods
+from dspark.step_plan import InFlightStep
 
 logger = logging.getLogger(__name__)
 
@@ -111,19 +112,6 @@ class LLMEngine:
             config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
             drafter_dir, target_hash, backend,
         )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.allocator,
-            config.page_size,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            draft_len=self.spec.draft_len if self.spec else 0,
-            max_verify=self.spec.num_verify if self.spec else 0,
-        )
-        if use_graphs and self.spec is not None and config.spec().scheduler == "sync":
-            raise ValueError('speculative_config "scheduler": "sync" plans on the host between '
-                             "drafting and verifying, so it runs eagerly: set use_cuda_graphs="
-                             'False, or use "lagged" (the scheduler for CUDA graphs)')  # fmt: skip
         if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
             logger.warning("CUDA graphs need the triton attention backend: running eagerly")
         self.runner = ModelRunner(
@@ -139,16 +127,23 @@ class LLMEngine:
             mixed_tails=tail_sizes(config.spec()) if self.spec else (),
             decode_tail_tokens=config.mixed_prefill_tokens,
             trimmed_widths=config.spec().trimmed_widths if self.spec else (),
-            sync_planning=bool(self.spec) and config.spec().scheduler == "sync",
         )
         if self.device.type == "cuda":  # a step's Triton compiles, counted and logged
             COMPILE_WATCH.install()
-        if self.runner.spec_runner is not None:  # prefill beside windows keeps their graph
-            self.scheduler.mixed_limits = self.runner.spec_runner.mixed_limits
-            self.scheduler.mixed_ahead = config.spec().mixed_steps_ahead
-        self.scheduler.decode_mixed_limits = self.runner.decode_mixed_limits  # beside decodes
-        if config.burst_requests is not None:  # (else the environment's, or burst.py's default)
-            self.scheduler.burst_requests = config.burst_requests
+        spec_runner = self.runner.spec_runner
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.page_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            draft_len=self.spec.draft_len if self.spec else 0,
+            max_verify=self.spec.num_verify if self.spec else 0,
+            # the captured mixed steps' tails: prefill beside windows or decode rows that
+            # keeps the step's graph
+            mixed_limits=spec_runner.mixed_limits if spec_runner is not None else None,
+            decode_mixed_limits=self.runner.decode_mixed_limits,
+        )
         self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)
         self.policy, self.scheduling_status = build_policy(
@@ -165,7 +160,6 @@ class LLMEngine:
         self._detokenizers: dict[str, Detokenizer] = {}
         self._cursors: dict[str, DeltaCursor] = {}  # the delta requests' (engine/delta.py)
         self._aborted: list[Request] = []
-        # with speculation, drafting steps run asynchronously only with async_spec_steps too
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
@@ -344,7 +338,7 @@ class LLMEngine:
                 stats["spec_steps_launched_behind_mixed"] += not previous.is_uniform
             self.scheduler.advance(plan)
             step = self.runner.launch(plan)
-            behind = step.is_uniform or (step.windows_first and self.scheduler.mixed_ahead)
+            behind = step.is_uniform or step.windows_first
             if step.window_rows and not behind:  # nothing launches behind it
                 assert previous is None, "a step launched ahead lays its windows out K + 1 wide"
                 outputs += self._finish(step)

@@ -9,12 +9,7 @@ from __future__ import annotations
 import torch
 
 from dspark.models.model_config import ModelConfig
-
-SCRATCH_PAGE = 0
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
+from dspark.step_plan import SCRATCH_PAGE  # (the runner keeps them too)
 
 
 class PageAllocator:

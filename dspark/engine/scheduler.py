@@ -39,10 +39,10 @@ import time
 from collections import deque
 
 from dspark.engine.ahead import AheadRules
-from dspark.engine.burst import burst_requests_from_env, burst_threshold
-from dspark.engine.kv_cache import PageAllocator, pages_for
-from dspark.engine.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple
+from dspark.engine.burst import burst_threshold
+from dspark.engine.kv_cache import PageAllocator
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from dspark.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple, pages_for
 
 
 class Scheduler(AheadRules):
@@ -55,6 +55,11 @@ class Scheduler(AheadRules):
         max_model_len: int,
         draft_len: int = 0,  # drafted slots per block (0: no speculation)
         max_verify: int | None = None,  # K: drafts verified per window (default draft_len)
+        # (tail rows, tail tokens) a drafting step may carry after its windows, and a plain
+        # step after its decode rows, and keep its graph (the runner's captured mixed steps);
+        # None: no cap
+        mixed_limits: tuple[int, int] | None = None,
+        decode_mixed_limits: tuple[int, int] | None = None,
     ) -> None:
         self.allocator = allocator
         self.draft_len = draft_len
@@ -75,18 +80,9 @@ class Scheduler(AheadRules):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # (tail rows, tail tokens) a drafting step may carry after its windows, and a plain
-        # step after its decode rows, and keep its graph (set by the engine from the runner's
-        # captured mixed steps); None: no cap
-        self.mixed_limits: tuple[int, int] | None = None
-        self.decode_mixed_limits: tuple[int, int] | None = None
-        # waiting requests above which admission beside a head is a burst (uncapped, eager);
-        # None: burst_threshold's default, which grows with the running rows (engine/burst.py)
-        self.burst_requests = burst_requests_from_env()
-        # admissions ahead, into a mixed step's tail, and steps behind mixed ones (ahead.py;
-        # set by the engine from speculative_config's "mixed_steps_ahead")
-        self.mixed_ahead = False
-        # first windows put off because the request's first token is in flight (mixed_ahead)
+        self.mixed_limits = mixed_limits
+        self.decode_mixed_limits = decode_mixed_limits
+        # first windows put off because the request's first token is in flight (ahead.py)
         self.num_first_windows_deferred = 0
 
     def add(self, request: Request) -> None:
@@ -215,10 +211,10 @@ class Scheduler(AheadRules):
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed)
 
     def _is_burst(self, limits: tuple[int, int]) -> bool:
-        """More requests wait for a free seat than burst_threshold (burst_requests if set,
+        """More requests wait for a free seat than burst_threshold (
         else 4 sqrt(running rows), at least the mixed step's tail rows)."""
         seats = self.max_num_seqs - len(self.running)
-        threshold = burst_threshold(len(self.running), limits[0], self.burst_requests)
+        threshold = burst_threshold(len(self.running), limits[0])
         return min(len(self.waiting), seats) > threshold
 
     def _empty_window(self, req: Request) -> bool:

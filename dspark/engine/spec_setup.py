@@ -157,15 +157,14 @@ def build_policy(
     logger.info("speculation: drafting decided per step from cost table %s (G %s)",
                 path, policy.sizes)  # fmt: skip
     spec_runner.confidence_sinks.append(policy.observe)
-    spec_runner.step_prices = policy.priced_cells  # (the sync planner's)
     return policy, f"drafting policy, cost table {path}"
 
 
 def drafts_async(config: EngineConfig, spec_runner: SpecRunner | None) -> bool:
-    """Do drafting steps run asynchronously (with async_scheduling, engine.py)? Only with
-    async_spec_steps and windows laid out K + 1 wide (uniform windows: on with speculative
-    graphs), the one layout a step launched ahead writes its continuations into."""
-    return config.async_spec_steps and spec_runner is not None and spec_runner.uniform_windows
+    """Do drafting steps run asynchronously (engine.py)? With async_scheduling, when windows
+    are laid out K + 1 wide (uniform windows: on with speculative graphs), the one layout a step
+    launched ahead writes its continuations into."""
+    return config.async_scheduling and spec_runner is not None and spec_runner.uniform_windows
 
 
 def probe_steps(config: EngineConfig, spec_runner: SpecRunner) -> int:

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels.inverse_cdf import inverse_cdf
 from dspark.kernels.markov_greedy_triton import (
     BLOCK_R,
     BLOCK_V,
@@ -49,7 +50,6 @@ from dspark.kernels.markov_greedy_triton import (
     markov_bias_tile,
     supports_rank,
 )
-from dspark.sample.sampler import inverse_cdf
 
 
 def markov_sample_ref(

@@ -12,8 +12,8 @@ The rule every kernel launched this way keeps: nothing before `gdc_enter` reads 
 kernel wrote, or writes anything at all. Waiting on n is enough for every kernel before n,
 because n itself waited (or was launched without PDL, which waits for everything before it).
 
-On by default on CUDA devices of compute capability 9 and later; `DSPARK_PDL=0` turns it off
-(every launch is then a plain one, for A/B runs); never under TRITON_INTERPRET=1.
+On by default on CUDA devices of compute capability 9 and later; off under
+DSPARK_REFERENCE_OPS (every launch is then a plain one) and under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from dspark import envs
 
 
 @triton.jit
@@ -42,7 +44,7 @@ def _device_supports(index: int) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get("DSPARK_PDL", "1") == "0":
+    if envs.ENVS.reference_ops:
         return False
     return _device_supports(
         device.index if device.index is not None else torch.cuda.current_device()

@@ -12,11 +12,11 @@ to which it is taken (default GEMV_ROWS).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dspark import envs
 
 # Rows up to which the projections take the GEMV. At one row it beats cuBLAS (a random-weight
 # SmolLM2 step at batch 1: 670 us against 867). Up to 8 rows its version that loaded W again
@@ -29,16 +29,8 @@ GEMV_MAX_ROWS = 8  # gemv_triton.GEMV_MAX_ROWS (not imported: the CPU path needs
 
 
 def gemv_rows() -> int:
-    """The rows up to which the GEMV is taken: GEMV_ROWS, or DSPARK_GEMV_ROWS; 0 when
-    DSPARK_GEMV=0."""
-    if os.environ.get("DSPARK_GEMV", "1") == "0":
-        return 0
-    text = os.environ.get("DSPARK_GEMV_ROWS", str(GEMV_ROWS))
-    if not text.isdigit() or not 1 <= int(text) <= GEMV_MAX_ROWS:
-        raise ValueError(
-            f"DSPARK_GEMV_ROWS={text!r}: expected an integer from 1 to {GEMV_MAX_ROWS}"
-        )
-    return int(text)
+    """The rows up to which the GEMV is taken: GEMV_ROWS; 0 under DSPARK_REFERENCE_OPS."""
+    return 0 if envs.ENVS.reference_ops else GEMV_ROWS
 
 
 class Linear(nn.Linear):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark import envs
 from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.norm import RMSNorm
@@ -189,9 +189,8 @@ class DSparkDrafter(nn.Module):
         conf_in = d + r
         self.confidence = nn.Linear(conf_in, 1) if config.use_confidence else None
         # greedy Markov slots in one launch each where the kernel takes the rank
-        # (spec/drafting.py); DSPARK_MARKOV_KERNEL=0 keeps PyTorch's six, for A/B measurements
-        # (read when the drafter is built)
-        self.use_triton = backend == "triton" and os.environ.get("DSPARK_MARKOV_KERNEL") != "0"
+        # (spec/drafting.py); DSPARK_REFERENCE_OPS keeps PyTorch's six
+        self.use_triton = backend == "triton" and not envs.ENVS.reference_ops
         # frozen target pieces, held by reference (not parameters of the drafter)
         self._target = [target]
         # the context upkeep in two launches, built by load() for the triton backend

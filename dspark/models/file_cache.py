@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-CACHE_ROOT = Path.home() / ".cache" / "dspark"
+from dspark import envs
+
+CACHE_ROOT = envs.cache_dir()
 
 
 def cache_entry(kind: str, path: Path) -> Path:

@@ -23,16 +23,15 @@ loads).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from dspark import envs
 from dspark.layers.linear import Linear
 
 
 def folded_context_enabled() -> bool:
-    return os.environ.get("DSPARK_FOLDED_CONTEXT", "1") != "0"
+    return not envs.ENVS.reference_ops
 
 
 class FoldedContext:

@@ -13,15 +13,14 @@ tap at the last layer, whose sum the final norm takes after the logits rows are 
 add of its own.
 
 With the triton backend on a GPU, a step of one token row runs the decoder layer's projections
-in the GEMV kernel (layers/linear.py, kernels/gemv_triton.py); with DSPARK_GEMV_FUSED=1 also
-the norms and SiLU-and-mul inside it (5 launches a layer, not 8). The token count is known on
-the host from the input's shape (and fixed inside a CUDA graph), so the whole step takes one
-path.
+in the GEMV kernel (layers/linear.py, kernels/gemv_triton.py). The token count is known on the
+host from the input's shape (and fixed inside a CUDA graph), so the whole step takes one path.
+(Folding the norms and SiLU-and-mul into the GEMV as prologues, 5 launches a layer instead of
+8, made a batch-1 step slower on the H200: 698 against 670 us.)
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -68,8 +67,6 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add is deferred into the next norm (one fused kernel):
     takes (x, residual) with the stream = x + residual, returns the same pair after the block.
-    With DSPARK_GEMV_FUSED=1 a step of GEMV rows runs it in the GEMV with its prologues
-    (`_gemv_forward`; opt-in: on the H200 it made a batch-1 step slower, 698 against 670 us).
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
@@ -80,7 +77,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, use_triton)
         self.mlp = MLP(config, use_triton)
-        self.fused_gemv = os.environ.get("DSPARK_GEMV_FUSED") == "1"
 
     def forward(
         self,
@@ -91,9 +87,6 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
         stream_out: torch.Tensor | None = None,  # [T, d]: also write the entering stream here
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused_gemv and self.mlp.gate_up_proj.takes_gemv(x):
-            x, residual = self._gemv_forward(x, residual, positions, kv_cache, attn, stream_out)
-            return x, residual
         if residual is None:
             assert stream_out is None, "the first layer's entering stream is the embedding"
             h, residual = self.input_layernorm(x), x
@@ -102,33 +95,6 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(h, positions, kv_cache, attn)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
-
-    def _gemv_forward(
-        self,
-        x: torch.Tensor,  # [T, d], T <= the GEMV's rows (layers/linear.py)
-        residual: torch.Tensor | None,  # [T, d]; None in the first layer (stream = x)
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        stream_out: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # launches: [add_rmsnorm + qkv], attention (+ rotary + KV store on decode), [o_proj],
-        # [add_rmsnorm + gate_up], [silu_mul + down]: 5, against 8 unfused
-        from dspark.kernels.gemv_triton import gemv_add_rmsnorm, gemv_rmsnorm, gemv_silu_mul
-
-        attn_layer, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv_w, qkv_b = attn_layer.qkv_proj.weight, attn_layer.qkv_proj.bias
-        if residual is None:
-            qkv, residual = gemv_rmsnorm(x, norm1.weight, norm1.eps, qkv_w, qkv_b), x
-        else:
-            qkv, residual = gemv_add_rmsnorm(x, residual, norm1.weight, norm1.eps, qkv_w, qkv_b)
-            if stream_out is not None:  # opt-in path: one copy rather than an output argument
-                stream_out.copy_(residual)
-        x = attn_layer.o_proj(attn_layer.attend(qkv, positions, kv_cache, attn))
-        gate_up, residual = gemv_add_rmsnorm(x, residual, norm2.weight, norm2.eps,
-                                             mlp.gate_up_proj.weight)  # fmt: skip
-        return gemv_silu_mul(gate_up, mlp.down_proj.weight), residual
 
 
 class LlamaForCausalLM(nn.Module):

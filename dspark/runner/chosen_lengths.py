@@ -6,29 +6,18 @@ step) chooses each row's verify length on the device under the budget D = V - G 
 target over the compacted windows. A step that cannot run it (some row is not a window or
 wants logprobs, its G is not the cell's, fewer drafts than D) verifies the full block instead,
 the reason counted (`trimmed_fallback_*`).
-
-With the synchronous scheduler (speculative_config "scheduler": "sync", no graphs), a step of
-such windows drafts, reads its survivals on the host, and Algorithm 1 (spec/planner.py) picks
-each row's verify length from them, pricing a step of B tokens by the smallest cell of the cost
-table that holds it; the windows are compacted to those lengths and the target runs over
-exactly their tokens.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
 from collections.abc import Callable
 
-import torch
-
-from dspark.engine.step_plan import StepPlan
 from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.runner.spec_graphs import trimmed_layout
-from dspark.spec.planner import plan_sync
-from dspark.spec.ragged import FullWidthWindows, TrimmedCell, compact_windows
-from dspark.spec.spec_buffers import SamplingMode, WindowRow
-from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
+from dspark.spec.ragged import FullWidthWindows, TrimmedCell
+from dspark.spec.spec_buffers import WindowRow
+from dspark.spec.spec_decoder import SpecDecoder, TargetStep
+from dspark.step_plan import StepPlan
 
 
 def trimmed_tokens(
@@ -83,56 +72,3 @@ def trimmed_target(
         block_table=b.block_table,
     )
     return target, TrimmedCell(num_tokens, windows)
-
-
-def planned_step(
-    spec: SpecDecoder,
-    buffers: InputBuffers,
-    run_model: Callable,  # (layout, hidden_layers) -> ModelOutput
-    rows: list[WindowRow],
-    mode: SamplingMode,
-    prices: tuple[int, dict[int, float], bool] | None,  # (G, V -> seconds, sampled) or None
-    stats: Counter[str],
-) -> SpecStepOutput:
-    """The synchronous scheduler's step of full-width windows: draft, plan the verify lengths
-    on the host from this block's survivals (Algorithm 1), compact, verify."""
-    n = len(rows)
-    st = spec.buffers.sampling(n, mode)
-    block = spec.draft(n, st, buffers.input_ids, buffers.block_table[:n])
-    # the staged lengths as the device holds them: a continuation's window may have been
-    # shortened there near max_tokens (runner/continuations.py). (A host read; this eager
-    # reference path reads the block's survivals at the same point anyway.)
-    caps = spec.buffers.verify_cap[:n].tolist()
-    if prices is None:  # no cost table for this batch: the full windows, counted
-        stats["sync_plans_unpriced"] += 1
-        lengths = caps
-    else:
-        g, cells, _ = prices
-        # sync: the plan reads this step's survivals (the synchronous scheduler's second host
-        # synchronisation of a drafting step; the lagged one has none)
-        a = spec.calibrated_survival(st, block).tolist()
-        lengths = plan_sync([s[:cap] for s, cap in zip(a, caps, strict=True)],
-                            staircase(cells, g - n))  # fmt: skip
-        stats["sync_plans"] += 1
-        stats["sync_drafts_trimmed"] += sum(caps) - sum(lengths)  # (of those allowed)
-    verify_len = torch.tensor(lengths, dtype=torch.int64, device=spec.device)
-    num_tokens = n + sum(lengths)
-    target, cell = trimmed_target(buffers, spec, run_model, n, num_tokens)
-    cu = compact_windows(cell.windows, verify_len, num_tokens)
-    return spec.finish(n, st, block, target, None, verify_len, cu)
-
-
-def staircase(cells: dict[int, float], num_pad_rows: int) -> Callable[[int], float | None]:
-    """Step time of B live tokens: the smallest measured cell that holds them with the G - R
-    pad rows (one token each), never interpolated; None past the full block.
-
-      cells {4: 1.0, 8: 1.2, 16: 2.0} (G 4), R 3: B 3 -> V 4: 1.0, B 5 -> V 8: 1.2,
-      B 14 -> V 16: 2.0, B 16 -> None
-    """
-    sizes = sorted(cells)
-
-    def step_time(num_tokens: int) -> float | None:
-        i = bisect.bisect_left(sizes, num_tokens + num_pad_rows)
-        return cells[sizes[i]] if i < len(sizes) else None
-
-    return step_time

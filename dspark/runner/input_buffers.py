@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.step_plan import SCRATCH_PAGE
 
 PAD_TOKEN_ID = 0
 NO_OWNER = -1  # a block-table row that holds no request's pages (pad rows, warm-up)

@@ -31,10 +31,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
-from dspark.engine.step_plan import ScheduledRow
 from dspark.request import PENDING_TOKEN
 from dspark.runner.input_buffers import NO_OWNER, InputBuffers, StepLayout
+from dspark.step_plan import SCRATCH_PAGE, ScheduledRow
 
 # the live plain rows a captured mixed step of P tail tokens carries after its windows: one per
 # TAIL_TOKENS_PER_ROW tokens, at least MIN_TAIL_ROWS (4 at P = 256, 8 at 512). Chat prompts of

@@ -22,13 +22,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dspark.engine.kv_cache import pages_for
-from dspark.engine.step_plan import SampledTokens, StepPlan, new_tuple
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
@@ -41,29 +38,9 @@ from dspark.runner.staging import Staged, StepStager
 from dspark.sample.sampler import SamplingTensors, sample, takes_fused_path, top_logprobs
 from dspark.sample.sampling_rows import SamplingRows
 from dspark.spec.spec_decoder import SpecDecoder
+from dspark.step_plan import InFlightStep, SampledTokens, StepPlan, new_tuple, pages_for
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlightStep:
-    """A launched step: its plan and the host copies of its results, valid once `done`."""
-
-    plan: StepPlan
-    plain: list[int]  # plan rows that sampled one token, in the order of `tokens`
-    tokens: torch.Tensor | None = None  # [len(plain)]
-    logprobs: tuple[torch.Tensor, ...] | None = None
-    window_rows: list[int] | None = None  # plan rows with a window, in verification order
-    verify_len: list[int] | None = None
-    verified: tuple[torch.Tensor, torch.Tensor] | None = None  # emitted tokens, num accepted
-    device_verify_len: torch.Tensor | None = None  # [R] chosen on the device: a trimmed
-    #   cell's, or lowered for continuations near their requests' ends
-    confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
-    window_logprobs: tuple[torch.Tensor, ...] | None = None
-    is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it
-    windows_first: bool = False  # its windows K + 1 wide in rows 0..n-1, a tail after or not
-    sampled_serials: np.ndarray | None = None  # [len(plain)] the requests of `tokens`
-    done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
 
 
 class ModelRunner:
@@ -81,7 +58,6 @@ class ModelRunner:
         spec: SpecDecoder | None = None,  # speculation: drafting, context, verification
         mixed_tails: tuple[int, ...] = (),  # P of the captured mixed steps (mixed_layout.py)
         trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) (spec/ragged.py)
-        sync_planning: bool = False,  # verify lengths by Algorithm 1 on the host (eager)
         decode_tail_tokens: int = 0,  # P of the captured mixed decode steps (cuda_graph.py)
     ) -> None:
         self.model = model
@@ -126,7 +102,7 @@ class ModelRunner:
             ladder = graph_sizes if capture_graphs else []
             self.spec_runner = SpecRunner(
                 spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder,
-                mixed_tails, trimmed_widths, sync_planning,
+                mixed_tails, trimmed_widths,
             )  # fmt: skip
         graphs = None
         self.sampled_graphs: SampledDecodeGraphs | None = None
@@ -138,7 +114,7 @@ class ModelRunner:
                                tail, self.buffers.input_ids.shape[0])  # fmt: skip
                 tail = 0
             graphs = DecodeGraphs(self._forward, self.buffers, graph_sizes, tail)
-            if sampled_decode_graphs_enabled():  # (on unless DSPARK_SAMPLED_DECODE_GRAPHS=0)
+            if sampled_decode_graphs_enabled():  # (off under DSPARK_REFERENCE_OPS)
                 self.sampled_graphs = SampledDecodeGraphs(graphs, self.sampling_rows)
         # staging owns the ladder and the decode graphs (it picks the graph a step fits; launch
         # replays it) and the serials the last launch sampled for (launch records them)

@@ -20,10 +20,10 @@ from collections import Counter
 
 import numpy as np
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.request import Request
 from dspark.runner.input_buffers import NO_OWNER, InputBuffers
 from dspark.sample.sampling_rows import SamplingRows
+from dspark.step_plan import SCRATCH_PAGE
 
 NOT_FOUND = -1
 

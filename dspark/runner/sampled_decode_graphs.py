@@ -29,17 +29,16 @@ out (read when the runner is built).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from dspark import envs
 from dspark.runner.cuda_graph import DecodeGraphs, capture_stream, captured, no_garbage_collection
 from dspark.sample.sampler import sample
 from dspark.sample.sampling_rows import SamplingRows
 
 
 def sampled_decode_graphs_enabled() -> bool:
-    return os.environ.get("DSPARK_SAMPLED_DECODE_GRAPHS", "1") != "0"
+    return not envs.ENVS.reference_ops
 
 
 class SampledDecodeGraphs:

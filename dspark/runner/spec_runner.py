@@ -26,18 +26,15 @@ A step launched behind one gets its continuation anchors on the device (runner/c
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dspark.engine.step_plan import SampledTokens, StepPlan, new_tuple
 from dspark.request import TokenLogprobs
-from dspark.runner.chosen_lengths import planned_step, trimmed_target, trimmed_tokens
+from dspark.runner.chosen_lengths import trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
@@ -53,14 +50,13 @@ from dspark.runner.mixed_layout import (
     prepare_capture,
 )
 from dspark.runner.persistent_batch import NOT_FOUND, index_of
+from dspark.runner.shapes import leading_windows, padded_size, tail_size, window_width
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
 from dspark.sample.sampler import top_logprobs
 from dspark.spec.ragged import TrimmedCell
 from dspark.spec.spec_buffers import SamplingMode, WindowRow
 from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
-
-if TYPE_CHECKING:
-    from dspark.runner.model_runner import InFlightStep
+from dspark.step_plan import InFlightStep, SampledTokens, StepPlan, new_tuple
 
 
 class SpecRunner:
@@ -74,7 +70,6 @@ class SpecRunner:
         graph_sizes: list[int],  # the ladder to capture ([]: none, every step eager)
         tail_sizes: tuple[int, ...] = (),  # P of the mixed steps to capture beside each G
         trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) per G
-        sync_planning: bool = False,  # Algorithm 1 on the host chooses verify lengths (eager)
     ) -> None:
         self.spec, self.buffers, self.run_model = spec, buffers, run_model
         self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
@@ -95,13 +90,8 @@ class SpecRunner:
         if sizes:
             self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes, tails,
                                      trimmed=trimmed)  # fmt: skip
-        # lay steps of windows out K + 1 wide (on with graphs, and for the synchronous planner,
-        # which compacts them; a test turns it on eagerly)
-        self.sync_planning = sync_planning
-        self.uniform_windows = self.graphs is not None or sync_planning
-        # (num_rows, sampled) -> (G, V -> seconds, sampled) the policy prices a step by, or
-        # None (the engine sets it with its drafting policy): the synchronous planner's prices
-        self.step_prices: Callable[[int, bool], tuple[int, dict, bool] | None] | None = None
+        # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
+        self.uniform_windows = self.graphs is not None
         # the next anchors (positions, tokens; [R] on the device) of the last uniform step's
         # windows, and each window's request serial [R] (host): continuations read them
         self._next_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -113,42 +103,21 @@ class SpecRunner:
 
     def window_width(self, plan: StepPlan) -> int | None:
         """K + 1 if every row of the step is a window laid out at full width (empty windows
-        among them), else None."""
-        width = 1 + self.spec.num_verify
-        if not self.uniform_windows or not all(r.num_draft or r.empty_window for r in plan.rows):
+        among them), else None (runner/shapes.py)."""
+        if not self.uniform_windows:
             return None
-        if not any(r.num_draft for r in plan.rows):  # (only last tokens: a plain decode step)
-            return None
-        if len(plan.rows) * width > self.capacity:  # the token buffers' size
-            return None
-        return width
+        return window_width(plan, self.spec.num_verify, self.capacity)
 
     def mixed_windows(self, plan: StepPlan) -> int | None:
         """A mixed step laid out windows first, then its tail (mixed_layout.py): how many of
         its leading rows are windows (empty windows among them). None if it is not one, the
-        reason counted when it has windows."""
+        reason counted when it has windows (runner/shapes.py)."""
         if not self.uniform_windows:
             return None
-        rows = plan.rows
-        n = 0
-        while n < len(rows) and (rows[n].num_draft or rows[n].empty_window):
-            n += 1
-        if n == len(rows) or not any(r.num_draft for r in rows):
-            return None  # (all windows, or no window: not a mixed step)
-        tail = rows[n:]
-        num_tail_tokens = sum(r.num_tokens for r in tail)
-        reason = None
-        if n == 0 or any(r.num_draft or r.empty_window for r in tail):
-            reason = "windows_not_first"
-        elif len(tail) > max_tail_rows(self.max_tail_tokens):
-            reason = "tail_rows"
-        elif num_tail_tokens > self.max_tail_tokens:
-            reason = "tail_tokens"
-        elif n * (1 + self.spec.num_verify) + num_tail_tokens > self.capacity:
-            reason = "token_buffers"
+        n, reason = leading_windows(plan, self.spec.num_verify, self.capacity,
+                                    self.max_tail_tokens)  # fmt: skip
         if reason is not None:
             self.stats[f"eager_spec_steps_mixed_{reason}"] += 1
-            return None
         return n
 
     @property
@@ -166,20 +135,15 @@ class SpecRunner:
         G that holds its windows, and the smallest P that holds its tail's tokens and rows
         (mixed_windows() checked that the largest does).
 
-          tails (256, 512): 3 rows of 200 tokens -> P 256; 3 rows of 300 -> 512; 6 of 200 -> 512
+          tails (256, 512): 200 tail tokens in 3 rows -> P 256; 300 in 3 -> 512; 200 in 6 -> 512
         """
         if self.graphs is None or not self.graphs.tails:
             return None
-        i = bisect.bisect_left(self.graphs.sizes, num_windows)
-        if i == len(self.graphs.sizes):
+        size = padded_size(self.graphs.sizes, num_windows)
+        if size is None:
             self.stats["eager_spec_steps_batch_too_large"] += 1
             return None
-        P = next(
-            p
-            for p in self.graphs.tails
-            if p >= num_tail_tokens and max_tail_rows(p) >= num_tail_rows
-        )
-        return self.graphs.sizes[i], P
+        return size, tail_size(self.graphs.tails, num_tail_tokens, num_tail_rows)
 
     @property
     def max_uniform_rows(self) -> int:
@@ -196,11 +160,10 @@ class SpecRunner:
             return None
         if any(r.num_draft < self.spec.num_verify for r in plan.rows):
             self.stats["spec_graph_steps_with_short_windows"] += 1
-        i = bisect.bisect_left(self.graphs.sizes, len(plan.rows))
-        if i == len(self.graphs.sizes):
+        size = padded_size(self.graphs.sizes, len(plan.rows))
+        if size is None:
             self.stats["eager_spec_steps_batch_too_large"] += 1
-            return None
-        return self.graphs.sizes[i]
+        return size
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -258,8 +221,6 @@ class SpecRunner:
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width, serials)
         self.stats["eager_spec_steps"] += 1
-        if self.sync_planning and width is not None and not layout.tail_rows:
-            return self._planned_step(rows, mode)
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
             target, cell = self._trimmed_step(len(rows), trimmed)
@@ -280,12 +241,6 @@ class SpecRunner:
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
         return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
-
-    def _planned_step(self, rows: list[WindowRow], mode: SamplingMode) -> SpecStepOutput:
-        """The synchronous scheduler's step (runner/chosen_lengths.py)."""
-        prices = self.step_prices(len(rows), not mode.all_greedy) if self.step_prices else None
-        return planned_step(self.spec, self.buffers, self.run_model, rows, mode, prices,
-                            self.stats)  # fmt: skip
 
     def _trimmed_tokens(
         self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None

@@ -19,20 +19,20 @@ sampled for (`last_sampled`, recorded by launch).
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
 
-from dspark.engine.step_plan import StepPlan
 from dspark.request import PENDING_TOKEN, Request
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID, InputBuffers, StepLayout
-from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows, stage_tail, write_tail_pads
+from dspark.runner.mixed_layout import graph_tail_rows, stage_tail, write_tail_pads
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
+from dspark.runner.shapes import decode_size, mixed_decode_shape
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.spec_decoder import SpecDecoder
+from dspark.step_plan import StepPlan
 
 
 class Staged(NamedTuple):
@@ -135,39 +135,15 @@ class StepStager:
         return starts, num_fed
 
     def _mixed_decode_graph(self, plan: StepPlan) -> tuple[int, int, int] | None:
-        """A plain step of decode rows, then a tail of prefill chunks (a mixed decode step):
-        (its decode rows n, the captured (G, P) it pads to), or None (eager; the reason counted
-        when the step has both).
-
-        A step of prefill chunks alone (n = 0: a request admitted into an idle engine, as each
-        one is at low load) that fits the tail replays the smallest mixed graph, its one decode
-        row a pad row: a graph replay instead of an eager step's ~10 ms of host work (on the
-        H200), most of the time to first token at low load. Larger ones run eagerly, uncounted
-        here (eager_steps_not_decode)."""
+        """A mixed decode step's (decode rows n, captured G, P), or None (eager; the reason
+        counted when the step has decode rows): runner/shapes.py decides."""
         graphs = self.graphs
         if graphs is None or not graphs.tail_tokens:
             return None
-        rows = plan.rows
-        n = 0
-        while n < len(rows) and rows[n].num_tokens == 1 and rows[n].do_sample:
-            n += 1
-        if n == len(rows) or any(r.num_draft or r.empty_window for r in rows):
-            return None  # (nothing but decode rows, or windows)
-        tail = rows[n:]
-        reason = None  # (a one-token row may be in the tail: staged as a chunk of 1)
-        if len(tail) > max_tail_rows(graphs.tail_tokens):
-            reason = "tail_rows"
-        elif sum(r.num_tokens for r in tail) > graphs.tail_tokens:
-            reason = "tail_tokens"
-        elif n > graphs.sizes[-1]:
-            reason = "batch_too_large"
-        elif any(PENDING_TOKEN in r.request.token_ids[r.start : r.end] for r in tail):
-            reason = "pending_in_tail"
-        if reason is not None:
-            if n:
-                self.stats[f"eager_steps_mixed_{reason}"] += 1
-            return None
-        return n, graphs.sizes[bisect.bisect_left(graphs.sizes, n)], graphs.tail_tokens
+        shape, reason = mixed_decode_shape(graphs.sizes, graphs.tail_tokens, plan)
+        if reason is not None and plan.rows[0].num_tokens == 1 and plan.rows[0].do_sample:
+            self.stats[f"eager_steps_mixed_{reason}"] += 1
+        return shape
 
     def _stage_mixed_decode(
         self, plan: StepPlan, reqs: list, serials: np.ndarray, n: int, G: int, P: int
@@ -411,8 +387,7 @@ class StepStager:
             if not any(r.num_draft for r in plan.rows):  # (windows: the speculative runner's)
                 self.stats["eager_steps_not_decode"] += 1
             return None
-        i = bisect.bisect_left(self.graph_sizes, len(plan.rows))
-        if i == len(self.graph_sizes):
-            self.stats["eager_steps_batch_too_large"] += 1
-            return None
-        return self.graph_sizes[i]
+        size, reason = decode_size(self.graph_sizes, plan)
+        if reason is not None:
+            self.stats[f"eager_steps_{reason}"] += 1
+        return size

@@ -19,13 +19,14 @@ comes from a warm-up step, before any graph capture).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from dspark import envs
+
 logger = logging.getLogger(__name__)
 
-_TRITON = os.environ.get("DSPARK_TRITON_UNIFORM") != "0"
+_TRITON = not envs.ENVS.reference_ops
 _CHECKED: set[torch.device] = set()  # devices where the kernel's bits were checked
 
 MASK32 = 0xFFFFFFFF

@@ -17,11 +17,12 @@ uses top-k or top-p (which takes the whole batch to PyTorch) can, that rarely, d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from dspark import envs
+from dspark.kernels.inverse_cdf import inverse_cdf  # (re-exported: the draws use it)
 from dspark.sample.random import STREAM_SAMPLE, uniform
 
 
@@ -44,7 +45,7 @@ class SamplingTensors:
 
 TOPK_PATH_MAX = 1024  # the largest max_top_k taken by the top-k path (beyond it: the sort)
 
-FUSED_SAMPLE = os.environ.get("DSPARK_FUSED_SAMPLE", "1") != "0"  # (module docstring)
+FUSED_SAMPLE = not envs.ENVS.reference_ops  # (module docstring)
 
 
 def takes_fused_path(st: SamplingTensors) -> bool:
@@ -99,24 +100,6 @@ def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             st.max_top_k,
         )  # fmt: skip
     return logits.softmax(dim=-1)
-
-
-def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """A draw from each row of p [R, V] with one uniform u [R, 1] per row: the first index whose
-    cumulative mass exceeds u * total. Tokens of zero probability are never drawn (a run of
-    equal cumulative values is passed over by searchsorted's right side).
-
-      p = [0.2, 0.0, 0.5, 0.3], cdf = [0.2, 0.2, 0.7, 1.0]
-      u = 0.1 -> 0    u = 0.2 -> 2    u = 0.65 -> 2    u = 0.95 -> 3
-
-    The sum runs in float64. In float32 a token of probability below half an ulp of the sum
-    before it (3e-8 once the sum passes 0.5) would get an interval of 0 or of a whole ulp, and
-    over a 49,152-token vocabulary that could move up to ~1e-3 of the mass.
-    """
-    cdf = p.double().cumsum(dim=-1)  # [R, V]
-    target = u.double() * cdf[:, -1:]  # [R, 1]
-    index = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return index.clamp(max=p.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -35,8 +35,9 @@ import socket
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from dspark import envs
 from dspark.server.config import ServerConfig
-from dspark.server.engine_process import SERVER_PROFILE_ENV, watch_parent
+from dspark.server.engine_process import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ def run_worker(
                         format=f"%(levelname)s %(name)s (api {index}): %(message)s")  # fmt: skip
     logging.getLogger("dspark").setLevel(dspark_level)
     watch_parent()  # (the main server gone, so is the engine: nobody is left to answer)
-    if os.environ.get(SERVER_PROFILE_ENV):  # each process its own profile, not the main's path
-        os.environ[SERVER_PROFILE_ENV] += f".api{index}"
+    if envs.ENVS.server_profile:  # each process its own profile, not the main's path
+        os.environ["DSPARK_SERVER_PROFILE"] = f"{envs.ENVS.server_profile}.api{index}"
+        envs.reread()
     app = build_app(config, None, attach=conn)
     uvicorn.Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])

@@ -27,10 +27,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import dspark
+from dspark import envs
 from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
-from dspark.server.engine_process import SERVER_PROFILE_ENV, report_profile
+from dspark.server.engine_process import report_profile
 from dspark.server.errors import APIError, install_error_handlers
 from dspark.server.event_stream import EventStreamResponse
 from dspark.server.metrics import ServerMetrics
@@ -93,9 +94,9 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # SERVER_PROFILE_ENV: the process under cProfile from start-up to shut-down (uvicorn
-        # re-raises SIGTERM once this returns, so the report is written here)
-        profile_path = os.environ.get(SERVER_PROFILE_ENV)
+        # DSPARK_SERVER_PROFILE: the process under cProfile from start-up to shut-down
+        # (uvicorn re-raises SIGTERM once this returns, so the report is written here)
+        profile_path = envs.ENVS.server_profile
         profiler = cProfile.Profile() if profile_path else None
         if profiler is not None:
             profiler.enable()

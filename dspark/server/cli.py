@@ -36,7 +36,6 @@ ENGINE_OPTIONS: dict[str, Any] = {
     # docs/PERFORMANCE.md, tenth look), for chunks of 8 tokens (7.5 ms apart at one stream)
     "stream_interval": 8,
     "mixed_prefill_tokens": 256,  # EngineConfig's default
-    "burst_requests": None,  # EngineConfig's default: 4 sqrt(running rows), engine/burst.py
     "speculative_config": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {
@@ -72,7 +71,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         ("--num-kv-pages", int),
         ("--seed", int),
         ("--mixed-prefill-tokens", int),
-        ("--burst-requests", int),
     ):
         p.add_argument(flag, type=kind, default=None)
     p.add_argument(
@@ -158,7 +156,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 # the type a file's value must have (the flags' own types check the command line)
 OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                 "kv_cache_memory_gb": float, "num_kv_pages": int, "seed": int, "port": int,
-                "stream_interval": int, "mixed_prefill_tokens": int, "burst_requests": int,
+                "stream_interval": int, "mixed_prefill_tokens": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float, "api_server_count": int,
                 "disable_access_log": bool}  # fmt: skip

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from time import monotonic
 
+from dspark import envs
 from dspark.engine.collector import steady_collector_for_good
 from dspark.outputs import FinalInfo
 from dspark.server import wire
@@ -68,12 +69,10 @@ METRICS_INTERVAL_S = 0.1
 STATS_ONLY_INTERVAL_S = 0.01
 PARENT_GONE_EXIT = 3  # the exit status of an engine whose server died
 LOAD_FAILED_EXIT = 1  # and of one that failed to load (its servers were told why first)
-# a path here: the step loop runs under cProfile, written there (and its top logged) at stop;
-# it slows the loop's Python, so it says where host time goes, not how fast the loop is
-PROFILE_ENV = "DSPARK_ENGINE_PROFILE"
+# DSPARK_ENGINE_PROFILE (dspark/envs.py): the step loop runs under cProfile, written there (and
+# its top logged) at stop; it slows the loop's Python, so it says where host time goes, not how
+# fast the loop is. DSPARK_SERVER_PROFILE does the same for an API process (app.py).
 PROFILE_TOP = 30
-# the same for the server process (its event loop: HTTP, routing, streaming), set by cli.py
-SERVER_PROFILE_ENV = "DSPARK_SERVER_PROFILE"
 
 
 def build_engine(config):
@@ -121,7 +120,7 @@ def run_engine_process(
     # once; with several, a closed pipe detaches that one API process (EngineServer)
     exit_status = PARENT_GONE_EXIT if len(conns) == 1 else None
     senders = [OutputSender(conn, exit_status) for conn in conns]
-    profile_path = os.environ.get(PROFILE_ENV)
+    profile_path = envs.ENVS.engine_profile
     profiler = cProfile.Profile() if profile_path else None
     if profiler is not None:
         profiler.enable()
@@ -146,8 +145,8 @@ def _send_quietly(conn: Connection, message: tuple) -> None:
 
 
 def report_profile(profiler: cProfile.Profile, path: str, what: str) -> None:
-    """A loop's profile (PROFILE_ENV, SERVER_PROFILE_ENV): written to `path` for pstats, its
-    top functions by own time logged."""
+    """A loop's profile (DSPARK_ENGINE_PROFILE, DSPARK_SERVER_PROFILE): written to `path` for
+    pstats, its top functions by own time logged."""
     profiler.dump_stats(path)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_TOP)

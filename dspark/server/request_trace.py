@@ -25,7 +25,8 @@ import json
 import os
 import time
 
-TRACE_ENV = "DSPARK_REQUEST_TRACE"
+from dspark import envs
+
 SCOPE_KEY = "dspark.asgi_time"  # where StampMiddleware puts the app's call time
 
 
@@ -44,7 +45,8 @@ class RequestTracer:
 
 
 def tracer_from_env() -> RequestTracer | None:
-    path = os.environ.get(TRACE_ENV)
+    """A tracer writing to DSPARK_REQUEST_TRACE (dspark/envs.py), None when it is unset."""
+    path = envs.ENVS.request_trace
     return RequestTracer(path) if path else None
 
 

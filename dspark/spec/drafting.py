@@ -22,17 +22,17 @@ a draft was drawn from, not how it was drawn.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from dspark import envs
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.sample.random import STREAM_DRAFT, uniform
 from dspark.sample.sampler import SamplingTensors, inverse_cdf, sampling_probs
 
-# the fused sampled slot (module docstring); DSPARK_FUSED_SAMPLED_DRAFT=0 turns it off, for A/B
-FUSED_SAMPLED = os.environ.get("DSPARK_FUSED_SAMPLED_DRAFT", "1") != "0"
+# the fused sampled slot (module docstring); off under DSPARK_REFERENCE_OPS
+FUSED_SAMPLED = not envs.ENVS.reference_ops
 
 
 @dataclass(frozen=True)

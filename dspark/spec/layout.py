@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
+from dspark.step_plan import SCRATCH_PAGE
 
 
 @dataclass(frozen=True)

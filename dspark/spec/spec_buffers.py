@@ -36,10 +36,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.runner.input_buffers import UploadFence, staging_pair
 from dspark.sample.sampler import SamplingTensors
+from dspark.step_plan import SCRATCH_PAGE
 
 
 class WindowRow(NamedTuple):

@@ -32,11 +32,11 @@ Shapes: R requests, K drafted slots each, V vocabulary; target rows are laid out
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from dspark import envs
 from dspark.sample.random import STREAM_ACCEPT, STREAM_SAMPLE, uniform
 from dspark.sample.sampler import inverse_cdf
 
@@ -45,7 +45,7 @@ RESIDUAL_EPS = 1e-9
 
 
 def fused_verify_enabled() -> bool:
-    return os.environ.get("DSPARK_FUSED_VERIFY", "1") != "0"
+    return not envs.ENVS.reference_ops
 
 
 @dataclass(frozen=True)

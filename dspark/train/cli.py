@@ -47,7 +47,12 @@ def add_train_parsers(subparsers) -> None:
     t.add_argument("--stage", default="all", choices=("all", *STAGES))
     t.add_argument("--work-dir", type=Path, required=True)
     t.add_argument("--data-dir", type=Path, default=None, help="default: <work-dir>/data")
-    t.add_argument("--prompts-dir", type=Path, default=None, help="default: ../shared/data")
+    t.add_argument(
+        "--prompts-dir",
+        type=Path,
+        default=None,
+        help="default: the prompt files shipped in dspark/benchmarks/data",
+    )
     t.add_argument("--max-minutes", type=float, default=9.0, help="this command's time limit")
     t.add_argument("--redo", action="store_true", help="run calibrate/evaluate again")
     _add_engine_args(t)
@@ -92,7 +97,12 @@ def add_train_parsers(subparsers) -> None:
         "--data-dir", type=Path, default=None,
         help="a regenerate data dir (its calib split); default: the prompt files' calib split",
     )  # fmt: skip
-    c.add_argument("--prompts-dir", type=Path, default=None, help="default: ../shared/data")
+    c.add_argument(
+        "--prompts-dir",
+        type=Path,
+        default=None,
+        help="default: the prompt files shipped in dspark/benchmarks/data",
+    )
     c.add_argument("--prompts-per-source", type=int, default=64)
     c.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     c.add_argument("--no-greedy", action="store_true",

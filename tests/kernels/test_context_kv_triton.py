@@ -75,7 +75,7 @@ def test_folded_upkeep_writes_the_plain_caches(tmp_path, device, arch, num_layer
 
 
 @torch.no_grad()
-def test_load_folds_the_context_for_the_triton_backend_only(tmp_path, device, monkeypatch):
+def test_load_folds_the_context_for_the_triton_backend_only(tmp_path, device, set_envs):
     target = _target(tmp_path / "t", device)
     _drafter(target, 2).save(tmp_path / "d")
     load = lambda backend: DSparkDrafter.load(tmp_path / "d", target, HASH, backend)  # noqa: E731
@@ -83,8 +83,9 @@ def test_load_folds_the_context_for_the_triton_backend_only(tmp_path, device, mo
     folded = load("triton")
     assert folded.folded_context is not None
     assert "folded_context.proj.weight" not in folded.state_dict()  # the checkpoint is unchanged
-    monkeypatch.setenv("DSPARK_FOLDED_CONTEXT", "0")
+    set_envs(reference_ops=True)
     assert load("triton").folded_context is None
+    set_envs(reference_ops=False)
     # through append_context, the folded drafter writes what the plain one does
     features, positions, slots = _upkeep_inputs(device)
     caches = {}

@@ -156,35 +156,27 @@ def test_gemv_prologue_wrappers(device):
                                rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
-def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
+def test_pdl_is_off_on_the_cpu_and_for_reference_ops(monkeypatch, set_envs):
     """PDL launches need Hopper or later: never on the CPU or under the interpreter, and
-    DSPARK_PDL=0 turns them off on any device (kernels then take PDL=False, a plain launch)."""
+    DSPARK_REFERENCE_OPS turns them off on any device (kernels then take PDL=False)."""
     from dspark.kernels.pdl import pdl_enabled, pdl_options
 
     assert pdl_options(torch.device("cpu")) == {"PDL": False}
-    monkeypatch.setenv("DSPARK_PDL", "0")
+    set_envs(reference_ops=True)
     assert not pdl_enabled(torch.device("cuda", 0))
-    monkeypatch.setenv("DSPARK_PDL", "1")
+    set_envs(reference_ops=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl_enabled(torch.device("cuda", 0))
 
 
-def test_linear_takes_the_gemv_only_on_cuda_rows_it_beats_cublas(monkeypatch):
-    """The model's projections (layers/linear.py): the GEMV on CUDA up to GEMV_ROWS rows (or
-    DSPARK_GEMV_ROWS), F.linear otherwise; DSPARK_GEMV=0 or the torch backend never take it;
-    a bad DSPARK_GEMV_ROWS is refused with the allowed range."""
+def test_linear_takes_the_gemv_only_on_cuda_rows_it_beats_cublas(set_envs):
+    """The model's projections (layers/linear.py): the GEMV on CUDA up to GEMV_ROWS rows,
+    F.linear otherwise; DSPARK_REFERENCE_OPS or the torch backend never take it."""
     layer = linear.Linear(16, 8, True, use_triton=True)
     assert layer.gemv_rows == linear.GEMV_ROWS
     assert not layer.takes_gemv(torch.randn(1, 16))  # a CPU tensor
     assert linear.Linear(16, 8, False, use_triton=False).gemv_rows == 0
-    monkeypatch.setenv("DSPARK_GEMV_ROWS", "4")
-    assert linear.Linear(16, 8, False, use_triton=True).gemv_rows == 4
-    monkeypatch.setenv("DSPARK_GEMV", "0")
+    set_envs(reference_ops=True)
     assert linear.Linear(16, 8, False, use_triton=True).gemv_rows == 0
-    monkeypatch.setenv("DSPARK_GEMV", "1")
-    for bad in ("0", "9", "two"):
-        monkeypatch.setenv("DSPARK_GEMV_ROWS", bad)
-        with pytest.raises(ValueError, match=f"DSPARK_GEMV_ROWS='{bad}'.*1 to 8"):
-            linear.Linear(16, 8, False, use_triton=True)
     x = torch.randn(3, 16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))

@@ -17,14 +17,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norm before every rotation
-@pytest.mark.parametrize("fused_gemv", [False, True])
-def test_triton_model_matches_torch_model(tmp_path, device, fused_gemv, monkeypatch, arch):
-    """fused_gemv: the decode step's layers run the GEMV with its prologues
-    (DSPARK_GEMV_FUSED=1; the GEMV runs on CUDA only). The decode step rotates q and k inside
-    the paged attention kernel, the prefill in the fused rotary launch."""
-    if fused_gemv and device.type != "cuda":
-        pytest.skip("the GEMV path runs on CUDA tensors only")
-    monkeypatch.setenv("DSPARK_GEMV_FUSED", "1" if fused_gemv else "0")
+def test_triton_model_matches_torch_model(tmp_path, device, arch):
+    """The decode step rotates q and k inside the paged attention kernel, the prefill in the
+    fused rotary launch."""
     hf_config = _llama_config(128, arch, num_attention_heads=6, num_key_value_heads=2,
                               hidden_size=96)  # fmt: skip
     save_random_model(tmp_path, hf_config)

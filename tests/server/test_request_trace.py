@@ -8,13 +8,12 @@ import time
 
 import httpx
 
-from dspark.server.request_trace import TRACE_ENV
 from tests.helpers import bench_module
 from tests.server.conftest import MODEL, engine_config, start_server
 
 
-def test_a_traced_stream_has_every_timestamp_in_order(tiny_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace"))
+def test_a_traced_stream_has_every_timestamp_in_order(tiny_llama_dir, tmp_path, set_envs):
+    set_envs(request_trace=tmp_path / "trace")  # (the API side runs in this process)
     live = start_server(engine_config(tiny_llama_dir))
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "ignore_eos": True,
             "stream": True}  # fmt: skip

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.input_buffers import InputBuffers
 from dspark.spec.spec_buffers import SpecBuffers
+from dspark.step_plan import SCRATCH_PAGE
 from tests.helpers import assert_same_logprobs, assert_same_run
 from tests.tiny_models import make_tiny_drafter
 
@@ -70,16 +70,14 @@ def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
     fast = _llm(tiny_vocab_dir, drafter, True, **kw)
     got = fast.generate(PROMPTS, params, use_tqdm=False)
     if kw["num_kv_pages"] == 7:
-        # with "mixed_steps_ahead" (the default) a request whose first token is in flight
-        # drafts its first window a step late (engine/ahead.py), which moves where pages run
-        # out among the requests: the same tokens and logprobs, another preemption's windows
-        # (here one request took one recomputing prefill fewer, then one window more)
+        # a request whose first token is in flight behind a mixed step drafts its first window
+        # a step late (engine/ahead.py), which moves where pages run out among the requests:
+        # the same tokens and logprobs, another preemption's windows (here one request took
+        # one recomputing prefill fewer, then one window more)
         assert _seen(got) == _seen(expected)
         assert_same_logprobs(got, expected)
-        fast = _llm(tiny_vocab_dir, drafter, True, **kw)
-        fast.engine.scheduler.mixed_ahead = False  # without it, the very same windows too
-        got = fast.generate(PROMPTS, params, use_tqdm=False)
-    assert_same_run(got, expected, _seen)
+    else:
+        assert_same_run(got, expected, _seen)
     stats, e = fast.engine.runner.stats, fast.engine
     assert stats["spec_steps_launched_ahead"] > 0, dict(stats)  # not vacuous
     assert stats["continuation_windows"] > 0, dict(stats)
@@ -95,7 +93,7 @@ def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
 
 
 def test_switched_off_runs_drafting_steps_synchronously(tiny_vocab_dir, drafter):
-    llm = _llm(tiny_vocab_dir, drafter, True, num_kv_pages=64, async_spec_steps=False)
+    llm = _llm(tiny_vocab_dir, drafter, False, num_kv_pages=64)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     llm.generate(PROMPTS[:3], params, use_tqdm=False)
     stats = llm.engine.runner.stats
@@ -171,8 +169,8 @@ def test_scheduler_continuation_rows_and_deferral():
     tokens; its update reads where the request stands after the in-flight window's update."""
     from dspark.engine.kv_cache import PageAllocator
     from dspark.engine.scheduler import Scheduler
-    from dspark.engine.step_plan import SampledTokens
     from dspark.request import Request
+    from dspark.step_plan import SampledTokens
 
     s = Scheduler(PageAllocator(16), 4, 4, 64, 64, draft_len=3, max_verify=2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -214,8 +212,8 @@ def test_scheduler_continues_near_max_tokens(max_tokens):
     one waits for its count (deferred) rather than risk a step for nothing."""
     from dspark.engine.kv_cache import PageAllocator
     from dspark.engine.scheduler import Scheduler
-    from dspark.engine.step_plan import SampledTokens
     from dspark.request import Request
+    from dspark.step_plan import SampledTokens
 
     s = Scheduler(PageAllocator(16), 4, 4, 64, 64, draft_len=3, max_verify=2)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -266,8 +264,8 @@ def _prefilled(params: list[SamplingParams]):
     emitted one token."""
     from dspark.engine.kv_cache import PageAllocator
     from dspark.engine.scheduler import Scheduler
-    from dspark.engine.step_plan import SampledTokens
     from dspark.request import Request
+    from dspark.step_plan import SampledTokens
 
     s = Scheduler(PageAllocator(32), 4, 8, 64, 64, draft_len=3)
     reqs = [Request(str(i), [3, 4, 5], p, 0, eos_token_id=1, arrival_time=0.0)

@@ -143,7 +143,7 @@ def test_sampling_with_drafting_steps_launched_ahead_keeps_the_target_distributi
     for ahead in (False, True):
         spec = {"model": str(drafter), "num_speculative_tokens": 1}
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=4 * n + 16,
-                  max_num_seqs=n, max_num_batched_tokens=4 * n, async_spec_steps=ahead,
+                  max_num_seqs=n, max_num_batched_tokens=4 * n, async_scheduling=ahead,
                   speculative_config=spec)  # fmt: skip
         llm.engine.runner.spec_runner.uniform_windows = True
         outputs = llm.generate([prompt] * n, params, use_tqdm=False)

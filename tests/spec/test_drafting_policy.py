@@ -88,7 +88,6 @@ def test_a_probe_of_two_steps_makes_staleness_twice_as_long():
 def test_probes_are_two_steps_where_drafting_steps_launch_ahead():
     runner = SimpleNamespace(uniform_windows=True)  # (the one attribute probe_steps reads)
     assert probe_steps(EngineConfig(model="m"), runner) == 2
-    assert probe_steps(EngineConfig(model="m", async_spec_steps=False), runner) == 1
     assert probe_steps(EngineConfig(model="m", async_scheduling=False), runner) == 1
     assert probe_steps(EngineConfig(model="m"), SimpleNamespace(uniform_windows=False)) == 1
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.spec.layout import verify_layout
+from dspark.step_plan import SCRATCH_PAGE
 
 
 def test_worked_example():

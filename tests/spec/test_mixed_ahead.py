@@ -1,4 +1,4 @@
-"""Mixed steps in the async pipeline (Scheduler.mixed_ahead): a step of windows scheduled ahead
+"""Mixed steps in the async pipeline (engine/ahead.py): a step of windows scheduled ahead
 admits waiting requests into a mixed step's tail, and a step is scheduled behind a mixed one,
 the requests whose first token its tail samples deferred one step. Outputs equal the
 synchronous engine's. CPU, tiny models, the live and the padded (graph) layouts."""
@@ -27,7 +27,7 @@ def drafter(tiny_vocab_dir, tmp_path_factory):
                              taps=(0,))  # fmt: skip
 
 
-def _llm(tiny_vocab_dir, drafter, async_scheduling: bool, padded: bool, mixed_ahead: bool = True):
+def _llm(tiny_vocab_dir, drafter, async_scheduling: bool, padded: bool):
     llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=128,
               max_num_seqs=4, max_model_len=64, async_scheduling=async_scheduling,
               speculative_config={"model": str(drafter), "num_speculative_tokens": 3})  # fmt: skip
@@ -35,7 +35,6 @@ def _llm(tiny_vocab_dir, drafter, async_scheduling: bool, padded: bool, mixed_ah
     spec_runner.uniform_windows = True
     spec_runner.max_tail_tokens = TAIL
     scheduler.mixed_limits = (TAIL_ROWS, TAIL)  # the same chunks in every run
-    scheduler.mixed_ahead = mixed_ahead
     if padded:
         spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4], (TAIL,))
     return llm
@@ -71,33 +70,3 @@ def test_admissions_ahead_and_steps_behind_mixed_ones_equal_sync(tiny_vocab_dir,
     assert counts["first_windows_deferred"] == e.scheduler.num_first_windows_deferred
     assert e.allocator.num_free == e.allocator.num_usable
     assert not e.scheduler.has_unfinished and e._in_flight is None
-
-
-def test_without_mixed_ahead_an_arrival_finishes_the_step_in_flight(tiny_vocab_dir, drafter):
-    """ "mixed_steps_ahead": false (Scheduler.mixed_ahead): the same tokens, no admission
-    ahead, nothing behind a mixed step, and more steps not launched ahead for a waiting
-    request."""
-    on = _llm(tiny_vocab_dir, drafter, True, True)
-    off = _llm(tiny_vocab_dir, drafter, True, True, mixed_ahead=False)
-    want = _seen(on.generate(PROMPTS, _params(), use_tqdm=False))
-    assert _seen(off.generate(PROMPTS, _params(), use_tqdm=False)) == want
-    s_on, s_off = on.engine.runner.stats, off.engine.runner.stats
-    assert s_off["spec_steps_launched_ahead_admitting"] == 0
-    assert s_off["spec_steps_launched_behind_mixed"] == 0
-    assert off.engine.scheduler.num_first_windows_deferred == 0
-    waiting = "spec_steps_not_ahead_waiting_requests"
-    assert s_on[waiting] < s_off[waiting], (dict(s_on), dict(s_off))
-    assert s_on["spec_steps_launched_ahead"] > s_off["spec_steps_launched_ahead"]
-
-
-def test_mixed_steps_ahead_is_a_speculative_config_key(tiny_vocab_dir, drafter):
-    from dspark.spec.config import SpecConfig
-
-    assert SpecConfig.from_dict({"method": "dspark"}).mixed_steps_ahead  # on by default
-    for on in (True, False):
-        spec = {"model": str(drafter), "mixed_steps_ahead": on}
-        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=16,
-                  speculative_config=spec)  # fmt: skip
-        assert llm.engine.scheduler.mixed_ahead is on
-    with pytest.raises(ValueError, match='"mixed_steps_ahead" must be true or false, got 0'):
-        SpecConfig.from_dict({"method": "dspark", "mixed_steps_ahead": 0})

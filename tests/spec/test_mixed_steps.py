@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
 from dspark.runner.mixed_layout import capture_layout, max_tail_rows, write_tail_pads
 from dspark.runner.spec_graphs import MODES, SpecGraphs
 from dspark.spec.spec_buffers import FILTERED, TEMPERATURE
+from dspark.step_plan import SCRATCH_PAGE
 from tests.spec.eager_replay import EagerReplay
 from tests.spec.test_uniform_windows import _assert_same_outputs
 from tests.tiny_models import make_tiny_drafter
@@ -34,7 +34,7 @@ def _llm(tiny_vocab_dir, drafter, padded: bool | None, max_num_seqs: int = 4,
          max_model_len: int = 64):  # fmt: skip
     """padded None: no speculation; False: the live mixed layout; True: padded to graph sizes."""
     kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=max_num_seqs,
-              max_model_len=max_model_len, async_spec_steps=False)  # fmt: skip
+              max_model_len=max_model_len, async_scheduling=False)  # fmt: skip
     if padded is None:
         return LLM(str(tiny_vocab_dir), **kw)
     llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(drafter),

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.spec.spec_buffers import FILTERED, GREEDY, SamplingMode, SpecBuffers, WindowRow
+from dspark.step_plan import SCRATCH_PAGE
 
 PAGE = 4
 

@@ -32,14 +32,14 @@ def vocab_drafter(tiny_vocab_dir, tmp_path_factory):
 )
 def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
     """Eager, captured graphs (synchronous drafting steps), and captured graphs with drafting
-    steps launched ahead (async_spec_steps, the default): the same tokens; eager and graphs also
+    steps launched ahead (async_scheduling, the default): the same tokens; eager and graphs also
     the same counters."""
     runs = {}
     for name, graphs, ahead in (("eager", False, False), ("graphs", True, False),
                                 ("ahead", True, True)):  # fmt: skip
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
                   max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
-                  async_spec_steps=ahead,
+                  async_scheduling=ahead,
                   speculative_config={"model": str(vocab_drafter)})  # fmt: skip
         seen = []  # the observer hook gets each step's confidences from graphs too
         llm.engine.spec.observers.append(lambda v, a, c, seen=seen: seen.append((v, a, c.tolist())))
@@ -82,7 +82,7 @@ def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, 
     for graphs in (False, True):
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
                   max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
-                  async_spec_steps=False,
+                  async_scheduling=False,
                   speculative_config={"model": str(vocab_drafter)})  # fmt: skip
         engine = llm.engine
         for i, prompt in enumerate(PROMPTS12):

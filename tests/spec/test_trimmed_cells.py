@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.engine.kv_cache import SCRATCH_PAGE
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
 from dspark.spec.cost_table import CostTable, check_table, full_block_tokens
 from dspark.spec.drafting_policy import DraftingPolicy
 from dspark.spec.lagged import select_verify_lengths, survival
 from dspark.spec.profile import format_table, profile_cost_table
 from dspark.spec.ragged import FullWidthWindows, compact_windows
+from dspark.step_plan import SCRATCH_PAGE
 from tests.helpers import assert_matches_distribution
 from tests.spec.eager_replay import EagerReplay
 from tests.spec.test_spec_engine import PROMPTS12, _exact_pair_distribution
@@ -74,7 +74,7 @@ def drafter(tiny_vocab_dir, tmp_path_factory):
 
 
 KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=4, max_model_len=64,
-          async_spec_steps=False)  # fmt: skip
+          async_scheduling=False)  # fmt: skip
 LADDER = (1, 2, 4)
 
 
@@ -119,7 +119,7 @@ def test_trimmed_cells_greedy_equal_plain(tiny_vocab_dir, drafter, tmp_path, pad
         for i, n in enumerate([20, 13, 31, 17, 9])
     ]
     plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS12, params, use_tqdm=False)
-    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded, async_spec_steps=ahead)
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded, async_scheduling=ahead)
     got = llm.generate(PROMPTS12, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     m = llm.get_metrics()
@@ -166,7 +166,7 @@ def test_trimmed_sampled_speculation_keeps_the_target_distribution(
     their joint is the target's."""
     n, prompt = 3000, [2, 3, 4]
     llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded=True, max_num_seqs=64,
-               num_kv_pages=1024, async_spec_steps=ahead)  # fmt: skip
+               num_kv_pages=1024, async_scheduling=ahead)  # fmt: skip
     params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_tokens=4,
                              ignore_eos=True) for s in range(n)]  # fmt: skip
     outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
@@ -277,7 +277,7 @@ def test_captured_trimmed_cells_equal_the_eager_step(
     path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
     runs = {}
     for name, ahead in (("eager", False), ("graphs", False), ("ahead", True)):
-        llm = LLM(str(tiny_vocab_dir), async_spec_steps=ahead,
+        llm = LLM(str(tiny_vocab_dir), async_scheduling=ahead,
                   speculative_config=_spec(drafter, cost_table=str(path)), **kw)  # fmt: skip
         spec_runner = llm.engine.runner.spec_runner
         if name == "eager":

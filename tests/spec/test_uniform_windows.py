@@ -20,7 +20,7 @@ def _run(tiny_vocab_dir, drafter, params, uniform: bool | None):
     # drafting steps synchronous in both runs: the same batches, so logprobs compare exactly
     # (test_async_drafting_steps.py compares the async ones)
     kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=8, max_model_len=64,
-              async_spec_steps=False)  # fmt: skip
+              async_scheduling=False)  # fmt: skip
     spec = None if uniform is None else {"model": str(drafter), "num_speculative_tokens": 3}
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **kw)
     if uniform:
@@ -85,7 +85,7 @@ def test_numpy_window_staging_equals_the_row_by_row_path(tiny_vocab_dir, drafter
     ]
     for async_spec in (False, True):
         kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=8,
-                  max_model_len=64, async_spec_steps=async_spec)  # fmt: skip
+                  max_model_len=64, async_scheduling=async_spec)  # fmt: skip
         llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(drafter),
                   "num_speculative_tokens": 3}, **kw)  # fmt: skip
         runner = llm.engine.runner

@@ -28,12 +28,15 @@ COUNTS = {"gsm8k": 4, "vicuna": 2, "alpaca": 2, "humaneval": 2, "self": 3}
 
 
 def _prompts_dir(root):
-    from dspark.benchmarks.prompts import default_prompts_dir
+    import itertools
+
+    from dspark.benchmarks.prompts import default_prompts_dir, read_source_rows
 
     src, dst = default_prompts_dir(), root / "prompts"
     dst.mkdir()
     for name, n in [("gsm8k_train", 12), ("vicuna_bench_questions", 8), ("alpaca_seed_tasks", 8)]:
-        lines = (src / f"{name}.jsonl").read_text().splitlines()[:n]
+        rows = itertools.islice(read_source_rows(src / f"{name}.jsonl"), n)
+        lines = [json.dumps(row) for row in rows]
         (dst / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     return dst
 

@@ -11,7 +11,10 @@ from dspark.config import DTYPE_CHOICES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default', a .gguf file or a HF directory")
+    p.add_argument(
+        "--model", default="default", help="'default', a .gguf file, a HF directory or 'org/name'"
+    )
+    p.add_argument("--revision", default=None, help="of a Hub model: branch, tag or commit")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -51,6 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
+            revision=args.revision,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,
@@ -102,7 +106,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError("dspark profile measures a new table: leave cost_table out")
     spec["scheduling"] = False  # the profiler pins each cell (a shipped table must not decide)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs if batches is None else max(batches),
               kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec)  # fmt: skip
     if batches is None:  # the captured ladder (on the CPU: powers of two to max_num_seqs)

@@ -24,6 +24,7 @@ CPU_KV_CACHE_GB = 1.0
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
+    revision: str | None = None  # of a Hub model "org/name": a branch, tag or commit; None: main
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto: cuda when available
     max_model_len: int | None = None  # None: the checkpoint's context length, capped by KV

@@ -75,12 +75,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to one conversation or a list of them."""
+        """Apply the checkpoint's chat template to one conversation or a list of them;
+        `chat_template_kwargs` are the template's variables (Qwen3: {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt)}
+            {
+                "prompt_token_ids": tok.apply_chat_template(
+                    c, add_generation_prompt, chat_template_kwargs
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -87,7 +87,7 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.revision)
         model_config, weights = load_checkpoint(source)
         self.model_config = model_config
         self.tokenizer: Tokenizer = load_tokenizer(source)
@@ -206,7 +206,7 @@ class LLMEngine:
         (the server passes its handler's time, so the latency metrics include tokenization and
         the pipe); default now.
         """
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).with_eos_ids(self.model_config.eos_token_ids[1:])
         prompt_ids, text = self._prompt_ids(prompt)
         prompt_text = text if text is not None else prompt_text
         self.validate_request(request_id, prompt_ids, params)

@@ -7,7 +7,6 @@ layers and one position per row, and there is neither decoder nor policy.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,9 +16,9 @@ import torch
 from dspark.config import EngineConfig
 from dspark.drafters import SHIPPED, shipped_drafter
 from dspark.engine.kv_cache import allocate_kv_caches
-from dspark.models.dspark_drafter import DSparkDrafter
+from dspark.models.dspark_drafter import DSparkDrafter, drafter_dims
 from dspark.models.llama import LlamaForCausalLM
-from dspark.models.loader import ModelSource, checkpoint_hash
+from dspark.models.loader import ModelSource, checkpoint_hash, drafter_directory
 from dspark.models.model_config import ModelConfig
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
@@ -38,7 +37,7 @@ def resolve_drafter(config: EngineConfig, source: ModelSource) -> tuple[Path | N
     if spec is None:
         return None, None
     target_hash = checkpoint_hash(source)
-    path = Path(spec.model) if spec.model else shipped_drafter(target_hash)
+    path = drafter_directory(spec.model) if spec.model else shipped_drafter(target_hash)
     if path is None:
         raise ValueError(
             f'speculative_config has no "model" and no drafter ships for {source.path} '
@@ -50,19 +49,14 @@ def resolve_drafter(config: EngineConfig, source: ModelSource) -> tuple[Path | N
     return path, target_hash
 
 
-def _drafter_config(drafter_dir: Path | None) -> dict:
-    """The drafter's config.json ({} without a drafter)."""
-    return {} if drafter_dir is None else json.loads((drafter_dir / "config.json").read_text())
-
-
 def drafter_layers(drafter_dir: Path | None) -> int:
     """Layers of the drafter (its KV shares the target's pages), 0 without one."""
-    return int(_drafter_config(drafter_dir).get("num_layers", 0))
+    return 0 if drafter_dir is None else drafter_dims(drafter_dir)[0]
 
 
 def verified_positions(drafter_dir: Path | None) -> int:
     """Positions a row's step samples or verifies at most: the drafter's block + 1, else 1."""
-    return int(_drafter_config(drafter_dir).get("draft_len", 0)) + 1
+    return 1 if drafter_dir is None else drafter_dims(drafter_dir)[1] + 1
 
 
 def build_spec(

@@ -24,6 +24,7 @@ never the token it scores.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,9 +37,17 @@ from dspark.layers.attention import Attention
 from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
+from dspark.models.deepspec_format import (
+    deepspec_dims,
+    deepspec_drafter_config,
+    deepspec_state_dict,
+    is_deepspec,
+)
 from dspark.models.folded_context import FoldedContext, folded_context_enabled
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -131,10 +140,10 @@ class DrafterLayer(nn.Module):
         w = a.qkv_proj.weight[a.q_size :]
         bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias[a.q_size :]
         kc, vc = F.linear(ctx, w, bias).split([a.kv_size, a.kv_size], dim=-1)  # [B, L, kv]
-        q, kb = a.rotary(
-            positions.reshape(-1), q.reshape(B * Q, nh, hd), kb.reshape(B * Q, nkv, hd)
-        )
+        q, kb = a.norm_heads(q.reshape(B * Q, nh, hd), kb.reshape(B * Q, nkv, hd))
+        q, kb = a.rotary(positions.reshape(-1), q, kb)
         kc = kc.reshape(B * L, nkv, hd)
+        _, kc = a.norm_heads(kc[:, :0], kc)
         kc, _ = a.rotary(ctx_positions.reshape(-1), kc, kc)  # context tokens are keys only
         keys = torch.cat([kc.view(B, L, nkv, hd), kb.view(B, Q, nkv, hd)], dim=1)  # [B, S, nkv, hd]
         vals = torch.cat([vc.view(B, L, nkv, hd), vb.view(B, Q, nkv, hd)], dim=1)
@@ -298,20 +307,29 @@ class DSparkDrafter(nn.Module):
         backend: str = "torch",
     ) -> DSparkDrafter:
         directory = Path(directory)
-        if not (directory / CONFIG_FILE).is_file():
-            raise FileNotFoundError(f"{directory} is not a DSpark drafter (no {CONFIG_FILE})")
-        config = DrafterConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        hf = read_drafter_config(directory)
+        tensors = None
+        if is_deepspec(hf):  # DeepSeek's layout: identity by the frozen embedding and head
+            identity = target_identity(target, target_weights_hash)
+            config = deepspec_drafter_config(hf, target, identity)
+            tensors = deepspec_state_dict(read_weights(directory), config, target)
+        else:
+            config = DrafterConfig.from_dict(hf)
         device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         drafter = cls(config, target, target_weights_hash, backend)  # checks the identity first
-        drafter.load_state_dict(read_weights(directory))
+        drafter.load_state_dict(tensors if tensors is not None else read_weights(directory))
         drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # .to(dtype) rounded the (shared) rotary frequencies: the kernels want them in fp32
         drafter.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(drafter.target_config).to(
             device
         )
         if backend == "triton" and folded_context_enabled():
-            drafter.folded_context = drafter.fold_context()
+            if drafter.target_config.use_qk_norm:  # k norm is per head: it does not fold
+                logger.info("drafter context upkeep unfolded: %s has q/k norm",
+                            drafter.target_config.architecture)  # fmt: skip
+            else:
+                drafter.folded_context = drafter.fold_context()
         return drafter
 
     def fold_context(self) -> FoldedContext:
@@ -324,6 +342,19 @@ class DSparkDrafter(nn.Module):
             kv.append((a.qkv_proj.weight[a.q_size :], None if bias is None else bias[a.q_size :]))
         return FoldedContext(self.fc, self.context_norm.weight, self.context_norm.eps, kv,
                              self.layers[0].self_attn.rotary.inv_freq)  # fmt: skip
+
+
+def read_drafter_config(directory: Path) -> dict:
+    """A drafter directory's config.json: this engine's DrafterConfig, or DeepSpec's."""
+    if not (directory / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{directory} is not a DSpark drafter (no {CONFIG_FILE})")
+    return json.loads((directory / CONFIG_FILE).read_text())
+
+
+def drafter_dims(directory: Path) -> tuple[int, int]:
+    """(drafter layers, draft length K) from a drafter directory's config, either layout."""
+    hf = read_drafter_config(directory)
+    return deepspec_dims(hf) if is_deepspec(hf) else (int(hf["num_layers"]), int(hf["draft_len"]))
 
 
 def check_identity(expected: TargetIdentity, live: TargetIdentity) -> None:

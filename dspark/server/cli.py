@@ -23,6 +23,7 @@ from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, STREAM_DETOKENIZE, 
 # option -> default; the flags default to None so a value from the file is told apart
 ENGINE_OPTIONS: dict[str, Any] = {
     "model": "default",
+    "revision": None,
     "dtype": "auto",
     "device": "auto",
     "max_model_len": None,
@@ -55,7 +56,10 @@ SERVER_OPTIONS: dict[str, Any] = {
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI API over HTTP (docs/SERVING.md)")
-    p.add_argument("model", nargs="?", default=None, help="'default', a .gguf file or a HF dir")
+    p.add_argument(
+        "model", nargs="?", default=None, help="'default', a .gguf file, a HF dir or 'org/name'"
+    )
+    p.add_argument("--revision", default=None, help="of a Hub model: branch, tag or commit")
     p.add_argument("--config", type=Path, default=None, help="a YAML file of these options")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES)
     p.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")

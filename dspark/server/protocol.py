@@ -11,7 +11,7 @@ value and refused otherwise with a clear message, never silently dropped.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -171,6 +171,7 @@ class ChatCompletionRequest(_Request):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, as vLLM's
 
     def check_supported(self) -> None:
         super().check_supported()

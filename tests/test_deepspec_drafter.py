@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from dspark import LLM, SamplingParams
 from dspark.models.deepspec_format import DeepSpecFormatError
-from dspark.models.dspark_drafter import DrafterMismatchError, DSparkDrafter
+from dspark.models.drafter_config import DrafterMismatchError
+from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import build_model
 from dspark.models.loader import load_checkpoint, resolve_model
 from tests.helpers import full_logits

@@ -94,7 +94,8 @@ def make_tiny_drafter(
 ) -> Path:
     """A random-weight DSpark drafter for the checkpoint in target_dir (2 layers, Markov rank 8),
     saved with the target's identity so the engine accepts it."""
-    from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
+    from dspark.models.drafter_config import DrafterConfig
+    from dspark.models.dspark_drafter import DSparkDrafter, target_identity
     from dspark.models.llama import build_model
     from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
 

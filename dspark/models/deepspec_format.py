@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dspark.models.drafter_config import DrafterConfig, DrafterMismatchError, TargetIdentity
+
 if TYPE_CHECKING:
-    from dspark.models.dspark_drafter import DrafterConfig, TargetIdentity
     from dspark.models.llama import LlamaForCausalLM
 
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
@@ -63,7 +64,6 @@ def deepspec_drafter_config(
 ) -> DrafterConfig:
     """The DrafterConfig a DeepSpec config.json describes, checked against the live target
     (`identity` is the target's own: the weights are compared in deepspec_state_dict)."""
-    from dspark.models.dspark_drafter import DrafterConfig
 
     tc = target.config
     if tc.architecture != TARGET_ARCHITECTURE:
@@ -156,7 +156,6 @@ def deepspec_state_dict(
 
 
 def _check_same(name: str, stored: torch.Tensor, live: torch.Tensor) -> None:
-    from dspark.models.dspark_drafter import DrafterMismatchError
 
     if stored.shape != live.shape or not torch.equal(stored.to(live), live):
         raise DrafterMismatchError(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,52 +42,20 @@ from dspark.models.deepspec_format import (
     deepspec_state_dict,
     is_deepspec,
 )
+from dspark.models.drafter_config import (  # (re-exported: the drafter's public names)
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    DrafterConfig,
+    TargetIdentity,
+    check_identity,
+    read_drafter_config,
+)
 from dspark.models.folded_context import FoldedContext, folded_context_enabled
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-# sharded checkpoints (HF's layout): {"metadata": {...}, "weight_map": {tensor name: shard file}}
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-
-
-class DrafterMismatchError(ValueError):
-    """A drafter checkpoint was made for another target model."""
-
-
-@dataclass(frozen=True)
-class TargetIdentity:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    weights_hash: str  # sha256 over the target's parameter names, shapes and a value sample
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    target: TargetIdentity
-    draft_len: int = 7  # K: drafted slots per block
-    target_layers: tuple[int, ...] = (1, 10, 19, 28)  # taps: decoder layers whose output is read
-    num_layers: int = 2
-    markov_rank: int = 64  # 0: a plain DFlash-style drafter (no Markov head)
-    use_confidence: bool = True
-    mask_token_id: int = -1  # unused: MASK is a trainable embedding; kept for the file format
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["target_layers"] = list(self.target_layers)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DrafterConfig:
-        d = dict(d)
-        d["target"] = TargetIdentity(**d["target"])
-        d["target_layers"] = tuple(d["target_layers"])
-        return cls(**d)
 
 
 def target_identity(model: LlamaForCausalLM, weights_hash: str) -> TargetIdentity:
@@ -344,27 +311,10 @@ class DSparkDrafter(nn.Module):
                              self.layers[0].self_attn.rotary.inv_freq)  # fmt: skip
 
 
-def read_drafter_config(directory: Path) -> dict:
-    """A drafter directory's config.json: this engine's DrafterConfig, or DeepSpec's."""
-    if not (directory / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{directory} is not a DSpark drafter (no {CONFIG_FILE})")
-    return json.loads((directory / CONFIG_FILE).read_text())
-
-
 def drafter_dims(directory: Path) -> tuple[int, int]:
     """(drafter layers, draft length K) from a drafter directory's config, either layout."""
     hf = read_drafter_config(directory)
     return deepspec_dims(hf) if is_deepspec(hf) else (int(hf["num_layers"]), int(hf["draft_len"]))
-
-
-def check_identity(expected: TargetIdentity, live: TargetIdentity) -> None:
-    for name in ("architecture", "vocab_size", "hidden_size", "weights_hash"):
-        want, got = getattr(expected, name), getattr(live, name)
-        if want != got:
-            raise DrafterMismatchError(
-                f"this drafter was trained for another target: {name} is {want!r} in the drafter "
-                f"checkpoint but {got!r} in the loaded target model"
-            )
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:

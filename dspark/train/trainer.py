@@ -37,13 +37,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.models.dspark_drafter import (
-    CONFIG_FILE,
-    DrafterConfig,
-    DSparkDrafter,
-    read_weights,
-    target_identity,
-)
+from dspark.models.drafter_config import CONFIG_FILE, DrafterConfig
+from dspark.models.dspark_drafter import DSparkDrafter, read_weights, target_identity
 from dspark.models.llama import LlamaForCausalLM
 from dspark.train.anchors import Sequence, build_blocks
 from dspark.train.dataset import BatchOrder

@@ -9,7 +9,7 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.drafters import SHIPPED, shipped_drafter
-from dspark.models.dspark_drafter import DrafterConfig
+from dspark.models.drafter_config import DrafterConfig
 from dspark.models.loader import ModelSource, checkpoint_hash
 from dspark.spec.calibration import load_calibration
 from dspark.spec.cost_table import COST_TABLES_DIR, parse_table

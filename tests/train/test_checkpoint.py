@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.models.dspark_drafter import WEIGHTS_INDEX_FILE, DrafterMismatchError, DSparkDrafter
+from dspark.models.drafter_config import WEIGHTS_INDEX_FILE, DrafterMismatchError
+from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
 from dspark.train.export import export_drafter, shard_tensors

@@ -25,7 +25,7 @@ GPU's table:
 ahead of the one in flight and each decision reads survivals two blocks old, as on a GPU (the
 CPU computes each step before the next is decided all the same; only the order of decisions and
 reads changes). The arm key "decision_lag" (1 or 2) overrides the policy's persistence fit's
-pairing there (spec/survival_estimates.py).
+pairing there (policy/survival.py).
 
 A model, not a measurement of the GPU: it leaves out what the table does not hold (prefill
 carried by a step, switches between plain and drafting graphs, host gaps), and the CPU's fp32
@@ -53,7 +53,7 @@ from dspark import LLM, SamplingParams
 from dspark.benchmarks.prompts import default_prompts_dir, load_prompts
 from dspark.engine.spec_setup import probe_steps
 from dspark.models.loader import default_model_path
-from dspark.spec.cost_table import CostTable, full_block_tokens, parse_table
+from dspark.policy.cost_table import CostTable, full_block_tokens, parse_table
 
 MAX_MODEL_LEN = 1024  # the benchmark's prompts and 256 tokens fit
 

@@ -194,7 +194,7 @@ def run_level(
         for name, llm in llms.items():
             device = llm.engine.device
             before_run = read_gpu_state(device)  # clocks and heat, outside the timed window
-            if (trace := llm.engine.policy_trace) is not None:  # (spec/policy_trace.py)
+            if (trace := llm.engine.policy_trace) is not None:  # (policy/trace.py)
                 trace.mark(arm=name, concurrency=concurrency or len(prompts),
                            repeat=len(runs[name]))  # fmt: skip
             run = run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)

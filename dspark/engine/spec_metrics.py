@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from dspark.engine.scheduler import Scheduler
-from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.policy.policy import DraftingPolicy
 from dspark.spec.spec_decoder import SpecDecoder
 
 

@@ -21,11 +21,11 @@ from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import ModelSource, checkpoint_hash
 from dspark.models.model_config import ModelConfig
+from dspark.policy.cost_table import COST_TABLES_DIR, load_cost_table, user_tables_dir
+from dspark.policy.policy import DraftingPolicy
+from dspark.policy.realised_costs import RealisedCosts
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
-from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table, user_tables_dir
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.realised_costs import RealisedCosts
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)

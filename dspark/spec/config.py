@@ -11,7 +11,7 @@ K may be smaller than the checkpoint's draft_len (the block is still drafted in 
 positions are verified) but never larger. Without "model" the engine takes the drafter this
 package ships for the loaded target (dspark.drafters), and says so when there is none.
 
-Scheduling (the per-step choice to draft, spec/drafting_policy.py) needs a cost table measured
+Scheduling (the per-step choice to draft, policy/policy.py) needs a cost table measured
 on this engine by `dspark profile`: "cost_table" names one; without it the engine uses a table
 in the drafter's cost_tables/ directory whose fingerprint matches the live engine, if any.
 With no table, or "scheduling": false, every step drafts and verifies the full block (fixed K).
@@ -27,19 +27,19 @@ The cost table must have measured them (`dspark profile` does, for the engine it
 the drafting policy then picks among plain decoding, these cells and the full block. Empty (the
 default) until a measurement shows they pay on the deployment GPU.
 "realised_costs" (default true) prices each cell by the table scaled by the step times the
-engine realises in it (spec/realised_costs.py): a serving loop's drafting steps carry prefill
+engine realises in it (policy/realised_costs.py): a serving loop's drafting steps carry prefill
 and cost more than the profiler's steady ones. On the H200 it took the policy from 0.98x to
 1.09x plain decoding at 256 requests (docs/PERFORMANCE.md, twelfth look); false prices by the
 table alone, deterministically (tests).
 "stale_price_half_life" (default 16; 0: off) lets a realised price that is not measured again
 revert toward the cell's long-run level, halfway per that many steps counted in other cells
-(spec/realised_costs.py): while drafting is off the full block's price is otherwise frozen at
+(policy/realised_costs.py): while drafting is off the full block's price is otherwise frozen at
 whatever turned drafting off. On the H200 (docs/PERFORMANCE.md, twenty-third look) 16 served
 1.09x and 1.24x the frozen prices' throughput at 64 and 256 requests; offline, six side-by-side
 runs at 1 to 256 read 0.92-1.07x, median 1.02x.
 "arrival_costs" (default true) keeps each cell's realised price apart for steps that admit or
 prefill requests and steps that do not, and prices a cell by their mix at the share of recent
-steps at its G with arrivals, which plain steps measure too (spec/realised_costs.py). A served
+steps at its G with arrivals, which plain steps measure too (policy/realised_costs.py). A served
 first wave has arrivals in nearly every step; with one price per cell it held the full block's
 price at 4.6 plain steps after the wave, and drafting off with it through the timed run that
 followed; priced apart, drafting resumed ten steps later (an H100, 64 streams,
@@ -51,7 +51,7 @@ trusts them in full, as before 2026-12-04.
 "scheduler" says who chooses each row's verify length when a step drafts: "lagged" (default:
 the full block, or the policy's trimmed cell filled on the device, DSPARK.md 6.3 item 2) or
 "sync" (Algorithm 1 with early stop on the host, from the step's own survivals, each length
-priced by the cost table's cells: spec/planner.py; a second host sync per drafting step, so it
+priced by the cost table's cells: policy/planner.py; a second host sync per drafting step, so it
 runs eagerly, without CUDA graphs: a reference and a fallback).
 "dwell_steps" (default 8) is how many plain steps the policy keeps drafting off once it turned
 it off, one of its two guards against flapping (drafting_policy.py); a key so that a
@@ -71,7 +71,7 @@ thirty-fourth look.) Each size past the first adds three mixed graphs a G: 2.3 G
 memory plan's reserve at 256 seats (engine/memory.py).
 "regression_target" is what an aged survival estimate is pulled toward: "population" (the
 default: the recent requests' mean) or "request" (the request's own mean, shrunk toward the
-population's), spec/survival_estimates.py. On an H100 at C = 1 "request" drafted 35% of the
+population's), policy/survival.py. On an H100 at C = 1 "request" drafted 35% of the
 steps where "population" drafted 63-97%, and ran 1,409 against 1,586 tok/s (docs/PERFORMANCE.md,
 twenty-fifth look): a request that dipped below the line once stays off.
 "price_switches" (default false) makes a switch of drafting off pay for its round trip: plain
@@ -113,7 +113,7 @@ class SpecConfig:
     num_speculative_tokens: int | None = None  # None: the checkpoint's draft_len
     method: str = "dspark"
     # `dspark profile`'s table: with it, each step drafts only when the measured whole-step
-    # times say it pays (spec/drafting_policy.py); None: every step drafts (fixed K)
+    # times say it pays (policy/policy.py); None: every step drafts (fixed K)
     cost_table: str | None = None  # None: a matching table in the drafter's cost_tables/
     min_gain: float = 0.02  # what another mode must beat the current one by (squared)
     scheduling: bool = True  # False: fixed K even with a cost table

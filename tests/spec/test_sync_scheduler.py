@@ -1,6 +1,6 @@
 """The synchronous scheduler ("scheduler": "sync"): Algorithm 1 on the host picks each row's
 verify length from the step's own survivals, priced by the cost table's cells as a staircase
-(spec/planner.py, runner/spec_runner.py), and the windows are compacted to those lengths. On the
+(policy/planner.py, runner/spec_runner.py), and the windows are compacted to those lengths. On the
 CPU: greedy output equals plain decoding, sampled output keeps the target's distribution."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.policy.cost_table import CostTable
 from dspark.runner.chosen_lengths import staircase
-from dspark.spec.cost_table import CostTable
 from tests.helpers import assert_matches_distribution
 from tests.spec.test_spec_engine import PROMPTS12, _exact_pair_distribution
 from tests.tiny_models import make_tiny_drafter

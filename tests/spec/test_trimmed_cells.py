@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.policy.cells import select_verify_lengths, survival
+from dspark.policy.cost_table import CostTable, check_table, full_block_tokens
+from dspark.policy.policy import DraftingPolicy
 from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
-from dspark.spec.cost_table import CostTable, check_table, full_block_tokens
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.lagged import select_verify_lengths, survival
 from dspark.spec.profile import format_table, profile_cost_table
 from dspark.spec.ragged import FullWidthWindows, compact_windows
 from dspark.step_plan import SCRATCH_PAGE

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.spec.cost_table import CostTable
-from dspark.spec.lagged import choose_cell, select_verify_lengths
-from dspark.spec.planner import candidate_order, plan_sync
+from dspark.policy.cells import choose_cell, select_verify_lengths
+from dspark.policy.cost_table import CostTable
+from dspark.policy.planner import candidate_order, plan_sync
 from dspark.spec.verifier import VerifyInput, verify
 from tests.helpers import chi2_critical_001
 

@@ -1,5 +1,5 @@
 """Each running request's lagged survival estimate: what the drafting policy prices drafting by
-(spec/drafting_policy.py; DSPARK.md 6.3 item 2, 6.4).
+(policy/policy.py; DSPARK.md 6.3 item 2, 6.4).
 
 After every speculative step the policy observes each window's calibrated survivals a[r, j]
 (at least one step old when they are used: the drafts they describe are already verified, so
@@ -93,8 +93,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dspark.policy.cells import survival
 from dspark.spec.config import REGRESSION_TARGETS  # what an aged estimate is pulled toward
-from dspark.spec.lagged import survival
 
 # what a request's lagged survivals rest on (SurvivalEstimates.estimate_totals)
 FRESH, STALE, UNSEEN = 0, 1, 2

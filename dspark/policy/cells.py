@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.spec.cost_table import CostTable
+from dspark.policy.cost_table import CostTable
 
 
 @dataclass(frozen=True)

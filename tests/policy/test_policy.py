@@ -16,11 +16,11 @@ from dspark import LLM, SamplingParams
 from dspark.cli import main as cli_main
 from dspark.config import EngineConfig
 from dspark.engine.spec_setup import probe_steps
-from dspark.spec.cost_table import CostTable, parse_table
-from dspark.spec.drafting_policy import Decision, DraftingPolicy
+from dspark.policy.cost_table import CostTable, parse_table
+from dspark.policy.policy import Decision, DraftingPolicy
+from dspark.policy.realised_costs import RealisedCosts
+from dspark.policy.survival import STALE
 from dspark.spec.profile import profile_cost_table, reference_drift
-from dspark.spec.realised_costs import RealisedCosts
-from dspark.spec.survival_estimates import STALE
 from tests.tiny_models import make_tiny_drafter
 
 K = 7
@@ -401,7 +401,7 @@ def test_a_table_profiled_here_is_found_in_the_users_tables(
 ):
     """`dspark profile` without --out writes to the user's tables, where every engine with the
     table's fingerprint finds it; without one, the engine warns that it drafts every step."""
-    import dspark.spec.cost_table as cost_table
+    import dspark.policy.cost_table as cost_table
 
     monkeypatch.setenv(cost_table.CACHE_ENV, str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="dspark.engine.spec_setup"):

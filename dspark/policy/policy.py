@@ -15,7 +15,7 @@ request with no survivals yet (just admitted, never drafted), or whose survivals
 counts as fully confident: a = 1, a sum of K (or, just admitted, the recent requests' mean).
 
 How each request's survivals are estimated (smoothing, the population of recent requests,
-persistence, online recalibration) is spec/survival_estimates.py's; DraftingPolicy extends it.
+persistence, online recalibration) is policy/survival.py's; DraftingPolicy extends it.
 
 Probing. While drafting is off nothing refreshes the survivals. They go stale after
 probe_steps (t_full / t_plain - 1) / probe_budget steps at the step's G, priced as the choice
@@ -48,7 +48,7 @@ summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, full 64 * 2.3 / 4.3 = 34 
 drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request gives 0.87 against 1.15
 tokens/ms, and drafting comes back once the dwell has passed.
 
-Realised step costs (spec/realised_costs.py, on by default): the table prices steady steps,
+Realised step costs (policy/realised_costs.py, on by default): the table prices steady steps,
 and a serving loop's drafting steps (prefill tails, eager fallbacks at high load) cost more; the
 engine reports each step's period with the cell it was decided as (record_step), and every cell
 is priced by its table time scaled by the recent realised / table ratio.
@@ -78,10 +78,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dspark.spec.cost_table import CostTable, full_block_tokens
-from dspark.spec.lagged import choose_cell, choose_drafting
-from dspark.spec.realised_costs import RealisedCosts
-from dspark.spec.survival_estimates import SurvivalEstimates
+from dspark.policy.cells import choose_cell, choose_drafting
+from dspark.policy.cost_table import CostTable, full_block_tokens
+from dspark.policy.realised_costs import RealisedCosts
+from dspark.policy.survival import SurvivalEstimates
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Decision:
 
 class DraftingPolicy(SurvivalEstimates):
     """The choice (decide) on top of the survival estimates it rests on (observe, forget and
-    the estimates: spec/survival_estimates.py)."""
+    the estimates: policy/survival.py)."""
 
     def __init__(
         self,

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.spec.cost_table import CostTable
-from dspark.spec.lagged import (
+from dspark.policy.cells import (
     cell_geometry,
     choose_cell,
     choose_drafting,
@@ -15,6 +14,7 @@ from dspark.spec.lagged import (
     select_verify_lengths,
     survival,
 )
+from dspark.policy.cost_table import CostTable
 
 K = 3
 

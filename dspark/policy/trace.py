@@ -30,7 +30,7 @@ A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 - priced / table: the step's runnable cells (V -> seconds) as the policy priced them (the
   table scaled by realised costs) and as the table has them; survival_sum and the row counts
   by kind (fresh, stale, unseen) are the lagged evidence the choice rested on.
-- period: the realised step cost this decision taught (spec/realised_costs.py StepPeriods),
+- period: the realised step cost this decision taught (policy/realised_costs.py StepPeriods),
   or null; stats: the runner's counters that moved since the previous decision (what the
   pipeline ran in between).
 - cpu_s, wait_s: the engine thread's CPU seconds (time.thread_time) and the wall seconds it
@@ -57,8 +57,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from dspark.spec.drafting_policy import Decision, DraftingPolicy
-from dspark.spec.survival_estimates import FRESH, STALE, UNSEEN
+from dspark.policy.policy import Decision, DraftingPolicy
+from dspark.policy.survival import FRESH, STALE, UNSEEN
 
 TRACE_ENV = "DSPARK_POLICY_TRACE"
 _engines = itertools.count()  # this process's traced engines, in creation order

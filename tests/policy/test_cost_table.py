@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dspark.spec.cost_table import (
+from dspark.policy.cost_table import (
     CACHE_ENV,
     CostTable,
     flatness_reason,

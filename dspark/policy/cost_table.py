@@ -17,7 +17,7 @@ each of them.
 "cells" are measured with greedy requests. A step of rows that sample costs more (every draft
 slot's distribution, rejection sampling, the sampler itself), so a table may also hold
 "sampled_cells", measured with requests at temperature 1, for the same G: the drafting policy
-prices a batch with any sampling row by them (spec/drafting_policy.py). A table without them
+prices a batch with any sampling row by them (policy/policy.py). A table without them
 prices such batches by the greedy cells, counted.
 
 Loading is authentication: the table is used only if its fingerprint equals the live engine's

@@ -1,4 +1,4 @@
-"""Realised step costs (spec/realised_costs.py): cells priced by the table scaled by what the
+"""Realised step costs (policy/realised_costs.py): cells priced by the table scaled by what the
 engine's steps in them took, so drafting steps dearer in a serving loop than in the profiler's
 steady state stop paying where the table alone says they pay."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.spec.cost_table import CostTable
-from dspark.spec.drafting_policy import Decision, DraftingPolicy
-from dspark.spec.realised_costs import RealisedCosts, StepPeriods
-from tests.spec.test_drafting_policy import KW, PROMPTS, _spec, drafter  # noqa: F401
+from dspark.policy.cost_table import CostTable
+from dspark.policy.policy import Decision, DraftingPolicy
+from dspark.policy.realised_costs import RealisedCosts, StepPeriods
+from tests.policy.test_policy import KW, PROMPTS, _spec, drafter  # noqa: F401
 
 K = 7
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.spec.cost_table import CostTable
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.policy_trace import TRACE_ENV, PolicyTrace
-from dspark.spec.survival_estimates import FRESH, UNSEEN
+from dspark.policy.cost_table import CostTable
+from dspark.policy.policy import DraftingPolicy
+from dspark.policy.survival import FRESH, UNSEEN
+from dspark.policy.trace import TRACE_ENV, PolicyTrace
 from tests.helpers import bench_module
 from tests.tiny_models import make_tiny_drafter
 

@@ -163,7 +163,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
-        self._last_arrivals = False  # the last decided step admitted or prefilled (arrival_costs)
+        self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -311,9 +311,7 @@ class LLMEngine:
                                       counted, now)  # fmt: skip
         if counted is not None:  # (the period is the previous decision's step)
             self.policy.record_step(*counted, arrivals=self._last_arrivals)
-        costs = self.policy.realised_costs
-        if costs is not None and costs.split_arrivals:  # ("arrival_costs": realised_costs.py)
-            self._last_arrivals = self.scheduler.has_arrivals()
+        self._last_arrivals = self.scheduler.has_arrivals()  # (priced apart: realised_costs.py)
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

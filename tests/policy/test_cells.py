@@ -1,20 +1,14 @@
-"""The lagged-capacity scheduler: geometry, survivals, the host's cell choice with hysteresis,
-and the device's fixed-budget selection (ties by position, then row)."""
+"""Cells: the geometry, survivals and expected tokens, the host's cell choice with hysteresis
+(the device's fixed-budget fill: tests/spec/test_selector.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dspark.policy.cells import (
-    cell_geometry,
-    choose_cell,
-    choose_drafting,
-    expected_tokens,
-    select_verify_lengths,
-    survival,
-)
+from dspark.policy.cells import cell_geometry, choose_cell, choose_drafting, expected_tokens
 from dspark.policy.cost_table import CostTable
+from dspark.policy.survival import survival
 
 K = 3
 
@@ -58,35 +52,6 @@ def test_host_choice_full_trimmed_plain_and_hysteresis():
     assert choose_cell(a, g, slight, K, min_gain=0.02, drafting_now=True).reason == "full block"
     # plain gives 2.0: within the doubled margin of 2.05, so no switch either way
     assert choose_cell(a, g, slight, K, min_gain=0.02, drafting_now=False).reason == "no drafting"
-
-
-def test_device_selection_worked_example_and_ties():
-    a = torch.tensor([[0.9, 0.5], [0.9, 0.2]])
-    assert select_verify_lengths(a, 3).tolist() == [2, 1]
-    assert select_verify_lengths(a, 0).tolist() == [0, 0]
-    assert select_verify_lengths(a, 99).tolist() == [2, 2]
-    ties = torch.full((3, 2), 0.5)  # all equal: position 1 of every row before any position 2
-    assert select_verify_lengths(ties, 4).tolist() == [2, 1, 1]
-    # caps (shortened windows, pad rows at 0): never chosen past them, even with budget left
-    assert select_verify_lengths(a, 3, torch.tensor([1, 2])).tolist() == [1, 2]
-    assert select_verify_lengths(a, 99, torch.tensor([2, 0])).tolist() == [2, 0]
-    # the empty batch and the empty budget
-    assert select_verify_lengths(torch.zeros(0, 2), 5).tolist() == []
-
-
-def test_a_switch_off_must_also_clear_its_round_trip():
-    """off_margin (the drafting policy's price of a switch's round trip) raises the bar for
-    turning drafting off only: plain decoding 11% ahead switches it off at the doubled min_gain
-    (4%), not with 26% more; from plain decoding the bar to resume is unchanged."""
-    g, full = 2, 2 * (K + 1)
-    table = _table(g, {2: 1.0, full: 2.0})
-    a = torch.tensor([[0.4, 0.2, 0.2], [0.4, 0.2, 0.2]])  # full: (2 + 1.6) / 2.0 = 1.8, plain 2.0
-    assert choose_cell(a, g, table, K, 0.02, drafting_now=True).reason == "no drafting"
-    assert choose_cell(a, g, table, K, 0.02, True, off_margin=0.26).reason == "full block"
-    assert choose_drafting(2, 1.6, g, table, K, 0.02, True).reason == "no drafting"
-    assert choose_drafting(2, 1.6, g, table, K, 0.02, True, off_margin=0.26).reason == (
-        "full block"
-    )
-    confident = torch.ones(2, K)  # full: (2 + 6) / 2.0 = 4.0 against 2.0: resumes either way
-    for off in (0.0, 0.26):
-        assert choose_cell(confident, g, table, K, 0.02, False, off).reason == "full block"
+    # the sum-only choice agrees: plain and the full block of G
+    assert choose_drafting(2, 2.1, g, slight, K, 0.02, drafting_now=True).reason == "full block"
+    assert choose_drafting(2, 2.1, g, slight, K, 0.02, drafting_now=False).reason == "no drafting"

@@ -98,7 +98,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from dspark.benchmarks.gpu_state import describe, held_down, read_gpu_state
     from dspark.llm import LLM
-    from dspark.spec.cost_table import flatness_reason, table_file_name, user_tables_dir
+    from dspark.policy.cost_table import flatness_reason, table_file_name, user_tables_dir
     from dspark.spec.profile import format_table, profile_cost_table
 
     spec = dict(args.speculative_config or {"method": "dspark"})
@@ -155,7 +155,7 @@ def _compare_to_reference(table, llm, path: str | None) -> None:
     from pathlib import Path
 
     from dspark.engine.spec_setup import matching_cost_table
-    from dspark.spec.cost_table import parse_table
+    from dspark.policy.cost_table import parse_table
     from dspark.spec.profile import DRIFT_WARNING, reference_drift
 
     engine = llm.engine

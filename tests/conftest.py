@@ -6,7 +6,7 @@ import tempfile
 import pytest
 import torch
 
-from dspark.spec.cost_table import CACHE_ENV
+from dspark.policy.cost_table import CACHE_ENV
 from tests.tiny_models import make_tiny_llama, make_tiny_vocab_model
 
 torch.set_num_threads(2)

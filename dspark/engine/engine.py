@@ -69,14 +69,14 @@ from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import DeltaOutput, RequestOutput
+from dspark.policy.cost_table import make_fingerprint
+from dspark.policy.realised_costs import StepPeriods
+from dspark.policy.trace import PolicyTrace
 from dspark.request import FinishReason, Request, RequestStatus
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.config import tail_sizes
-from dspark.spec.cost_table import make_fingerprint
-from dspark.spec.policy_trace import PolicyTrace
-from dspark.spec.realised_costs import StepPeriods
 from dspark.step_plan import InFlightStep
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
-        self._last_arrivals = False  # the last decided step admitted or prefilled (arrival_costs)
+        self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -295,7 +295,7 @@ class LLMEngine:
     def _decide_drafting(self) -> None:
         """The drafting policy's choice for the step about to be scheduled; the period since
         the last choice (one step of the pipeline) is the realised cost of that one's cell,
-        when the step before it ran the same cell (spec/realised_costs.py, StepPeriods)."""
+        when the step before it ran the same cell (policy/realised_costs.py, StepPeriods)."""
         now = time.perf_counter()
         reqs = self.scheduler.running
         running = [r.request_id for r in reqs]
@@ -311,9 +311,7 @@ class LLMEngine:
                                       counted, now)  # fmt: skip
         if counted is not None:  # (the period is the previous decision's step)
             self.policy.record_step(*counted, arrivals=self._last_arrivals)
-        costs = self.policy.realised_costs
-        if costs is not None and costs.split_arrivals:  # ("arrival_costs": realised_costs.py)
-            self._last_arrivals = self.scheduler.has_arrivals()
+        self._last_arrivals = self.scheduler.has_arrivals()  # (priced apart: realised_costs.py)
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

@@ -20,11 +20,10 @@ from dspark.models.dspark_drafter import DSparkDrafter, drafter_dims
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.loader import ModelSource, checkpoint_hash, drafter_directory
 from dspark.models.model_config import ModelConfig
+from dspark.policy.cost_table import COST_TABLES_DIR, load_cost_table, user_tables_dir
+from dspark.policy.policy import DraftingPolicy
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
-from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table, user_tables_dir
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.realised_costs import RealisedCosts
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
@@ -135,18 +134,10 @@ def build_policy(
         table, reason = load_cost_table(path, fingerprint())
     ahead = probe_steps(config, spec_runner)  # 2 where drafting steps launch ahead, else 1
     policy = DraftingPolicy(
-        table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
-        unobserved=spec_config.unobserved,
-        regression_target=spec_config.regression_target,
-        fit_persistence=spec_config.persistence,
-        min_dwell_steps=spec_config.dwell_steps,
+        table, spec.survival_temperatures, spec.num_verify,
         probe_steps=ahead,
         decision_lag=ahead,  # (the same cause: a decision reads survivals one block older)
         trimmed_widths=spec_runner.trimmed_widths,
-        price_switches=spec_config.price_switches,
-        realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life,
-                                     split_arrivals=spec_config.arrival_costs)
-        if spec_config.realised_costs else None,
     )  # fmt: skip
     if table is None or policy.table is None:
         reason = reason or "it has no G with both a plain and a full-block cell"

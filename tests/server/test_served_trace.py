@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from dspark.spec.policy_trace import TRACE_ENV
+from dspark.policy.trace import TRACE_ENV
 from tests.server.conftest import MODEL, engine_config, start_server
 
 

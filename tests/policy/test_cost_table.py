@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from dspark.spec.cost_table import (
+from dspark.policy.cost_table import (
     CACHE_ENV,
     CostTable,
+    check_table,
     flatness_reason,
     full_block_tokens,
     load_cost_table,
@@ -107,3 +108,24 @@ def test_the_users_tables_live_in_the_cache_directory(monkeypatch, tmp_path, liv
     h100 = dict(live, gpu="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130")
     assert table_file_name(h100) == "nvidia_h100_80gb_hbm3_dddddddd_k7_torch2.11.0_cu130.json"
     assert table_file_name(live) != table_file_name(h100)
+
+
+def _fingerprint(**extra) -> dict:
+    base = dict(gpu="cpu", device_count=0, torch="t", triton=None, target_hash="a",
+                drafter_hash="b", draft_len=3, dtype="float32", graph_sizes=[1, 2],
+                page_size=16, engine_version="0")  # fmt: skip
+    return {**base, **extra}
+
+
+def test_cost_table_authenticates_trimmed_cells():
+    live = _fingerprint(trimmed_widths=[2])
+    cells = {g: {g: 1.0, 2 * g: 1.2, 4 * g: 1.5} for g in (1, 2)}
+    assert check_table(CostTable(live, cells), live) is None
+    # a table from before trimmed cells (no key) is an engine without them
+    old = _fingerprint()
+    assert check_table(CostTable(old, cells), {**old, "trimmed_widths": []}) is None
+    assert "mismatch on trimmed_widths" in check_table(CostTable(old, cells), live)
+    unmeasured = {1: {1: 1.0, 2: 1.2, 4: 1.5}, 2: {2: 1.0, 8: 1.5}}
+    assert check_table(CostTable(live, unmeasured), live) == (
+        "G=2 has no trimmed cell V=4 (unmeasured)"
+    )

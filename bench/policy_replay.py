@@ -186,7 +186,14 @@ def main() -> int:
         results = {}
         for name, (spec, tuning) in arms.items():
             results[name] = run_arm(
-                model, spec, prompts, args.output_len, c, gpu, args.temperature, args.ahead,
+                model,
+                spec,
+                prompts,
+                args.output_len,
+                c,
+                gpu,
+                args.temperature,
+                args.ahead,
                 tuning,
             )
             r = results[name]

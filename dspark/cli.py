@@ -97,9 +97,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dspark.benchmarks.gpu_state import describe, held_down, read_gpu_state
+    from dspark.benchmarks.profile import format_table, profile_cost_table
     from dspark.llm import LLM
     from dspark.policy.cost_table import flatness_reason, table_file_name, user_tables_dir
-    from dspark.spec.profile import format_table, profile_cost_table
 
     spec = dict(args.speculative_config or {"method": "dspark"})
     if "cost_table" in spec:
@@ -154,9 +154,9 @@ def _compare_to_reference(table, llm, path: str | None) -> None:
     the median ratio of their cells, and a warning when it is off by more than DRIFT_WARNING."""
     from pathlib import Path
 
+    from dspark.benchmarks.profile import DRIFT_WARNING, reference_drift
     from dspark.engine.spec_setup import matching_cost_table
     from dspark.policy.cost_table import parse_table
-    from dspark.spec.profile import DRIFT_WARNING, reference_drift
 
     engine = llm.engine
     path = path or matching_cost_table(engine.drafter_dir, engine.cost_fingerprint)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.attention_metadata import single_prefill_metadata
 from dspark.config import CPU_KV_CACHE_GB, EngineConfig
 from dspark.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token
-from dspark.layers.attention_metadata import single_prefill_metadata
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
 from dspark.step_plan import pages_for

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.attention_metadata import AttentionMetadata
 
 
 def store_kv_ref(

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.kernels.paged_attention_ref import paged_attention_ref, store_kv_ref
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.linear import Linear
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark import envs
+from dspark.attention_metadata import AttentionMetadata
 from dspark.layers.attention import Attention
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
 from dspark.models.deepspec_format import (

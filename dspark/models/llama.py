@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.layers.attention import Attention
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.linear import Linear
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from dspark import envs
+from dspark.version import __version__
 
 FINGERPRINT_KEYS = (
     "gpu", "device_count", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
@@ -45,28 +46,17 @@ FINGERPRINT_DEFAULTS = {"trimmed_widths": []}
 # tables shipped beside a drafter (one per engine they were measured on), used when their
 # fingerprint matches and speculative_config names none
 COST_TABLES_DIR = "cost_tables"
-# the user's own tables (user_tables_dir): where `dspark profile` writes by default, searched
-# after the drafter's
-CACHE_ENV = "DSPARK_CACHE_DIR"
 # a table whose step time varies less than this across the cells of every G is flat
 MIN_SPREAD = 0.05
 
 
 def user_tables_dir() -> Path:
-    """The directory of the tables `dspark profile` measured on this machine:
-    $DSPARK_CACHE_DIR/cost_tables, else $XDG_CACHE_HOME/dspark/cost_tables, else
-    ~/.cache/dspark/cost_tables. A table there is used like one shipped beside the drafter:
-    when its fingerprint equals the live engine's."""
-    root = os.environ.get(CACHE_ENV)
-    if not root:
-        cache = os.environ.get("XDG_CACHE_HOME")
-        if not cache:
-            try:
-                cache = Path.home() / ".cache"
-            except RuntimeError:  # no home directory (a bare container's user)
-                cache = Path(tempfile.gettempdir())
-        root = Path(cache) / "dspark"
-    return Path(root) / COST_TABLES_DIR
+    """The directory of the tables `dspark profile` measured on this machine: cost_tables/
+    under dspark's cache directory (envs.cache_dir: $DSPARK_CACHE_DIR, else
+    $XDG_CACHE_HOME/dspark, else ~/.cache/dspark), where `dspark profile` writes by default. A
+    table there is used like one shipped beside the drafter: when its fingerprint equals the
+    live engine's."""
+    return envs.cache_dir() / COST_TABLES_DIR
 
 
 def table_file_name(fingerprint: dict) -> str:
@@ -123,8 +113,6 @@ def make_fingerprint(
     """The live fingerprint: what a table's measurements depend on."""
     import torch
 
-    import dspark
-
     try:
         import triton
 
@@ -143,7 +131,7 @@ def make_fingerprint(
         "dtype": dtype,
         "graph_sizes": list(graph_sizes),
         "page_size": page_size,
-        "engine_version": dspark.__version__,
+        "engine_version": __version__,
         "trimmed_widths": list(trimmed_widths),
     }
 

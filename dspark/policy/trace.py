@@ -54,10 +54,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from dspark import envs
 from dspark.policy.policy import Decision, DraftingPolicy
 from dspark.policy.survival import FRESH, STALE, UNSEEN
 
-TRACE_ENV = "DSPARK_POLICY_TRACE"
 _engines = itertools.count()  # this process's traced engines, in creation order
 
 
@@ -84,8 +84,8 @@ class PolicyTrace:
     def from_env(cls, policy: DraftingPolicy | None, runner=None) -> PolicyTrace | None:
         """A trace under $DSPARK_POLICY_TRACE (None when it is unset); `policy` None: an engine
         without a drafting policy; `runner`: the ModelRunner whose sync wait is reported."""
-        directory = os.environ.get(TRACE_ENV)
-        if not directory:
+        directory = envs.ENVS.policy_trace
+        if directory is None:
             return None
         name = f"policy_trace_{os.getpid()}_{next(_engines)}.jsonl"
         return cls(policy, Path(directory) / name, runner)

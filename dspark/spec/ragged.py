@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
 from dspark.spec.layout import window_tokens
+from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dspark.attention_metadata import AttentionMetadata, single_prefill_metadata
 from dspark.engine.kv_cache import allocate_kv_caches
-from dspark.layers.attention_metadata import AttentionMetadata, single_prefill_metadata
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
 from tests.tiny_models import _llama_config, save_random_model

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from dspark.policy.cost_table import (
-    CACHE_ENV,
     CostTable,
     check_table,
     flatness_reason,
@@ -95,10 +94,10 @@ def test_flat_tables_are_refused(live):
     assert "single cell" in flatness_reason(single)
 
 
-def test_the_users_tables_live_in_the_cache_directory(monkeypatch, tmp_path, live):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+def test_the_users_tables_live_in_the_cache_directory(monkeypatch, set_envs, tmp_path, live):
+    set_envs(cache_dir=tmp_path / "mine")  # (DSPARK_CACHE_DIR)
     assert user_tables_dir() == tmp_path / "mine" / "cost_tables"
-    monkeypatch.delenv(CACHE_ENV)
+    set_envs(cache_dir=None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert user_tables_dir() == tmp_path / "xdg" / "dspark" / "cost_tables"
     monkeypatch.delenv("XDG_CACHE_HOME")

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from dspark import LLM, SamplingParams
+from dspark.benchmarks.profile import profile_cost_table, reference_drift
 from dspark.cli import main as cli_main
 from dspark.config import EngineConfig
 from dspark.engine.spec_setup import probe_steps
 from dspark.policy.cost_table import CostTable, parse_table
 from dspark.policy.tuning import TUNING
-from dspark.spec.profile import profile_cost_table, reference_drift
 from tests.policy.helpers import by_table
 from tests.tiny_models import make_tiny_drafter
 
@@ -77,13 +77,13 @@ def _write_table(path, llm, plain, full):
 
 
 def test_a_table_profiled_here_is_found_in_the_users_tables(
-    tiny_vocab_dir, drafter, tmp_path, monkeypatch, caplog
+    tiny_vocab_dir, drafter, tmp_path, monkeypatch, caplog, set_envs
 ):
     """`dspark profile` without --out writes to the user's tables, where every engine with the
     table's fingerprint finds it; without one, the engine warns that it drafts every step."""
     import dspark.policy.cost_table as cost_table
 
-    monkeypatch.setenv(cost_table.CACHE_ENV, str(tmp_path / "cache"))
+    set_envs(cache_dir=tmp_path / "cache")
     with caplog.at_level(logging.WARNING, logger="dspark.engine.spec_setup"):
         probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
     assert probe.engine.policy is None and "no cost table for this engine (0 in" in caplog.text

@@ -15,7 +15,7 @@ from dspark import LLM, SamplingParams
 from dspark.policy.cost_table import CostTable
 from dspark.policy.policy import DraftingPolicy
 from dspark.policy.survival import FRESH, UNSEEN
-from dspark.policy.trace import TRACE_ENV, PolicyTrace
+from dspark.policy.trace import PolicyTrace
 from dspark.policy.tuning import TUNING
 from tests.helpers import bench_module
 from tests.policy.helpers import by_table
@@ -38,13 +38,13 @@ def _edge_table(path, llm):
 
 
 def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
-    tiny_vocab_dir, drafter, tmp_path, monkeypatch
+    tiny_vocab_dir, drafter, tmp_path, set_envs
 ):
     spec = {"model": str(drafter), "num_speculative_tokens": 3}
     probe = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
     assert probe.engine.policy_trace is None  # off unless asked for
     table = _edge_table(tmp_path / "edge.json", probe)
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
+    set_envs(policy_trace=tmp_path / "traces")
     spec |= {"cost_table": str(table)}
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
     by_table(llm, dwell_steps=0, min_gain=0.0)  # (no dwell, no margin: near break-even it flaps)
@@ -124,7 +124,7 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
 
 
 def test_steps_beyond_the_table_are_traced_without_a_cell(
-    tiny_vocab_dir, drafter, tmp_path, monkeypatch
+    tiny_vocab_dir, drafter, tmp_path, set_envs
 ):
     """A table of G = 1 only: four rows run beyond it (drafting, no cell), and their periods,
     counted by StepPeriods, are traced and summarised without one (the trace raised on them)."""
@@ -133,7 +133,7 @@ def test_steps_beyond_the_table_are_traced_without_a_cell(
     table = tmp_path / "g1.json"
     cells = {1: {1: 1e-3, 4: 1.2e-3}}
     table.write_text(CostTable(probe.engine.cost_fingerprint(), cells).to_json())
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
+    set_envs(policy_trace=tmp_path / "traces")
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec | {"cost_table": str(table)}, **KW)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -149,12 +149,13 @@ def test_steps_beyond_the_table_are_traced_without_a_cell(
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_engines_without_a_policy_trace_each_step(tiny_vocab_dir, drafter, tmp_path, monkeypatch,
-                                                  speculative):  # fmt: skip
+def test_engines_without_a_policy_trace_each_step(
+    tiny_vocab_dir, drafter, tmp_path, set_envs, monkeypatch, speculative
+):
     """Plain decoding and fixed K (no cost table): a line per step, for comparing arms."""
-    monkeypatch.delenv(TRACE_ENV, raising=False)
+    set_envs(policy_trace=None)
     assert PolicyTrace.from_env(None) is None  # off unless asked for
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    set_envs(policy_trace=tmp_path)
     spec = {"model": str(drafter), "num_speculative_tokens": 3} if speculative else None
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
     engine, steps = llm.engine, []

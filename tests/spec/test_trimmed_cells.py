@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.benchmarks.profile import format_table, profile_cost_table
 from dspark.policy.cost_table import CostTable, check_table, full_block_tokens
 from dspark.policy.survival import survival
-from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
-from dspark.spec.profile import format_table, profile_cost_table
 from dspark.spec.ragged import FullWidthWindows, compact_windows
 from dspark.spec.selector import select_verify_lengths
-from dspark.step_plan import SCRATCH_PAGE
+from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID, SCRATCH_PAGE
 from tests.helpers import assert_matches_distribution
 from tests.policy.helpers import by_table
 from tests.spec.eager_replay import EagerReplay

@@ -8,9 +8,9 @@
 
 The engine is built by its own process when the application starts (engine_loop.py,
 engine_process.py), so the server answers /health while a large model loads; generation routes
-answer 503 until it is ready. On shutdown (uvicorn's SIGTERM handling first lets open requests
-finish, for up to ServerConfig.shutdown_timeout_s, then cancels them, which aborts them) the
-engine process aborts whatever is left and exits.
+answer 503 until it is ready. On shutdown (SIGTERM: open requests may finish for up to
+ServerConfig.shutdown_timeout_s, then the engine aborts those left, so each still ends with its
+final output: shutdown.py) the engine process aborts whatever is left and exits.
 """
 
 from __future__ import annotations

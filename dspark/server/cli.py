@@ -107,7 +107,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "--shutdown-timeout-s",
         type=float,
         default=None,
-        help="on SIGTERM, how long in-flight requests may take to finish",
+        help="on SIGTERM, how long in-flight requests may take to finish before they are aborted "
+        "(each still ends with its finish reason)",
     )
     p.add_argument(
         "--stream-budget",
@@ -200,9 +201,8 @@ def build_configs(options: dict[str, Any]):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from dspark.server.app import build_app
+        from dspark.server.shutdown import GracefulServer
     except ImportError as e:
         message = f"dspark serve needs the serve extra ({e}): pip install 'dspark[serve]'"
         raise ValueError(message) from None
@@ -211,7 +211,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = resolve_options(args)
     engine_config, server_config = build_configs(options)
     uvicorn_options = {
-        "timeout_graceful_shutdown": server_config.shutdown_timeout_s,
         "access_log": not options["disable_access_log"],
         "log_level": "info",
     }
@@ -221,8 +220,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
         return 0
     app = build_app(server_config, engine_factory(engine_config))
-    config = uvicorn.Config(
-        app, host=server_config.host, port=server_config.port, **uvicorn_options
-    )
-    uvicorn.Server(config).run()
+    GracefulServer(
+        app, server_config.shutdown_timeout_s, host=server_config.host,
+        port=server_config.port, **uvicorn_options,
+    ).run()  # fmt: skip
     return 0

@@ -21,7 +21,8 @@ class ServerConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     max_request_bytes: int = 2 * 1024 * 1024  # a larger body is answered 413
-    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    # SIGTERM: in-flight requests get this long to finish, then are aborted (shutdown.py)
+    shutdown_timeout_s: float = 30.0
     # the share of the event loop's time SSE chunks may take; under load a chunk then carries
     # several tokens (request_stream.py). None: unpaced (a chunk per step, unless behind)
     stream_budget: float | None = 0.1

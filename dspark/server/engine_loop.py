@@ -126,6 +126,8 @@ class EngineLoop:
         self._num_pending_requests = self._num_pending_tokens = 0
         self._ack_ids = itertools.count()
         self._stopped: asyncio.Future | None = None  # set when the engine process has ended
+        self.is_draining = False  # shutting down: no new request; the open ones end by a deadline
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.read_times = PhaseTimes()  # the pipe's messages: receiving, then routing each
         self.gc_pauses = GCPauses()  # the server process's collections, logged beside those
@@ -262,6 +264,8 @@ class EngineLoop:
     async def stop(self) -> None:
         """Abort whatever this server still runs, then wait for the engine process to exit
         (attached: for the engine to detach this server)."""
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         if self._conn is None:
             return
         if self.state == EngineState.LOADING and self.process is not None:
@@ -295,9 +299,24 @@ class EngineLoop:
         """Engine requests the server still routes (running, waiting or being aborted)."""
         return len(self._routes)
 
+    def drain(self, timeout_s: float) -> None:
+        """Shutting down: refuse new requests, and abort the open ones still running in
+        `timeout_s` (shutdown.py), so that each ends with its final output."""
+        self.is_draining = True
+        if self._loop is not None and self._drain_timer is None:
+            self._drain_timer = self._loop.call_later(timeout_s, self._abort_all)
+
+    def _abort_all(self) -> None:
+        if self._routes:
+            logger.warning("shutting down: aborting the %d request(s) still running",
+                           len(self._routes))  # fmt: skip
+            self.abort(list(self._routes))
+
     def check_serving(self) -> None:
-        if self.state == EngineState.SERVING:
+        if self.state == EngineState.SERVING and not self.is_draining:
             return
+        if self.state == EngineState.SERVING:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.state == EngineState.LOADING:
             raise APIError(
                 503,

@@ -32,8 +32,9 @@ engine's decoding, to know which token completed it.
 
 Admission control lives here: a submission is refused with 503 when the requests (or prompt
 tokens) waiting for the scheduler, per the engine's latest stats, plus those sent but not yet
-acknowledged, would pass the configured limits. A group of sub-requests (n choices, several
-prompts) is added atomically: the engine validates all before it adds any.
+acknowledged, less the seats still free, would pass the configured limits. A group of
+sub-requests (n choices, several prompts) is added atomically: the engine validates all before
+it adds any.
 
 Failures: a request the engine refuses (prompt too long, a token outside the vocabulary) fails
 its submission with a 400, before any response starts. If the engine fails to load, a step
@@ -328,11 +329,19 @@ class EngineLoop:
         raise APIError(503, f"the engine is {self.state.value}{reason}", code="unavailable")
 
     def _check_capacity(self, num_requests: int, num_tokens: int) -> None:
-        queued_requests = self.stats.num_waiting + self._num_pending_requests
-        queued_tokens = self.stats.num_waiting_tokens + self._num_pending_tokens
-        if (
-            queued_requests + num_requests > self.max_queued_requests
-            or queued_tokens + num_tokens > self.max_queued_tokens
+        """Refuse (503) when the requests that would wait for a seat pass the limits.
+
+        The engine's waiting requests, those sent but not yet acknowledged and this one would
+        all queue, less the seats free after the last step: a burst that arrives at an idle
+        engine is not refused while seats would take it. Their prompt tokens count only when
+        some of them will wait (which of them cannot be told here)."""
+        stats = self.stats
+        free_seats = max(0, self.info.max_num_seqs - stats.num_running)
+        queued_requests = stats.num_waiting + self._num_pending_requests
+        queued_tokens = stats.num_waiting_tokens + self._num_pending_tokens
+        num_waiting = queued_requests + num_requests - free_seats
+        if num_waiting > self.max_queued_requests or (
+            num_waiting > 0 and queued_tokens + num_tokens > self.max_queued_tokens
         ):
             raise APIError(
                 503,

@@ -55,10 +55,12 @@ class EngineStats:
 @dataclass(frozen=True)
 class EngineInfo:
     """What the server needs of the engine, sent once it is built: the tokenizer (prompts are
-    encoded and chat templates rendered in the server process) and the context length."""
+    encoded and chat templates rendered in the server process), the context length, and the
+    seats (admission counts as queued only the requests that will not find one)."""
 
     tokenizer: Tokenizer
     max_model_len: int
+    max_num_seqs: int
     pid: int  # the engine process's
 
 

@@ -135,6 +135,22 @@ def test_queue_limit_answers_503_and_recovers(small_server):
     assert ok.status_code == 200
 
 
+def test_a_burst_takes_the_free_seats_and_only_what_waits_counts_as_queued(small_server):
+    """Two seats and three places in the queue: of six requests sent at once, five are
+    admitted (the two that take the seats never wait) and the sixth is refused."""
+    url = f"{small_server.url}/v1/completions"
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            bodies = [_body(f"Burst {i}", 150) for i in range(6)]
+            return await asyncio.gather(*(client.post(url, json=body) for body in bodies))
+
+    small_server.wait_idle()
+    statuses = sorted(response.status_code for response in asyncio.run(scenario()))
+    assert statuses == [200] * 5 + [503], statuses
+    small_server.wait_idle()
+
+
 def test_a_client_that_leaves_a_whole_response_aborts_it(small_server):
     aborted = _count(small_server, "abort")
     with pytest.raises(httpx.ReadTimeout):

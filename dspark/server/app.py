@@ -1,9 +1,9 @@
 """The FastAPI application: routes, authentication, and the engine's lifetime.
 
-    POST /v1/completions        POST /v1/chat/completions    (API key checked, if one is set)
-    GET  /v1/models             (API key checked)
+    POST /v1/completions        POST /v1/chat/completions    (API key checked, if one is set:
+    GET  /v1/models                                            auth.py, before the body is read)
     GET  /health                200 serving, 503 loading / stopping / dead (with the reason)
-    GET  /metrics               Prometheus text (metrics.py)
+    GET  /metrics               Prometheus text (metrics.py; the key checked if asked for)
     GET  /version
 
 The engine is built by its own process when the application starts (engine_loop.py,
@@ -16,17 +16,17 @@ final output: shutdown.py) the engine process aborts whatever is left and exits.
 from __future__ import annotations
 
 import cProfile
-import hmac
 import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import dspark
+from dspark.server.auth import ApiKeyMiddleware
 from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
@@ -117,34 +117,19 @@ def build_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:  # (outside the body's limit: a request without the key is not read)
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=config.api_key,
+            protect_metrics=config.require_api_key_for_metrics,
+        )  # fmt: skip
     if state.tracer is not None:  # (added last: the outermost, called first)
         app.add_middleware(StampMiddleware)
-    _add_generation_routes(app, state, _api_key_check(config.api_key))
+    _add_generation_routes(app, state)
     _add_info_routes(app, state)
     return app
 
 
-def _api_key_check(api_key: str | None) -> list:
-    """The generation routes' dependencies: the key's check, or none without a key (FastAPI
-    solves each dependency per request, on the event loop that takes a burst's requests one
-    at a time)."""
-    if not api_key:
-        return []
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(
-                401,
-                "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                code="invalid_api_key",
-            )
-
-    return [Depends(check)]
-
-
-def _add_generation_routes(app: FastAPI, state: ServerState, auth: list) -> None:
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     loop = state.engine_loop
 
     async def run(prep_fn, body, request: Request):
@@ -171,15 +156,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth: list) -> None
         result = await full_response(prep, stream, request, model)
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await run(prepare_completion, body, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await run(prepare_chat, body, request)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models():
         info = loop.info
         card = {

@@ -42,6 +42,7 @@ SERVER_OPTIONS: dict[str, Any] = {
     "host": DEFAULT_HOST,
     "port": DEFAULT_PORT,
     "api_key": None,
+    "require_api_key_for_metrics": False,
     "served_model_name": None,  # None: the model argument
     "max_queued_requests": ServerConfig.max_queued_requests,
     "max_queued_tokens": ServerConfig.max_queued_tokens,
@@ -89,6 +90,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (loopback only)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}")
     p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--require-api-key-for-metrics",
+        action="store_true",
+        default=None,
+        help="/metrics asks for the API key too (default: open, like /health)",
+    )
     p.add_argument("--served-model-name", default=None, help="default: the model argument")
     p.add_argument(
         "--max-queued-requests",
@@ -158,7 +165,7 @@ OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_toke
                 "stream_interval": int, "mixed_prefill_tokens": int, "burst_requests": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float, "api_server_count": int,
-                "disable_access_log": bool}  # fmt: skip
+                "disable_access_log": bool, "require_api_key_for_metrics": bool}  # fmt: skip
 
 
 def _from_file(name: str, value: Any) -> Any:

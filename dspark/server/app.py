@@ -31,7 +31,7 @@ from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
 from dspark.server.engine_process import SERVER_PROFILE_ENV, report_profile
-from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.errors import APIError, error_responses, install_error_handlers
 from dspark.server.event_stream import EventStreamResponse
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -45,6 +45,12 @@ from dspark.server.serving import (
 )
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# /openapi.json for the generation routes: a JSON body, or with "stream": true server-sent events
+GENERATION_RESPONSES = {
+    200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the whole response, or with stream: true its chunks as SSE"},
+    **error_responses(400, 401, 404, 413, 503),
+}  # fmt: skip
 
 
 class ServerState:
@@ -156,15 +162,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         result = await full_response(prep, stream, request, model)
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         return await run(prepare_completion, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await run(prepare_chat, body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models():
         info = loop.info
         card = {

@@ -195,7 +195,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        text = state.metrics.render(loop.stats, loop.state == EngineState.SERVING)
+        text = state.metrics.render(loop.stats, loop.state.value)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/version")

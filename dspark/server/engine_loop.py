@@ -46,7 +46,6 @@ engine to abort what is left and waits for the process to exit (killing it if it
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import multiprocessing
@@ -67,7 +66,7 @@ from dspark.server.gc_pauses import GCPauses
 from dspark.server.loop_lag import LoopLag
 from dspark.server.phase_times import PhaseTimes
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
-from dspark.server.wire import EngineInfo, EngineStats, decode_output, merge_stats
+from dspark.server.wire import EngineInfo, EngineState, EngineStats, decode_output, merge_stats
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +77,6 @@ READ_SIZE = 1 << 20  # bytes a read of the engine pipe takes at most
 # the reader logs where its time went when nothing is in flight, once it has read this many
 # messages since it last did (about one a step: a benchmark level, not each idle moment)
 LOG_EVERY_MESSAGES = 500
-
-
-class EngineState(str, enum.Enum):
-    LOADING = "loading"
-    SERVING = "serving"
-    STOPPING = "stopping"
-    DEAD = "dead"
 
 
 @dataclass(frozen=True)
@@ -448,6 +440,9 @@ class EngineLoop:
         logger.error("the engine is dead: %s", reason)
         self.failure = reason
         self.state = EngineState.DEAD
+        # nothing runs, waits or holds a page any more; the request counters stay
+        self.stats = replace(self.stats, num_running=0, num_waiting=0, num_waiting_tokens=0,
+                             num_kv_pages_used=0)  # fmt: skip
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:

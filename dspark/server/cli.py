@@ -20,6 +20,15 @@ from typing import Any
 from dspark.config import DTYPE_CHOICES
 from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, STREAM_DETOKENIZE, ServerConfig
 
+# Served, a step's token budget bounds how long every running stream waits for a token while a
+# long prompt is prefilled: each step carries every decode row and one chunk of the prompt, and
+# lasts as long as the chunk. 2048 is vLLM's online value (V1, below H100 class): on the GPU a
+# prefill step is host-bound (~10 ms at 2,048 or 8,192 tokens on the H200), so chunks cost a
+# long prompt little there; offline (EngineConfig's 8192) no stream waits. On the 2-core
+# development CPU (SmolLM2-135M, docs/SERVING.md, Prefill and running streams) the longest
+# silence of a running stream while an 8,191-token prompt arrived fell from 486 s to 88 s.
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+
 # option -> default; the flags default to None so a value from the file is told apart
 ENGINE_OPTIONS: dict[str, Any] = {
     "model": "default",
@@ -27,7 +36,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "device": "auto",
     "max_model_len": None,
     "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,  # EngineConfig's default
+    "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,  # not EngineConfig's 8192: below
     "kv_cache_memory_gb": None,
     "num_kv_pages": None,
     "seed": 0,

@@ -20,6 +20,15 @@ from typing import Any
 from dspark.config import DTYPE_CHOICES
 from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, STREAM_DETOKENIZE, ServerConfig
 
+# Served, a step's token budget bounds how long every running stream waits for a token while a
+# long prompt is prefilled: each step carries every decode row and one chunk of the prompt, and
+# lasts as long as the chunk. 2048 is vLLM's online value (V1, below H100 class): on the GPU a
+# prefill step is host-bound (~10 ms at 2,048 or 8,192 tokens on the H200), so chunks cost a
+# long prompt little there; offline (EngineConfig's 8192) no stream waits. On the 2-core
+# development CPU (SmolLM2-135M, docs/SERVING.md, Prefill and running streams) the longest
+# silence of a running stream while an 8,191-token prompt arrived fell from 486 s to 88 s.
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+
 # option -> default; the flags default to None so a value from the file is told apart
 ENGINE_OPTIONS: dict[str, Any] = {
     "model": "default",
@@ -28,7 +37,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "device": "auto",
     "max_model_len": None,
     "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,  # EngineConfig's default
+    "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,  # not EngineConfig's 8192: below
     "kv_cache_memory_gb": None,
     "num_kv_pages": None,
     "seed": 0,
@@ -42,6 +51,7 @@ SERVER_OPTIONS: dict[str, Any] = {
     "host": DEFAULT_HOST,
     "port": DEFAULT_PORT,
     "api_key": None,
+    "require_api_key_for_metrics": False,
     "served_model_name": None,  # None: the model argument
     "max_queued_requests": ServerConfig.max_queued_requests,
     "max_queued_tokens": ServerConfig.max_queued_tokens,
@@ -91,6 +101,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (loopback only)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}")
     p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--require-api-key-for-metrics",
+        action="store_true",
+        default=None,
+        help="/metrics asks for the API key too (default: open, like /health)",
+    )
     p.add_argument("--served-model-name", default=None, help="default: the model argument")
     p.add_argument(
         "--max-queued-requests",
@@ -109,7 +125,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "--shutdown-timeout-s",
         type=float,
         default=None,
-        help="on SIGTERM, how long in-flight requests may take to finish",
+        help="on SIGTERM, how long in-flight requests may take to finish before they are aborted "
+        "(each still ends with its finish reason)",
     )
     p.add_argument(
         "--stream-budget",
@@ -159,7 +176,7 @@ OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_toke
                 "stream_interval": int, "mixed_prefill_tokens": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float, "api_server_count": int,
-                "disable_access_log": bool}  # fmt: skip
+                "disable_access_log": bool, "require_api_key_for_metrics": bool}  # fmt: skip
 
 
 def _from_file(name: str, value: Any) -> Any:
@@ -202,9 +219,8 @@ def build_configs(options: dict[str, Any]):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from dspark.server.app import build_app
+        from dspark.server.shutdown import GracefulServer
     except ImportError as e:
         message = f"dspark serve needs the serve extra ({e}): pip install 'dspark[serve]'"
         raise ValueError(message) from None
@@ -213,7 +229,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = resolve_options(args)
     engine_config, server_config = build_configs(options)
     uvicorn_options = {
-        "timeout_graceful_shutdown": server_config.shutdown_timeout_s,
         "access_log": not options["disable_access_log"],
         "log_level": "info",
     }
@@ -223,8 +238,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
         return 0
     app = build_app(server_config, engine_factory(engine_config))
-    config = uvicorn.Config(
-        app, host=server_config.host, port=server_config.port, **uvicorn_options
-    )
-    uvicorn.Server(config).run()
+    GracefulServer(
+        app, server_config.shutdown_timeout_s, host=server_config.host,
+        port=server_config.port, **uvicorn_options,
+    ).run()  # fmt: skip
     return 0

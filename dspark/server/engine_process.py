@@ -108,7 +108,9 @@ def run_engine_process(
         # this 2-core VM, in CI and in an earlier session's run
         logging.shutdown()
         os._exit(LOAD_FAILED_EXIT)
-    info = EngineInfo(engine.tokenizer, engine.max_model_len, os.getpid())
+    info = EngineInfo(
+        engine.tokenizer, engine.max_model_len, engine.scheduler.max_num_seqs, os.getpid()
+    )
     for conn in conns:
         _send_quietly(conn, (wire.READY, info))
     # what exists now (modules, weights' wrappers, the tokenizer) lives as long as the

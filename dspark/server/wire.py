@@ -26,6 +26,7 @@ from whatever bytes have arrived, never waiting for the rest of a message in tra
 
 from __future__ import annotations
 
+import enum
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -36,6 +37,15 @@ from dspark.outputs import DeltaOutput, FinalInfo, RequestOutput
 ADD, ABORT, REJECTED, STOP = "add", "abort", "rejected", "stop"
 READY, ADDED, STEP, FAILED, STOPPED = "ready", "added", "step", "failed", "stopped"
 INVALID = "invalid"  # the kind of an add error that is the client's (ValueError): a 400
+
+
+class EngineState(str, enum.Enum):
+    """The engine as a server process sees it (/health, /metrics, admission)."""
+
+    LOADING = "loading"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    DEAD = "dead"
 
 
 @dataclass(frozen=True)
@@ -55,10 +65,12 @@ class EngineStats:
 @dataclass(frozen=True)
 class EngineInfo:
     """What the server needs of the engine, sent once it is built: the tokenizer (prompts are
-    encoded and chat templates rendered in the server process) and the context length."""
+    encoded and chat templates rendered in the server process), the context length, and the
+    seats (admission counts as queued only the requests that will not find one)."""
 
     tokenizer: Tokenizer
     max_model_len: int
+    max_num_seqs: int
     pid: int  # the engine process's
 
 

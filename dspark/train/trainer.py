@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -325,7 +326,15 @@ class Trainer:
     def resume(self, path: Path) -> None:
         if not path.is_file():
             return
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        # weights_only: tensors and plain values only, so a file planted in a work directory
+        # cannot run code when it is unpickled (the checkpoint holds nothing else: save())
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"{path} could not be loaded as plain tensors and values (a checkpoint this "
+                f"trainer wrote holds nothing else); delete it or use a new --work-dir: {e}"
+            ) from None
         if state["drafter_config"] != self.drafter.config.to_dict():
             raise ValueError(
                 f"{path} was written for another drafter configuration "

@@ -350,12 +350,9 @@ class Scheduler(AheadRules):
                 if req.status is running:  # (preempted: its KV is recomputed)
                     req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
-                if (
-                    cache is not None
-                    and req.status is running
-                    and (req.num_computed_tokens >= (req.num_published_pages + 1) * page_size)
-                ):
-                    cache.publish(req)
+                if cache is not None and req.status is running:
+                    if req.num_computed_tokens >= (req.num_published_pages + 1) * page_size:
+                        cache.publish(req)
                 # a window emits its accepted drafts and one recovered-or-bonus token (the
                 # device may have verified fewer drafts than planned: out.num_draft)
                 verified = num_draft if out.num_draft is None else out.num_draft
@@ -380,12 +377,9 @@ class Scheduler(AheadRules):
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
                 (token_id,) = out.token_ids
                 req.token_ids[first] = token_id
-                if (
-                    cache is not None
-                    and req.status is running
-                    and (req.num_computed_tokens >= (req.num_published_pages + 1) * page_size)
-                ):
-                    cache.publish(req)
+                if cache is not None and req.status is running:
+                    if req.num_computed_tokens >= (req.num_published_pages + 1) * page_size:
+                        cache.publish(req)
                 # the common row: one token that cannot stop it (no stop id, short of its
                 # length; only a stop id can be banned by min_tokens) needs none of the checks
                 if (

@@ -156,7 +156,7 @@ def test_admission_counts_the_submissions_the_engine_has_not_acknowledged():
     from dspark.server.engine_loop import SubRequest
     from dspark.server.errors import APIError
 
-    stats = (0, 0, 0, 0, 8, 0, None, None)  # the engine: nothing waiting
+    stats = (0, 0, 0, 0, 8, 0, 0, 0, None, None)  # the engine: nothing waiting
 
     def subs(name: str) -> list[SubRequest]:
         return [SubRequest(name, [1] * 10, SamplingParams(max_tokens=1))]

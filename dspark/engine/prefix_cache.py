@@ -72,13 +72,14 @@ class PrefixCache:
         self.num_hits = 0  # of those, tokens found in cached pages (vLLM's prefix_cache_hits)
 
     def page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
-        """req's chain over its first num_pages pages, fewer where a page holds a token still
-        on the device; kept on the request (its known tokens never change while it lives)."""
+        """req's chain over its first num_pages pages, fewer where a page is partial or holds
+        a token still on the device; kept on the request (its known tokens never change while
+        it lives)."""
         hashes, tokens, size = req.page_hashes, req.token_ids, self.page_size
         while len(hashes) < num_pages:
             i = len(hashes)
             page = tokens[i * size : (i + 1) * size]
-            if PENDING_TOKEN in page:
+            if len(page) < size or PENDING_TOKEN in page:
                 break
             hashes.append(page_hash(hashes[-1] if hashes else self.root, page))
         return hashes[:num_pages]

@@ -314,8 +314,8 @@ def test_page_pressure_preemption_and_aborts_return_every_page(
     aborted = {"2", "5"}
     seen = {}
     for caching in (False, True):
-        llm = _llm(long_vocab_dir, caching, drafter, num_kv_pages=60,
-                   max_num_batched_tokens=128)  # fmt: skip
+        llm = _llm(long_vocab_dir, caching, drafter, num_kv_pages=30,
+                   max_num_batched_tokens=128, max_num_seqs=8, max_model_len=400)  # fmt: skip
         engine = llm.engine
         counts = watch_cached_pages(engine) if caching else None
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):

@@ -338,3 +338,14 @@ def test_page_pressure_preemption_and_aborts_return_every_page(
         if caching:
             assert engine.prefix_cache.num_hits > 0 and counts["pages"] > 0
     assert seen[True] == seen[False] and len(seen[True]) == 6
+
+
+def test_the_stats_line_reports_the_hit_rate(tiny_vocab_dir, caplog):
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=32,
+              log_stats_interval_s=1e-9)  # fmt: skip
+    prompt = [2, 3, 4, 5] * 9  # 36 tokens: 2 full pages found by the second request
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    with caplog.at_level("INFO", logger="dspark.engine.stats"):
+        llm.generate([prompt], params, use_tqdm=False)
+    assert "prefix cache hit rate 88.9%" in caplog.text  # 32 of 36 tokens

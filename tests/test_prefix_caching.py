@@ -9,6 +9,7 @@ import hashlib
 import random
 
 import pytest
+import torch
 
 from dspark import LLM, SamplingParams
 from dspark.engine.kv_cache import PageAllocator
@@ -283,8 +284,9 @@ def test_a_repeated_1000_token_prefix_is_computed_once_with_the_same_outputs(
 def test_speculative_outputs_and_drafts_are_the_same_with_a_cached_prefix(
     long_vocab_dir, long_drafter, sampled
 ):
-    """The drafter's context of a cached page is reused: with it the drafter proposes what it
-    proposes uncached, so not only the (lossless) outputs but the accepted drafts are equal."""
+    """Outputs, windows and accepted drafts equal caching off, and no step writes a cached page
+    of either cache (the context's values themselves: the test below; a random tiny drafter's
+    acceptance barely depends on them)."""
     prompts, params = _prompts(4, seed=1), _params(4, sampled)
     runs = {}
     for caching in (False, True):
@@ -299,6 +301,39 @@ def test_speculative_outputs_and_drafts_are_the_same_with_a_cached_prefix(
             assert counts["pages"] > 0  # cached pages were there to check, and none written
     assert runs[True] == runs[False]
     assert runs[True][2] > 0
+
+
+def _prefix_kv(engine, req_id: str, num_positions: int) -> list:
+    """[2, positions, nkv, hd] per layer of the target's cache, then the drafter's: the K/V the
+    request's page table holds at its first num_positions positions."""
+    req = engine._requests[req_id]
+    pos = torch.arange(num_positions)
+    pages = torch.tensor(req.page_ids)[pos // 16]
+    caches = list(engine.runner.kv_caches) + list(engine.spec.kv_caches)
+    return [kv[:, pages, pos % 16].clone() for kv in caches]
+
+
+def test_a_cached_prefix_holds_the_context_an_uncached_prefill_computes(
+    long_vocab_dir, long_drafter
+):
+    """The second request's prefix, found in the cache, holds the target's K/V and the drafter's
+    context that computing it would give (what lets the drafter draft over a cached prefix as
+    over its own prefill: its outputs could not show it, since verification is lossless)."""
+    prompts, params = _prompts(2, seed=3), _params(2, sampled=False)
+    num_positions = len(prompts[1]) - 1
+    kv = {}
+    for caching in (False, True):
+        llm = _llm(long_vocab_dir, caching, long_drafter)
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)
+        engine = llm.engine
+        engine.add_request("b", prompts[1], params[1])
+        while engine._requests["b"].is_prefilling:
+            engine.step()
+        kv[caching] = _prefix_kv(engine, "b", num_positions)
+        if caching:
+            assert engine.prefix_cache.num_hits == (PREFIX_LEN // 16) * 16
+    for cached, computed in zip(kv[True], kv[False], strict=True):
+        torch.testing.assert_close(cached, computed, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])

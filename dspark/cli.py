@@ -21,6 +21,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV pages of prompts' common prefixes (default on)",
+    )
+    p.add_argument(
         "--speculative-config",
         type=json.loads,
         default=None,
@@ -60,6 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=args.enable_prefix_caching,
             speculative_config=args.speculative_config,
         )
     )
@@ -109,7 +116,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     llm = LLM(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs if batches is None else max(batches),
-              kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec)  # fmt: skip
+              kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec,
+              enable_prefix_caching=args.enable_prefix_caching)  # fmt: skip
     if batches is None:  # the captured ladder (on the CPU: powers of two to max_num_seqs)
         graphs = llm.engine.runner.spec_runner.graphs
         batches = (

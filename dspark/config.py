@@ -46,6 +46,10 @@ class EngineConfig:
     # GPU's), drafting steps of full windows too (their anchors written on the device from step
     # N's verification, engine.py); off, every step waits for its own results
     async_scheduling: bool = True
+    # automatic prefix caching (vLLM's name and default): full KV pages keyed by the hash chain
+    # of their tokens are kept after their request ends and shared by requests that start with
+    # the same tokens, which then skip their prefill (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True
     # with CUDA graphs: a decode step that also carries prefill chunks (at most 4 rows of up to
     # this many tokens in all: requests admitted while others decode) replays a captured mixed
     # decode graph instead of running eagerly (runner/mixed_layout.py); 0: such steps run

@@ -157,6 +157,7 @@ ARM_ENGINE_OPTIONS = frozenset(
         "use_cuda_graphs",
         "max_num_batched_tokens",
         "mixed_prefill_tokens",
+        "enable_prefix_caching",
     }
 )
 

@@ -51,6 +51,7 @@ from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
+from dspark.engine.prefix_cache import PrefixCache
 from dspark.engine.reporting import report
 from dspark.engine.scheduler import Scheduler
 from dspark.engine.spec_metrics import spec_metrics
@@ -108,6 +109,12 @@ class LLMEngine:
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
         )
         self.allocator = PageAllocator(self.kv_plan.num_pages)
+        # prefix caching: pages keyed by the drafter too, whose context they carry
+        # (engine/prefix_cache.py); None: off
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            drafter_key = checkpoint_hash(ModelSource(drafter_dir)) if drafter_dir else ""
+            self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
         self.spec = build_spec(
             config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
             drafter_dir, target_hash, backend,
@@ -143,6 +150,7 @@ class LLMEngine:
             # keeps the step's graph
             mixed_limits=spec_runner.mixed_limits if spec_runner is not None else None,
             decode_mixed_limits=self.runner.decode_mixed_limits,
+            prefix_cache=self.prefix_cache,
         )
         self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)

@@ -15,6 +15,10 @@ Policy (vLLM-style, one token budget per step):
    max_num_seqs and free pages allow; a request that does not fit stops admission (FIFO).
 When a running request needs a page and none is free, the most recently admitted running
 request is preempted: its pages are freed and it will recompute its prompt + outputs later.
+With prefix caching (engine/prefix_cache.py) a request is admitted on the cached pages of its
+longest cached prefix, its first chunk starting after them, and its own pages are published
+as they become final (advance() for prefill chunks, update() for sampled tokens); a
+preempted request's re-admission finds its own published pages if they were not evicted.
 
 A drafting step that also admits or prefills (a mixed step) keeps its graph when the runner has
 captured mixed speculative steps (`mixed_limits`: at most R tail rows of at most P tokens in
@@ -41,6 +45,7 @@ from collections import deque
 from dspark.engine.ahead import AheadRules
 from dspark.engine.burst import burst_threshold
 from dspark.engine.kv_cache import PageAllocator
+from dspark.engine.prefix_cache import PrefixCache
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from dspark.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple, pages_for
 
@@ -60,8 +65,10 @@ class Scheduler(AheadRules):
         # None: no cap
         mixed_limits: tuple[int, int] | None = None,
         decode_mixed_limits: tuple[int, int] | None = None,
+        prefix_cache: PrefixCache | None = None,  # None: prefix caching off
     ) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.draft_len = draft_len
         self.max_verify = draft_len if max_verify is None else max_verify
         # False: the next schedule() gives no request a window (the drafting policy's choice)
@@ -184,14 +191,20 @@ class Scheduler(AheadRules):
             is_decode = is_decode and n == 1 and start + n == num_tokens
             num_tail += 1
             tail_tokens_left -= n
+        cache = self.prefix_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            req = self.waiting[0]  # (its num_computed_tokens is 0: it holds no page)
+            hit = cache.match(req) if cache is not None else []
+            start = len(hit) * page_size  # its first chunk starts after its cached pages
+            n = min(req.num_tokens - start, budget)
             if has_head and capped:  # admitted into the tail of a mixed step
                 n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
                 if n == 0:
                     break
-            if not self._reserve(req, req.num_computed_tokens + n, preempt=False):
+            if cache is not None:
+                if not cache.admit(req, hit, start + n):
+                    break
+            elif not self._reserve(req, start + n, preempt=False):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -274,7 +287,7 @@ class Scheduler(AheadRules):
         self.running.remove(req)
         self.allocator.free(req.page_ids)
         req.page_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_published_pages = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -289,6 +302,7 @@ class Scheduler(AheadRules):
         Window rows [anchor, drafts] emit a number of tokens only verification knows; they
         advance in update() and are counted in flight until then.
         """
+        cache, page_size = self.prefix_cache, self.page_size
         for req, start, num_tokens, do_sample, num_draft, _, _ in plan.rows:
             if num_draft:
                 req.num_windows_in_flight += 1
@@ -298,6 +312,8 @@ class Scheduler(AheadRules):
             if start < num_prompt:  # a prefill chunk
                 self.num_prompt_tokens_computed += min(end, num_prompt) - start
             req.num_computed_tokens = end
+            if cache is not None and end >= (req.num_published_pages + 1) * page_size:
+                cache.publish(req)  # (its pages' K/V is written by the step about to launch)
             if do_sample:
                 req.token_ids.append(PENDING_TOKEN)
 
@@ -318,18 +334,25 @@ class Scheduler(AheadRules):
         """
         emitted = []
         finished, running, num_generated = RequestStatus.FINISHED, RequestStatus.RUNNING, 0
+        cache, page_size = self.prefix_cache, self.page_size
         for row, out in zip(plan.rows, sampled, strict=True):
             req, start, num_tokens, _, num_draft, is_continuation, _ = row  # (unpacked: per row)
             if num_draft:
                 req.num_windows_in_flight -= 1
             if out is None or req.status is finished:
                 continue
+            # its new tokens may complete a page below num_computed_tokens (a decode row's
+            # token is the next row's input, advanced already; a window's accepted drafts):
+            # published after they are written, before a stop among them frees the pages
             if num_draft:
                 first = len(req.token_ids)  # one past the anchor
                 assert is_continuation or first - 1 == start, (req.request_id, first)
                 if req.status is running:  # (preempted: its KV is recomputed)
                     req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
+                if cache is not None and req.status is running:
+                    if req.num_computed_tokens >= (req.num_published_pages + 1) * page_size:
+                        cache.publish(req)
                 # a window emits its accepted drafts and one recovered-or-bonus token (the
                 # device may have verified fewer drafts than planned: out.num_draft)
                 verified = num_draft if out.num_draft is None else out.num_draft
@@ -354,6 +377,9 @@ class Scheduler(AheadRules):
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
                 (token_id,) = out.token_ids
                 req.token_ids[first] = token_id
+                if cache is not None and req.status is running:
+                    if req.num_computed_tokens >= (req.num_published_pages + 1) * page_size:
+                        cache.publish(req)
                 # the common row: one token that cannot stop it (no stop id, short of its
                 # length; only a stop id can be banned by min_tokens) needs none of the checks
                 if (

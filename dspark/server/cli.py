@@ -45,6 +45,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     # docs/PERFORMANCE.md, tenth look), for chunks of 8 tokens (7.5 ms apart at one stream)
     "stream_interval": 8,
     "mixed_prefill_tokens": 256,  # EngineConfig's default
+    "enable_prefix_caching": True,  # EngineConfig's default
     "speculative_config": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {
@@ -97,6 +98,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help='JSON, the keys of LLM(speculative_config=...): \'{"method": "dspark"}\' (the '
         'drafter shipped for the model) or \'{"method": "dspark", "model": "path/to/drafter"}\'',
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV pages of prompts' common prefixes (default on; "
+        "--no-enable-prefix-caching turns it off)",
     )
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (loopback only)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}")
@@ -176,7 +184,8 @@ OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_toke
                 "stream_interval": int, "mixed_prefill_tokens": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float, "api_server_count": int,
-                "disable_access_log": bool, "require_api_key_for_metrics": bool}  # fmt: skip
+                "disable_access_log": bool, "require_api_key_for_metrics": bool,
+                "enable_prefix_caching": bool}  # fmt: skip
 
 
 def _from_file(name: str, value: Any) -> Any:

@@ -6,7 +6,7 @@ Three sources, each rendered by one function:
   engine process records them, where every request of every API process ends, and sends a
   snapshot with its stats, so each API process's page is the whole server's;
 - the engine's state after its last step (`EngineStats`): running and waiting requests, KV use,
-  preemptions;
+  preemptions, prefix cache queries and hits (tokens);
 - the engine's speculative counters (`LLMEngine.get_metrics()`), mapped by the `SPEC_METRICS`
   table. A new engine counter is exposed by adding one row there; a row whose key the engine
   does not report (yet) is simply left out.
@@ -211,10 +211,18 @@ def _engine_families(stats: EngineStats, engine_state: str, lb: dict[str, str]) 
                 [_sample(name, {**lb, "state": st}, int(st == engine_state))
                  for st in (state.value for state in EngineState)])
     )  # fmt: skip
-    name = "vllm:num_preemptions_total"
-    families.append(
-        _family(name, "counter", "Preemptions.", [_sample(name, lb, stats.num_preemptions)])
-    )
+    counters = [
+        ("vllm:num_preemptions_total", "Preemptions.", stats.num_preemptions),
+        ("vllm:prefix_cache_queries_total",
+         "Prefix cache queries: tokens of the requests admitted (looked up in the cache).",
+         stats.num_prefix_cache_queries),
+        ("vllm:prefix_cache_hits_total",
+         "Prefix cache hits: tokens of admitted requests found in cached KV pages.",
+         stats.num_prefix_cache_hits),
+    ]  # fmt: skip
+    families += [
+        _family(name, "counter", text, [_sample(name, lb, v)]) for name, text, v in counters
+    ]
     return families
 
 

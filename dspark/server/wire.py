@@ -17,6 +17,7 @@ rebuilt on the server's side, and the stats snapshot as a tuple of EngineStats' 
                        (STOPPED,)                             the answer to STOP, its last
 
     stats = (running, waiting, waiting tokens, KV pages used, KV pages, preemptions,
+             prefix cache queries, prefix cache hits (tokens),
              speculative metrics | None, the request metrics' snapshot | None)
 
 On the pipe each message is multiprocessing.Connection's frame: its pickle's length ("!i"; -1
@@ -58,6 +59,10 @@ class EngineStats:
     num_kv_pages_used: int = 0
     num_kv_pages: int = 0
     num_preemptions: int = 0
+    # automatic prefix caching, in tokens as vLLM counts them (engine/prefix_cache.py): looked
+    # up at admission, and found in cached pages; 0 with caching off
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
     spec: dict = field(default_factory=dict)  # LLMEngine.get_metrics()
     requests: tuple = ()  # metrics.RequestMetrics.snapshot(): every API process's requests
 
@@ -80,7 +85,7 @@ def stats_of(engine, requests=None, with_spec: bool = True, with_requests: bool 
     keeps its last one, `merge_stats`): the speculative part is the dearer one, a dict built and
     pickled (with a drafting policy's realised costs, ~130 cells, 0.12 ms on the development
     CPU), the snapshot costs ~1 us."""
-    sched, alloc = engine.scheduler, engine.allocator
+    sched, alloc, cache = engine.scheduler, engine.allocator, engine.prefix_cache
     snapshot = None
     if with_requests:
         snapshot = requests.snapshot() if requests is not None else ()
@@ -91,6 +96,8 @@ def stats_of(engine, requests=None, with_spec: bool = True, with_requests: bool 
         alloc.num_usable - alloc.num_free,
         alloc.num_usable,
         sched.num_preemptions,
+        cache.num_queries if cache is not None else 0,
+        cache.num_hits if cache is not None else 0,
         engine.get_metrics() if with_spec else None,
         snapshot,
     )

@@ -157,7 +157,7 @@ def test_admission_counts_the_submissions_the_engine_has_not_acknowledged():
     from dspark.server.engine_loop import SubRequest
     from dspark.server.errors import APIError
 
-    stats = (1, 0, 0, 0, 8, 0, None, None)  # the engine: its seat taken, nothing waiting
+    stats = (1, 0, 0, 0, 8, 0, 0, 0, None, None)  # the engine: its seat taken, nothing waiting
 
     def subs(name: str) -> list[SubRequest]:
         return [SubRequest(name, [1] * 10, SamplingParams(max_tokens=1))]

@@ -68,3 +68,18 @@ def test_a_deleted_setting_is_refused_by_name(tmp_path):
     is refused with the allowed options."""
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['burst_requests'\]"):
         _options(tmp_path, "burst-requests: 64\n")
+
+
+def test_prefix_caching_is_on_by_default_and_switched_by_flag_or_file(tmp_path):
+    assert build_configs(_options(tmp_path, "model: m\n"))[0].enable_prefix_caching
+    off = _options(tmp_path, "model: m\n", "--no-enable-prefix-caching")
+    assert not build_configs(off)[0].enable_prefix_caching
+    from_file = _options(tmp_path, "enable-prefix-caching: false\n")
+    assert not build_configs(from_file)[0].enable_prefix_caching
+    flag_wins = _options(tmp_path, "enable-prefix-caching: false\n", "--enable-prefix-caching")
+    assert build_configs(flag_wins)[0].enable_prefix_caching
+    with pytest.raises(ValueError, match="enable_prefix_caching: expected bool, got 'no'"):
+        _options(tmp_path, "enable-prefix-caching: 'no'\n")
+    generate = build_parser().parse_args(["generate", "hi", "--no-enable-prefix-caching"])
+    assert generate.enable_prefix_caching is False
+    assert build_parser().parse_args(["generate", "hi"]).enable_prefix_caching is True

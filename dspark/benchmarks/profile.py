@@ -1,5 +1,5 @@
 """`dspark profile`: measure the whole-step time of every cell the engine can run and write the
-cost table (DSPARK.md 7; the format is in policy/cost_table.py).
+cost table (docs/SPECULATION.md 6; the format is in policy/cost_table.py).
 
 For each batch size G and each cell: G greedy requests (a fixed synthetic prompt, ignore_eos)
 are prefilled, then the engine steps in the cell's mode, drafting off (plain decoding, V = G)

@@ -183,7 +183,7 @@ class LLMEngine:
         )
 
     def cost_fingerprint(self) -> dict:
-        """What a cost table measured on this engine must record (DSPARK.md 7)."""
+        """What a cost table measured on this engine must record (docs/SPECULATION.md 6)."""
         spec_runner = self.runner.spec_runner
         graphs = spec_runner.graphs
         return make_fingerprint(
@@ -280,7 +280,8 @@ class LLMEngine:
             watch.stats = outer
 
     def _step(self) -> list[RequestOutput | DeltaOutput]:
-        if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
+        # from survivals at least one step old (docs/SPECULATION.md 5.2)
+        if self.policy is not None:
             self._decide_drafting()
         elif self.policy_trace is not None:  # (plain or fixed K: the step, for comparison)
             self.policy_trace.stepped(self.scheduler, self.runner.stats,

@@ -1,5 +1,5 @@
 """The DSpark drafter network: a parallel backbone conditioned on the target, a Markov head and a
-confidence head (DSPARK.md section 3).
+confidence head (docs/SPECULATION.md 2).
 
 Backbone. Context features are the target's residual stream after the tap layers, concatenated
 per token and projected `fc: m d -> d`, then RMS-normed. Each drafter layer has its own q/k/v

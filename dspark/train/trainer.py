@@ -1,4 +1,5 @@
-"""The train stage: self-distillation of a DSpark drafter from its frozen target (DSPARK.md 3.4).
+"""The train stage: self-distillation of a DSpark drafter from its frozen target
+(docs/SPECULATION.md 3.1).
 
 One step:
     seqs   = batch_order.indices(step)               # resumable: a pure function of the step

@@ -73,7 +73,7 @@ def test_shards_keep_tensors_whole():
 def test_default_taps_spread_over_depth():
     from dspark.train.trainer import default_taps
 
-    assert default_taps(30) == (1, 10, 19, 28)  # DSPARK.md 3.1's example for SmolLM2
+    assert default_taps(30) == (1, 10, 19, 28)  # docs/SPECULATION.md 2.1's example for SmolLM2
     assert default_taps(2) == (0, 1)
     assert default_taps(12) == (1, 4, 7, 10)
 

@@ -34,7 +34,7 @@ host time (the threshold, its measurement and its A/B knob: engine/burst.py).
 
 Speculative steps scheduled ahead, while the step before is in flight (async scheduling of
 drafting steps, mixed steps among them): when they may be, and what their rows are, is
-engine/ahead.py's (AheadRules, which Scheduler extends).
+engine/ahead.py's (functions over the scheduler's queues, limits and window rules).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from dspark.engine.ahead import AheadRules
+from dspark.engine.ahead import ahead_blocker, continuing_most
 from dspark.engine.burst import burst_threshold
 from dspark.engine.kv_cache import PageAllocator
 from dspark.engine.prefix_cache import PrefixCache
@@ -50,7 +50,7 @@ from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from dspark.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple, pages_for
 
 
-class Scheduler(AheadRules):
+class Scheduler:
     def __init__(
         self,
         allocator: PageAllocator,
@@ -123,12 +123,12 @@ class Scheduler(AheadRules):
         limits = self.mixed_limits if drafting else self.decode_mixed_limits
         has_head = reorder = False  # reorder: some head row follows a tail row
         num_tail, tail_rows_left, tail_tokens_left = 0, *(limits or (0, 0))
-        capped = limits is not None and not self._is_burst(limits)
+        capped = limits is not None and not self.is_burst(limits)
         for req in list(self.running):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
             if req.num_windows_in_flight:  # scheduled ahead: ahead_blocker() found no obstacle
-                most = self._continuing_most(req)
+                most = continuing_most(self, req)
                 # (pages checked inline, as for the common decode row below: most requests
                 # own the pages for their next window already)
                 if most is not None and (
@@ -154,7 +154,7 @@ class Scheduler(AheadRules):
             if drafting and tokens[-1] == PENDING_TOKEN:  # behind a mixed step (engine/ahead.py)
                 self.num_first_windows_deferred += 1
                 continue
-            num_draft = self._num_draft(req, budget) if drafting else 0
+            num_draft = self.num_draft(req, budget) if drafting else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))
@@ -168,7 +168,7 @@ class Scheduler(AheadRules):
             start = req.num_computed_tokens
             if num_tokens - start == 1 and budget:
                 if start // page_size < len(req.page_ids) or self._reserve(req, num_tokens, True):
-                    empty = drafting and self._empty_window(req)
+                    empty = drafting and self.empty_window(req)
                     rows.append(new_tuple(ScheduledRow, (req, start, 1, True, 0, False, empty)))
                     budget -= 1
                     if not drafting:  # a decode row: the head of a mixed decode step
@@ -223,14 +223,19 @@ class Scheduler(AheadRules):
         trimmed = self.trimmed_cell if drafting else None
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed)
 
-    def _is_burst(self, limits: tuple[int, int]) -> bool:
+    def ahead_blocker(self, max_rows: int) -> str | None:
+        """Why the next step may not be scheduled while the in-flight step's windows are
+        unresolved; None: nothing (engine/ahead.py)."""
+        return ahead_blocker(self, max_rows)
+
+    def is_burst(self, limits: tuple[int, int]) -> bool:
         """More requests wait for a free seat than burst_threshold (
         else 4 sqrt(running rows), at least the mixed step's tail rows)."""
         seats = self.max_num_seqs - len(self.running)
         threshold = burst_threshold(len(self.running), limits[0])
         return min(len(self.waiting), seats) > threshold
 
-    def _empty_window(self, req: Request) -> bool:
+    def empty_window(self, req: Request) -> bool:
         """Is req's next row (a plain decode row) its last token, of a drafting request, with
         the anchor on the host and the window's K + 1 positions inside max_model_len? Then the
         runner may lay it out as an empty window among the windows of a uniform step."""
@@ -239,14 +244,15 @@ class Scheduler(AheadRules):
             and req.num_tokens + self.draft_len <= self.max_model_len
             and req.token_ids[-1] != PENDING_TOKEN
             and req.num_tokens - req.num_computed_tokens == 1
-            and self._is_windowed(req)
+            and self.is_windowed(req)
         )
 
-    def _is_windowed(self, req: Request) -> bool:
+    def is_windowed(self, req: Request) -> bool:
+        """Does req get a window when it decodes (drafting on, not opted out, past min_tokens)?"""
         sp = req.sampling_params
         return self.drafting and sp.use_speculation and req.num_output_tokens >= sp.min_tokens
 
-    def _num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int:
+    def num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int:
         """Fixed-K speculation: how many drafts a decoding request verifies (0: no window).
 
         Shortened so the step can never emit past max_tokens or max_model_len (a window of l
@@ -258,7 +264,7 @@ class Scheduler(AheadRules):
             if req.num_tokens - req.num_computed_tokens != 1:
                 return 0  # not decoding
             num_tokens = req.num_tokens
-        if self.draft_len == 0 or not self._is_windowed(req):
+        if self.draft_len == 0 or not self.is_windowed(req):
             return 0  # (the min_tokens ban runs on plain steps)
         if num_tokens + self.draft_len > self.max_model_len:
             return 0  # the drafter block (K slots from the anchor) would run past the page table

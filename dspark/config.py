@@ -54,8 +54,8 @@ class EngineConfig:
     # this many tokens in all: requests admitted while others decode) replays a captured mixed
     # decode graph instead of running eagerly (runner/mixed_layout.py); 0: such steps run
     # eagerly. In a closed loop whose requests end at different steps, 256 ran plain decoding
-    # 1.43x / 2.88x / 3.84x faster than 0 at 16 / 64 / 256 requests (H200, docs/PERFORMANCE.md,
-    # tenth look). (Drafting steps have their own: speculative_config["mixed_prefill_tokens"].)
+    # 1.43x / 2.88x / 3.84x faster than 0 at 16 / 64 / 256 requests (H200). (Drafting steps have
+    # their own: speculative_config["mixed_prefill_tokens"].)
     mixed_prefill_tokens: int = 256
     # output tokens a streamed ("delta") request gathers before it is reported (vLLM's and
     # SGLang's stream_interval); its first token and its end are reported at once

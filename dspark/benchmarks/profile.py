@@ -188,7 +188,6 @@ def _cells_text(row: dict[int, float], g: int, draft_len: int) -> str:
 
 # a new table whose cells read this much above (or below) a reference table's, in median, is
 # worth profiling again: one of five profiles on the H200 read 8-53% high in most cells
-# (docs/PERFORMANCE.md, twentieth look)
 DRIFT_WARNING = 0.05
 
 

@@ -171,8 +171,7 @@ def matching_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> P
     writes there by default: cost_table.user_tables_dir). None: every step drafts (fixed K),
     and a warning says how to measure a table: a GPU other than the ones the drafter ships
     tables for would otherwise draft at every load, which at high load costs throughput (on an
-    H100 at 256 requests, fixed K = 7 ran 0.62-0.72x plain decoding: docs/PERFORMANCE.md,
-    twenty-fifth look)."""
+    H100 at 256 requests, fixed K = 7 ran 0.62-0.72x plain decoding)."""
     directories = (drafter_dir / COST_TABLES_DIR, user_tables_dir())
     tables = [path for d in directories for path in sorted(d.glob("*.json"))]
     live = fingerprint()

@@ -22,7 +22,7 @@ class Tokenizer:
         # same ids as transformers' encode (tests/test_tokenizer.py), without its Python
         # wrapping, and without encode_batch, which transformers routes even one text through
         # and which hands it to a thread pool (on the H200's 16-core host 0.24 ms of a served
-        # request's event-loop time went to it, docs/PERFORMANCE.md, fourteenth look). The copy
+        # request's event-loop time went to it). The copy
         # never truncates or pads, whatever a transformers call sets on the shared one.
         self._encoder = _plain_copy(hf_tokenizer.backend_tokenizer)
 

@@ -1,12 +1,11 @@
 """`dspark serve --api-server-count N`: N HTTP server processes in front of one engine process.
 
-One event loop does all of a server's HTTP work: parsing requests, validating them, rendering
-chat templates and tokenizing, writing every stream's chunks. At a few hundred streams it is
-busy most of the time, and requests that arrive together (those that replace the requests one
-engine step finished) wait for it before their handlers run: on the H200 ~100 ms of a 200 ms
-time to first token at 256 streams, and the engine ran 70-80% of its seats
-(docs/PERFORMANCE.md, fourteenth look). vLLM answers the same way (`--api-server-count`):
-several processes share the listening socket, and the kernel spreads the connections.
+One event loop does all of a server's HTTP work: parsing requests, validating them, rendering chat
+templates and tokenizing, writing every stream's chunks. At a few hundred streams it is busy most of
+the time, and requests that arrive together (those that replace the requests one engine step
+finished) wait for it before their handlers run: on the H200 ~100 ms of a 200 ms time to first token
+at 256 streams, and the engine ran 70-80% of its seats. vLLM answers the same way (`--api-server-
+count`): several processes share the listening socket, and the kernel spreads the connections.
 
     main process    binds the socket; spawns the workers, then (its app's start-up) the engine
                     with one pipe per API process; serves HTTP itself

@@ -41,8 +41,8 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "kv_cache_memory_gb": None,
     "num_kv_pages": None,
     "seed": 0,
-    # 8, not EngineConfig's 1: served at 256 streams, 0.64x offline against 0.42x (H200,
-    # docs/PERFORMANCE.md, tenth look), for chunks of 8 tokens (7.5 ms apart at one stream)
+    # 8, not EngineConfig's 1: served at 256 streams, 0.64x offline against 0.42x (H200),
+    # for chunks of 8 tokens (7.5 ms apart at one stream)
     "stream_interval": 8,
     "mixed_prefill_tokens": 256,  # EngineConfig's default
     "enable_prefix_caching": True,  # EngineConfig's default

@@ -13,7 +13,7 @@ message's first bytes arrive, and a large one (READY carries the tokenizer, a st
 hundreds of deltas) arrives in parts. `Connection.recv` reads a message whole: in blocking mode
 it waits for the rest with the event loop stopped, and in non-blocking mode it stopped
 mid-message with BlockingIOError and lost the stream (which killed servers under uvloop, which
-sets every watched fd non-blocking: docs/PERFORMANCE.md, ninth look). So `_read`
+sets every watched fd non-blocking). So `_read`
 takes whatever bytes are there, one os.read per poll() that says there are some, and
 `wire.FrameReader` keeps a partial frame until its rest arrives. The fd itself stays blocking:
 the commands are sent on it, and a send must not stop halfway.
@@ -27,7 +27,7 @@ A stream gathers what its choices gained and sends it when its pacing allows
 strings is sent to the engine as output_kind "delta_tokens": the engine reports its tokens
 only and the stream decodes them, once per chunk. Decoding in the engine cost its step loop
 one DecodeStream call per report (32 a step at 256 streams and stream interval 8: some 10% of
-the step on the H200, docs/PERFORMANCE.md, eleventh look); a stop string still needs the
+the step on the H200); a stop string still needs the
 engine's decoding, to know which token completed it.
 
 Admission control lives here: a submission is refused with 503 when the requests (or prompt

@@ -12,7 +12,7 @@ A batch of greedy rows on the triton backend draws each slot in one launch
 GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six. A sampled batch without
 top-k or top-p draws each slot in three launches (kernels/markov_sample_triton.py) instead of
 about 22: on the H200 the sampled speculative step cost 0.64-0.79x the PyTorch slot's
-(docs/PERFORMANCE.md, twenty-third look); DSPARK_FUSED_SAMPLED_DRAFT=0 keeps the PyTorch slot.
+(DSPARK_REFERENCE_OPS keeps the PyTorch slot).
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
 function of (seed, position), like every other random number in the engine. A draft is drawn by

@@ -23,6 +23,11 @@
 #   gpu_tests_without_model ARGS  `pytest -m gpu` on the tiny models; the tests that need the
 #                                 default model (marked slow) skip
 #   wait_healthy PORT PID [TRIES] until `dspark serve` on PORT answers /health, or PID is gone
+#   tree_bench DIR ARGS...        `dspark bench ARGS` run by another tree's package: DIR holds its
+#                                 dspark/ (e.g. `git archive COMMIT dspark | tar -x -C DIR`; the
+#                                 drafter shards may be left out: this tree's are linked in).
+#                                 python3 -P keeps the working directory (this tree) off sys.path,
+#                                 which plain `python3 -m` would put ahead of PYTHONPATH
 #   ensure_cost_table [MODEL] [SEATS]  `dspark profile` when no cost table for this GPU, its
 #                                 library versions and the graph ladder to SEATS (default 256)
 #                                 is shipped or saved; without one the policy drafts every step
@@ -66,6 +71,15 @@ wait_healthy() {
     sleep 0.5
   done
   return 1
+}
+
+tree_bench() {
+  local dir=$1; shift
+  for f in dspark/drafters/*/*.safetensors; do
+    [ -e "$dir/$f" ] || ln -sf "$PWD/$f" "$dir/$f"
+  done
+  PYTHONPATH=$DSPARK_SITE:$dir python3 -P -c 'import dspark, sys; print("dspark from", dspark.__file__, file=sys.stderr)'
+  PYTHONPATH=$DSPARK_SITE:$dir python3 -P -m dspark.cli bench "$@"
 }
 
 ensure_cost_table() {

@@ -56,6 +56,8 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # sampling_params.bad_words as token sequences (SamplingParams.bad_words_token_ids)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # the token count at which it ends by length (max_tokens or max_model_len): set once by
     # Scheduler.add, which knows max_model_len, so the per-step checks are one comparison
     max_num_tokens: int = 0

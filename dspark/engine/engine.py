@@ -221,6 +221,7 @@ class LLMEngine:
             arrival_time=now if arrival_time is None else arrival_time,
             prompt=prompt_text,
             added_time=now,
+            bad_words_token_ids=self._bad_words_token_ids(params),
         )
         self._requests[request_id] = req
         self._detokenizers[request_id] = Detokenizer(
@@ -234,6 +235,11 @@ class LLMEngine:
         if params.output_kind in ("delta", "delta_tokens"):
             self._cursors[request_id] = DeltaCursor(params)
         self.scheduler.add(req)
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        return params.bad_words_token_ids(
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        )
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -357,6 +363,8 @@ class LLMEngine:
             return "after_plain_step" if drafting else None  # (anchors needed on the host)
         if not drafting:
             return "drafting_off"
+        if any(r.sampling_params.reads_outputs for r in self.scheduler.running):
+            return "logits_shaping"  # (its outputs are read on the host: sample/logits_shaping.py)
         return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:

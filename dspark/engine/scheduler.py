@@ -42,6 +42,7 @@ from dspark.engine.ahead import AheadRules
 from dspark.engine.burst import burst_threshold
 from dspark.engine.kv_cache import PageAllocator
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from dspark.sample.logits_shaping import has_multi_token_bad_words
 from dspark.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple, pages_for
 
 
@@ -231,7 +232,8 @@ class Scheduler(AheadRules):
 
     def _is_windowed(self, req: Request) -> bool:
         sp = req.sampling_params
-        return self.drafting and sp.use_speculation and req.num_output_tokens >= sp.min_tokens
+        return (self.drafting and sp.use_speculation and req.num_output_tokens >= sp.min_tokens
+                and not has_multi_token_bad_words(req))  # (sample/logits_shaping.py)  # fmt: skip
 
     def _num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int:
         """Fixed-K speculation: how many drafts a decoding request verifies (0: no window).

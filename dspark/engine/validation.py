@@ -24,6 +24,11 @@ def check_request(
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids has {bad[0]!r}, outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias has token {bad[0]!r}, outside the vocabulary [0, {vocab_size})"
+        )
     if n >= max_model_len:
         raise ValueError(
             f"prompt has {n} tokens but max_model_len is {max_model_len}: "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.sampled_decode_graphs import SampledDecodeGraphs, sampled_decode_graphs_enabled
 from dspark.runner.spec_runner import SpecRunner
 from dspark.runner.staging import Staged, StepStager
+from dspark.sample.logits_shaping import apply_shaping
 from dspark.sample.sampler import SamplingTensors, sample, takes_fused_path, top_logprobs
 from dspark.sample.sampling_rows import SamplingRows
 from dspark.spec.spec_decoder import SpecDecoder
@@ -259,7 +261,11 @@ class ModelRunner:
     def can_feed(plan: StepPlan, previous: InFlightStep) -> bool:
         """May `plan` launch before `previous` is collected? A pending token may only be the
         one input of a decode row, fed from `previous` (a preempted request re-admitted at once
-        would need its pending token on the host)."""
+        would need its pending token on the host). Nor may a request whose penalties or bad
+        words read its outputs (sample/logits_shaping.py builds them on the host)."""
+        if any(r.request.sampling_params.reads_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
+               for r in plan.rows):  # fmt: skip
+            return False
         if plan.is_decode:
             pending = [r.request.serial for r in plan.rows
                        if r.request.token_ids[r.start] == PENDING_TOKEN]  # fmt: skip
@@ -348,8 +354,16 @@ class ModelRunner:
         stopping, none with top-k or top-p: runner/sampled_decode_graphs.py)."""
         rows, ends, params = staged.sampled_rows, staged.sampled_ends, self.sampling_rows
         banned = params.banned(rows, ends, staged.reqs)
+        shaping = params.shaping(rows, ends, staged.reqs, self.device)
         graphs = self.sampled_graphs
-        if sampling is None:
+        if shaping is not None:  # (PyTorch: no kernel or graph takes the shaping tensors)
+            self.stats["pytorch_sampling_steps_logits_shaping"] += 1
+            shaped = apply_shaping(self._ban_stop_tokens(logits, banned), shaping)
+            if sampling is None:
+                tokens = shaped.argmax(dim=-1)
+            else:
+                tokens = sample(shaped, replace(sampling, min_p=shaping.min_p))
+        elif sampling is None:
             tokens = self._ban_stop_tokens(logits, banned).argmax(dim=-1)  # no parameters
         elif graphs and decode_graph and not banned[0] and takes_fused_path(sampling):
             tokens = graphs.replay(decode_graph, rows.size)

@@ -11,7 +11,8 @@ functions return). The shapes, each captured for every size G of the ladder:
                                                                         (runner/spec_graphs.py)
     mixed windows (G, P) G windows laid out K + 1 wide, then a tail as above
 
-A step pads to the smallest captured G that holds its rows (and P that holds its tail):
+A step of windows whose requests shape their logits (`shapes_logits`) fits none. A step pads to
+the smallest captured G that holds its rows (and P that holds its tail):
 
     sizes [1, 2, 4, 8]: 3 rows -> G 4;  8 rows -> G 8;  9 rows -> None ("batch_too_large")
     tails (256, 512): 200 tail tokens in 3 rows -> P 256; 300 in 3 -> 512; 200 in 6 -> 512
@@ -76,6 +77,8 @@ def leading_windows(
         return None, None  # (all windows, or no window: not a mixed step)
     tail = rows[n:]
     tail_tokens = sum(r.num_tokens for r in tail)
+    if shapes_logits(plan):
+        return None, "logits_shaping"
     if n == 0 or any(r.num_draft or r.empty_window for r in tail):
         return None, "windows_not_first"
     if len(tail) > max_tail_rows(max_tail_tokens):
@@ -85,6 +88,14 @@ def leading_windows(
     if n * (1 + num_verify) + tail_tokens > capacity:
         return None, "token_buffers"
     return n, None
+
+
+def shapes_logits(plan: StepPlan) -> bool:
+    """Does a request of the step shape its logits (penalties, min_p, logit_bias, bad words:
+    sample/logits_shaping.py)? A step of windows that does runs eagerly: the captured steps
+    sample from fixed buffers that hold no shaping tensors. (A plain row samples after the
+    forward, outside any graph, so decode graphs still serve it.)"""
+    return any(r.request.sampling_params.shapes_logits for r in plan.rows)
 
 
 def mixed_decode_shape(

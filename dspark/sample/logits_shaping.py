@@ -62,7 +62,7 @@ def build_shaping(
 ) -> LogitsShaping:
     """The rows' shaping from their tokens before `ends`: outputs are token_ids[num_prompt:end].
 
-      prompt [5, 6], token_ids [5, 6, 9, 9, 4], end 4 -> outputs [9, 9], counts[9] = 2
+    prompt [5, 6], token_ids [5, 6, 9, 9, 4], end 4 -> outputs [9, 9], counts[9] = 2
     """
     n = len(reqs)
     counts = np.zeros((n, vocab_size), dtype=np.float32)

@@ -15,6 +15,16 @@ def check_request(
     """Raise TypeError or ValueError if the prompt or its parameters cannot run here."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if params.n != 1:
+        raise ValueError(
+            f"n must be 1 for one engine request, got {params.n}: LLM.generate runs n requests "
+            f"(the server expands n into choices itself)"
+        )
+    if params.prompt_logprobs is not None:
+        raise ValueError(
+            f"prompt_logprobs is not supported (got {params.prompt_logprobs}): the engine "
+            f"scores only the positions it samples"
+        )
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("prompt is empty: give at least one token")

@@ -238,3 +238,22 @@ def test_bad_words_never_appear_in_the_text(tiny_vocab_dir):
 
     assert min(found(outputs(None))) > 0
     assert found(outputs(["e", "c d"])) == (0, 0)
+
+
+def test_offline_n_runs_n_seeded_samples(tiny_vocab_dir):
+    """n = 3 with seed 5: one RequestOutput of three completions, completion i the sample a
+    single request with seed 5 + i gives (vLLM's children); without a seed they still differ."""
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=256)
+    base = dict(temperature=1.0, max_tokens=6, ignore_eos=True, presence_penalty=0.5)
+    (out,) = llm.generate([PROMPT], SamplingParams(n=3, seed=5, **base), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    singles = llm.generate([PROMPT] * 3, [SamplingParams(seed=5 + i, **base) for i in range(3)],
+                           use_tqdm=False)  # fmt: skip
+    assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in singles]
+    unseeded = llm.generate([PROMPT, [5]], SamplingParams(n=4, **base), use_tqdm=False)
+    assert [len(o.outputs) for o in unseeded] == [4, 4]
+    assert len({tuple(c.token_ids) for c in unseeded[0].outputs}) > 1
+    with pytest.raises(ValueError, match="n must be 1 for one engine request, got 2"):
+        llm.engine.add_request("x", PROMPT, SamplingParams(n=2))
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+        llm.generate([PROMPT], SamplingParams(prompt_logprobs=1), use_tqdm=False)

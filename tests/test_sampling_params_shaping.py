@@ -255,5 +255,29 @@ def test_offline_n_runs_n_seeded_samples(tiny_vocab_dir):
     assert len({tuple(c.token_ids) for c in unseeded[0].outputs}) > 1
     with pytest.raises(ValueError, match="n must be 1 for one engine request, got 2"):
         llm.engine.add_request("x", PROMPT, SamplingParams(n=2))
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
-        llm.generate([PROMPT], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("budget", [64, 4])  # the second prefills in chunks of 4 tokens
+def test_prompt_logprobs_are_the_raw_models(tiny_vocab_dir, budget):
+    """vLLM's layout: None for the first prompt token, then per token {token: logprob} of it and
+    the top 2 at its position, under the raw model's distribution (no shaping), also when the
+    prompt is prefilled in chunks; a request without them in the batch gets None."""
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=64,
+              max_num_batched_tokens=budget, max_num_seqs=4)  # fmt: skip
+    prompt = [2, 3, 4, 3, 9, 9, 5, 7, 2, 6]
+    sp = SamplingParams(prompt_logprobs=2, max_tokens=2, presence_penalty=1.0)
+    out, other = llm.generate([prompt, PROMPT], [sp, SamplingParams(max_tokens=2)],
+                              use_tqdm=False)  # fmt: skip
+    assert other.prompt_logprobs is None
+    got = out.prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    logprobs = full_logits(llm.engine.model, prompt).logits.log_softmax(-1)  # [T, V]
+    for i in range(1, len(prompt)):
+        top = logprobs[i - 1].topk(2)
+        expected = {prompt[i]: logprobs[i - 1, prompt[i]].item()}
+        expected.update({t: v for t, v in zip(top.indices.tolist(), top.values.tolist(),
+                                              strict=True) if t not in expected})  # fmt: skip
+        assert got[i].keys() == expected.keys()
+        assert list(got[i].values()) == pytest.approx(list(expected.values()), abs=1e-4)
+    with pytest.raises(ValueError, match="prompt_logprobs comes with a RequestOutput"):
+        llm.engine.add_request("d", prompt, SamplingParams(prompt_logprobs=1, output_kind="delta"))

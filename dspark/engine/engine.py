@@ -295,8 +295,7 @@ class LLMEngine:
         if plan.is_empty:
             return outputs + self._collect_aborted()
         self.scheduler.advance(plan)
-        sampled = self.runner.execute(plan)
-        return outputs + self._update(plan, sampled) + self._collect_aborted()
+        return outputs + self._finish(self.runner.launch(plan)) + self._collect_aborted()
 
     def _decide_drafting(self) -> None:
         """The drafting policy's choice for the step about to be scheduled; the period since
@@ -368,7 +367,15 @@ class LLMEngine:
         return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
-        return self._update(step.plan, self.runner.collect(step))
+        sampled = self.runner.collect(step)
+        self._record_prompt_logprobs(step)
+        return self._update(step.plan, sampled)
+
+    def _record_prompt_logprobs(self, step: InFlightStep) -> None:
+        """Each scored prompt token's entry into its request (by index: a prefill recomputed
+        after preemption writes the same entries again)."""
+        for req, index, entry in self.runner.prompt_logprobs(step):
+            req.prompt_logprobs[index] = entry
 
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)

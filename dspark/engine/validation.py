@@ -20,10 +20,10 @@ def check_request(
             f"n must be 1 for one engine request, got {params.n}: LLM.generate runs n requests "
             f"(the server expands n into choices itself)"
         )
-    if params.prompt_logprobs is not None:
+    if params.prompt_logprobs is not None and params.output_kind in ("delta", "delta_tokens"):
         raise ValueError(
-            f"prompt_logprobs is not supported (got {params.prompt_logprobs}): the engine "
-            f"scores only the positions it samples"
+            f"prompt_logprobs comes with a RequestOutput (output_kind 'cumulative' or "
+            f"'final_only'), not with output_kind {params.output_kind!r}"
         )
     n = len(prompt_ids)
     if n == 0:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dspark.models.llama import LlamaForCausalLM
-from dspark.request import PENDING_TOKEN, TokenLogprobs
+from dspark.request import PENDING_TOKEN, Request, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device, to_host
 from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows
@@ -228,10 +228,44 @@ class ModelRunner:
             step.logprobs = to_host(lp)
         if spec_out is not None:
             self.spec_runner.queue_results(step, plan, layout, window_rows, spec_out)
+        if staged.prompt_scored:
+            self._queue_prompt_logprobs(step, staged, logits)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
         return step
+
+    def _queue_prompt_logprobs(
+        self, step: InFlightStep, staged: Staged, logits: torch.Tensor
+    ) -> None:
+        """prompt_logprobs: the raw-model logprob of each scored token's next prompt token and
+        the top alternatives, from the logits rows after the sampled ones
+        (staging._prompt_scored), queued to the host."""
+        m = len(staged.prompt_next_ids)
+        scored = logits[staged.layout.num_logits - m : staged.layout.num_logits]  # [m, V]
+        most = max(staged.reqs[i].sampling_params.prompt_logprobs for i, _, _ in
+                   staged.prompt_scored)  # fmt: skip
+        next_ids = host_to_device(list(staged.prompt_next_ids), torch.int64, self.device)
+        step.prompt_scored = staged.prompt_scored
+        step.prompt_logprobs = to_host(top_logprobs(scored.float(), next_ids, most))
+
+    def prompt_logprobs(self, step: InFlightStep) -> list[tuple[Request, int, dict[int, float]]]:
+        """After `collect(step)`: (request, prompt index, {token: logprob}) per scored prompt
+        token, the token itself first, then its position's top alternatives."""
+        if step.prompt_logprobs is None:
+            return []
+        chosen, top_ids, top_values = (x.tolist() for x in step.prompt_logprobs)
+        entries, j = [], 0
+        for i, p0, count in step.prompt_scored:
+            req = step.plan.rows[i].request
+            k = req.sampling_params.prompt_logprobs
+            for p in range(p0, p0 + count):
+                entry = {req.token_ids[p + 1]: chosen[j]}
+                for token, value in zip(top_ids[j][:k], top_values[j][:k], strict=True):
+                    entry.setdefault(token, value)
+                entries.append((req, p + 1, entry))
+                j += 1
+        return entries
 
     def _plain_logits(
         self, plan: StepPlan, logits: torch.Tensor, staged: Staged

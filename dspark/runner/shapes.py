@@ -11,7 +11,8 @@ functions return). The shapes, each captured for every size G of the ladder:
                                                                         (runner/spec_graphs.py)
     mixed windows (G, P) G windows laid out K + 1 wide, then a tail as above
 
-A step of windows whose requests shape their logits (`shapes_logits`) fits none. A step pads to
+A step of windows whose requests shape their logits (`shapes_logits`) fits none, nor does a
+step that scores prompt tokens for prompt_logprobs (`prompt_scored`). A step pads to
 the smallest captured G that holds its rows (and P that holds its tail):
 
     sizes [1, 2, 4, 8]: 3 rows -> G 4;  8 rows -> G 8;  9 rows -> None ("batch_too_large")
@@ -122,3 +123,24 @@ def mixed_decode_shape(
     if any(PENDING_TOKEN in r.request.token_ids[r.start : r.end] for r in tail):
         return None, "pending_in_tail"
     return (n, size, tail_tokens), None
+
+
+def prompt_scored(plan: StepPlan) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
+    """prompt_logprobs: the chunks' tokens whose logits score the next prompt token, as
+    (plan row, first position, count), and those next tokens. The last prompt token's logits
+    sample the first output instead (its logprobs are the output's).
+
+      prompt [7, 8, 9, 5] in chunks [0, 2) and [2, 4): (row, 0, 2) scores 8, 9 in the first
+      step, (row, 2, 1) scores 5 in the second (position 3's logits sample the first output)
+
+    A step with any runs eagerly (its extra logits rows fit no captured shape).
+    """
+    scored, next_ids = [], []
+    for i, row in enumerate(plan.rows):
+        req = row.request
+        last = min(row.end, req.num_prompt_tokens - 1)  # scored positions p < last
+        if req.prompt_logprobs is None or row.num_draft or row.start >= last:
+            continue
+        scored.append((i, row.start, last - row.start))
+        next_ids += req.token_ids[row.start + 1 : last + 1]
+    return tuple(scored), tuple(next_ids)

@@ -269,15 +269,19 @@ def test_prompt_logprobs_are_the_raw_models(tiny_vocab_dir, budget):
     out, other = llm.generate([prompt, PROMPT], [sp, SamplingParams(max_tokens=2)],
                               use_tqdm=False)  # fmt: skip
     assert other.prompt_logprobs is None
-    got = out.prompt_logprobs
+    assert_raw_prompt_logprobs(llm.engine.model, prompt, out.prompt_logprobs, 2)
+    with pytest.raises(ValueError, match="prompt_logprobs comes with a RequestOutput"):
+        llm.engine.add_request("d", prompt, SamplingParams(prompt_logprobs=1, output_kind="delta"))
+
+
+def assert_raw_prompt_logprobs(model, prompt: list[int], got: list, k: int) -> None:
+    """got[i] (i >= 1): {prompt[i]: its logprob, then the top k} under the raw model."""
     assert len(got) == len(prompt) and got[0] is None
-    logprobs = full_logits(llm.engine.model, prompt).logits.log_softmax(-1)  # [T, V]
+    logprobs = full_logits(model, prompt).logits.log_softmax(-1)  # [T, V]
     for i in range(1, len(prompt)):
-        top = logprobs[i - 1].topk(2)
+        top = logprobs[i - 1].topk(k)
         expected = {prompt[i]: logprobs[i - 1, prompt[i]].item()}
         expected.update({t: v for t, v in zip(top.indices.tolist(), top.values.tolist(),
                                               strict=True) if t not in expected})  # fmt: skip
         assert got[i].keys() == expected.keys()
         assert list(got[i].values()) == pytest.approx(list(expected.values()), abs=1e-4)
-    with pytest.raises(ValueError, match="prompt_logprobs comes with a RequestOutput"):
-        llm.engine.add_request("d", prompt, SamplingParams(prompt_logprobs=1, output_kind="delta"))

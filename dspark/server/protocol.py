@@ -5,8 +5,8 @@ stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_id
 repetition_penalty, min_p, bad_words) plus dspark's use_speculation. Every bound is declared on
 the field, so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it
 is a 400 naming the field. Unknown fields are ignored, as OpenAI and vLLM do. Options the engine
-does not implement (echo, prompt_logprobs, suffix, tools, ...) are accepted at their neutral
-value and refused otherwise with a clear message, never silently dropped.
+does not implement (prompt_logprobs, echo with logprobs, suffix, tools, ...) are accepted at
+their neutral value and refused otherwise with a clear message, never silently dropped.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class _Request(BaseModel):
         """Refuse options the engine does not implement (400 naming the field)."""
         if self.prompt_logprobs is not None:
             raise bad_request(
-                "prompt_logprobs is not supported (the engine scores only sampled positions)",
+                "prompt_logprobs is not supported by the server (offline LLM.generate only)",
                 "prompt_logprobs",
             )
         if self.stream_options is not None and not self.stream:
@@ -132,9 +132,11 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported (the engine returns no prompt logprobs)",
-                              "echo")  # fmt: skip
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs is not supported (the server returns no prompt logprobs)",
+                "echo",
+            )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:

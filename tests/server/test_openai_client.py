@@ -145,6 +145,24 @@ def test_sampling_parameters_shape_the_output(live):
     assert [c.message.content for c in chat.choices] == [" the" * 4] * 2
 
 
+def test_echo_puts_the_prompt_before_each_choice(server):
+    """Whole and streamed, text and token-id prompts, n = 2: choice i * n + j starts with
+    prompt i's text, then what the same request without echo answers."""
+    client = _client(server)
+    ids = server.tokenizer.encode("Goodbye", add_special_tokens=False)
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, n=2)
+    for prompt, texts in ((["Hello", "Once"], ["Hello", "Once"]), ([ids], ["Goodbye"])):
+        plain = client.completions.create(prompt=prompt, **kwargs)
+        echoed = client.completions.create(prompt=prompt, echo=True, **kwargs)
+        expected = [texts[c.index // 2] + c.text for c in plain.choices]
+        assert [c.text for c in echoed.choices] == expected
+        streamed = [""] * len(expected)
+        for chunk in client.completions.create(prompt=prompt, echo=True, stream=True, **kwargs):
+            for c in chunk.choices:
+                streamed[c.index] += c.text
+        assert streamed == expected
+
+
 def test_logprobs(server):
     client = _client(server)
     out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0,
@@ -235,7 +253,7 @@ def test_validation_errors_are_400_in_the_envelope(server):
         _post(server, {"prompt": "x", "top_p": 0}),
         _post(server, {"prompt": [49151, 10**6]}),  # outside the vocabulary: the engine's check
         _post(server, {"prompt": "x", "stream_options": {"include_usage": True}}),  # no stream
-        _post(server, {"prompt": "x", "echo": True}),
+        _post(server, {"prompt": "x", "echo": True, "logprobs": 1}),
         _post(server, content=b'{"prompt": "\\ud800"}'),  # a lone surrogate
     ):
         assert response.status_code == 400, response.text

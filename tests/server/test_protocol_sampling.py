@@ -31,8 +31,9 @@ def test_shaping_fields_reach_the_sampling_params(route):
     assert [sp.seed for sp in params] == [3, 4]  # choice j: seed + j, as vLLM's children
 
 
-def test_unsupported_echo_and_prompt_logprobs_are_refused():
-    echo = CompletionRequest(prompt="x", echo=True)
+def test_unsupported_echo_with_logprobs_and_prompt_logprobs_are_refused():
+    CompletionRequest(prompt="x", echo=True).check_supported()  # echo alone is served
+    echo = CompletionRequest(prompt="x", echo=True, logprobs=1)
     prompt_logprobs = CompletionRequest(prompt="x", prompt_logprobs=1)
     for body, field in ((echo, "echo"), (prompt_logprobs, "prompt_logprobs")):
         with pytest.raises(APIError) as e:

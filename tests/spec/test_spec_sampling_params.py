@@ -9,7 +9,13 @@ import torch
 
 from dspark import LLM, SamplingParams
 from tests.helpers import assert_matches_distribution
-from tests.test_sampling_params_shaping import PROMPT, SHAPED, VOCAB, exact_pair_probs
+from tests.test_sampling_params_shaping import (
+    PROMPT,
+    SHAPED,
+    VOCAB,
+    assert_raw_prompt_logprobs,
+    exact_pair_probs,
+)
 from tests.tiny_models import make_tiny_drafter
 
 K = 4
@@ -80,3 +86,30 @@ def test_greedy_with_shaping_equals_plain_decoding(tiny_vocab_dir, vocab_drafter
     assert got == plain
     m = llm.engine.get_metrics()
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0, m
+
+
+def test_prompt_logprobs_beside_windows(tiny_vocab_dir, vocab_drafter):
+    """A long prompt prefilled in chunks of at most 8 tokens while another request drafts:
+    its prompt logprobs are the raw model's, and the drafting request's greedy text is plain
+    decoding's."""
+    kw = dict(num_kv_pages=128, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64)
+    prompt = [2, 3, 4, 3, 9, 9, 5, 7, 2, 6, 11, 10, 4, 4, 8, 3, 2, 7, 6, 5]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3)]  # fmt: skip
+    llm = _spec_llm(tiny_vocab_dir, vocab_drafter, **kw)
+    # the long prompt arrives once the first request drafts
+    llm.engine.add_request("a", PROMPT, params[0])
+    for _ in range(3):
+        llm.engine.step()
+    llm.engine.add_request("b", prompt, params[1])
+    outs = {}
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert_raw_prompt_logprobs(llm.engine.model, prompt, outs["b"].prompt_logprobs, 3)
+    plain = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", **kw)
+    expected = plain.generate([PROMPT], params[0], use_tqdm=False)[0].outputs[0].token_ids
+    assert outs["a"].outputs[0].token_ids == expected
+    assert llm.engine.get_metrics()["num_drafts"] > 0
+    assert llm.engine.runner.stats["eager_steps_prompt_logprobs"] > 0

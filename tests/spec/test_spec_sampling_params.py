@@ -53,23 +53,36 @@ def test_speculation_keeps_the_shaped_pair_distribution(tiny_vocab_dir, vocab_dr
 
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5]]
-GREEDY_SHAPED = [
-    dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3),
-    dict(frequency_penalty=1.5),
-    dict(repetition_penalty=0.7, logit_bias={4: 1.5, 9: -2.0}),
-    dict(bad_words=["e", "c d"]),  # a two-token word: its request verifies no drafts
-    {},
-]
+GREEDY_SHAPED = {
+    "penalties": [
+        dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3),
+        dict(frequency_penalty=1.5),
+        dict(repetition_penalty=0.7, logit_bias={4: 1.5, 9: -2.0}),
+        dict(bad_words=["e", "c d"]),  # a two-token word: its request verifies no drafts
+        {},
+    ],
+    # no shaping reads the outputs: steps of windows still launch ahead (continuations)
+    "static": [
+        dict(logit_bias={4: 5.0}),
+        dict(bad_words=["g"]),
+        dict(min_p=0.3, logit_bias={2: -100}),
+        dict(logit_bias={8: -100, 7: 3.0}),
+        {},
+    ],  # fmt: skip
+}
 
 
+@pytest.mark.parametrize("shaped", list(GREEDY_SHAPED))
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_greedy_with_shaping_equals_plain_decoding(tiny_vocab_dir, vocab_drafter, async_scheduling):
+def test_greedy_with_shaping_equals_plain_decoding(
+    tiny_vocab_dir, vocab_drafter, async_scheduling, shaped
+):
     """Five requests of different shaping batched together (and one plain), 24 to 40 tokens:
     the windows' K drafts are judged with the drafts before them counted, so a window that
     miscounted would emit another argmax than plain decoding does."""
     params = [
-        SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True, **shaped)
-        for i, shaped in enumerate(GREEDY_SHAPED)
+        SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True, **shaping)
+        for i, shaping in enumerate(GREEDY_SHAPED[shaped])
     ]
     kw = dict(num_kv_pages=256, max_num_seqs=8, max_model_len=64,
               async_scheduling=async_scheduling)  # fmt: skip
@@ -82,10 +95,15 @@ def test_greedy_with_shaping_equals_plain_decoding(tiny_vocab_dir, vocab_drafter
         "the shaping should change most outputs"
     )
     llm = _spec_llm(tiny_vocab_dir, vocab_drafter, **kw)
+    llm.engine.runner.spec_runner.uniform_windows = True  # (as with graphs: K + 1 wide windows)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == plain
     m = llm.engine.get_metrics()
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0, m
+    stats = llm.engine.runner.stats
+    assert stats["spec_steps_logits_shaping"] > 0
+    if shaped == "static" and async_scheduling:  # (eager steps of continuation windows)
+        assert stats["continuation_windows"] > 0, stats
 
 
 def test_prompt_logprobs_beside_windows(tiny_vocab_dir, vocab_drafter):

@@ -83,13 +83,16 @@ def build_shaping(
         for token, value in (sp.logit_bias or {}).items():
             bias[i, token] += value
         bias[i, banned_by_bad_words(req.bad_words_token_ids, outputs)] = float("-inf")
-    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     return LogitsShaping(
-        output_counts=as_tensor(counts), prompt_mask=as_tensor(prompt),
-        presence_penalty=as_tensor(penalties[0]), frequency_penalty=as_tensor(penalties[1]),
-        repetition_penalty=as_tensor(penalties[2]), bias=as_tensor(bias),
-        min_p=as_tensor(min_p) if min_p.any() else None,
+        output_counts=_on(counts, device), prompt_mask=_on(prompt, device),
+        presence_penalty=_on(penalties[0], device), frequency_penalty=_on(penalties[1], device),
+        repetition_penalty=_on(penalties[2], device), bias=_on(bias, device),
+        min_p=_on(min_p, device) if min_p.any() else None,
     )  # fmt: skip
+
+
+def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device)
 
 
 def banned_by_bad_words(bad_words: list[list[int]], outputs: list[int]) -> list[int]:
@@ -136,13 +139,13 @@ def apply_shaping(
 ) -> torch.Tensor:  # [N, V] shaped logits
     """Steps 1-4 of the module docstring; `draft_counts` join the output counts (speculation)."""
     s = shaping
-    pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
-    counts = pick(s.output_counts)
-    if draft_counts is not None:
-        counts = counts + draft_counts
-    logits = logits + pick(s.bias)
-    return apply_penalties(logits, pick(s.prompt_mask), counts, pick(s.presence_penalty),
-                           pick(s.frequency_penalty), pick(s.repetition_penalty))  # fmt: skip
+    if rows is not None:  # (one row per window token: its window's)
+        s = LogitsShaping(*(t[rows] for t in (s.output_counts, s.prompt_mask, s.presence_penalty,
+                                              s.frequency_penalty, s.repetition_penalty, s.bias)),
+                          min_p=None)  # fmt: skip
+    counts = s.output_counts if draft_counts is None else s.output_counts + draft_counts
+    return apply_penalties(logits + s.bias, s.prompt_mask, counts, s.presence_penalty,
+                           s.frequency_penalty, s.repetition_penalty)  # fmt: skip
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

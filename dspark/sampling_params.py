@@ -211,7 +211,8 @@ def _is_number(value: object) -> bool:
 
 def _token_id(key: object) -> int:
     """A logit_bias key as a token id: an int, or a string of one (JSON object keys)."""
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    digits = key.strip().removeprefix("-") if isinstance(key, str) else ""
+    if digits.isascii() and digits.isdigit():
         return int(key)
     _check(
         isinstance(key, int) and not isinstance(key, bool),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dspark.spec.cost_table import CostTable, full_block_tokens, parse_table
+from dspark.policy.cost_table import CostTable, full_block_tokens, parse_table
 
 
 def load(argument: str) -> tuple[str, CostTable]:

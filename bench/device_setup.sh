@@ -75,7 +75,7 @@ import json, sys, torch, triton
 from pathlib import Path
 import dspark.drafters
 from dspark.runner.cuda_graph import graph_ladder
-from dspark.spec.cost_table import user_tables_dir
+from dspark.policy.cost_table import user_tables_dir
 live = (torch.cuda.get_device_name(), torch.__version__, triton.__version__,
         graph_ladder(int(sys.argv[1])))
 shipped = Path(dspark.drafters.__file__).parent.glob("*/cost_tables/*.json")

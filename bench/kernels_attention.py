@@ -60,7 +60,7 @@ def load_kernels() -> tuple[object, Callable, type]:
     # kernels are decorated, that is when their module is first imported.
     ref = importlib.import_module("dspark.kernels.paged_attention_ref").paged_attention_ref
     mod = importlib.import_module("dspark.kernels.paged_attention_triton")
-    meta = importlib.import_module("dspark.layers.attention_metadata").AttentionMetadata
+    meta = importlib.import_module("dspark.attention_metadata").AttentionMetadata
     return mod, ref, meta
 
 

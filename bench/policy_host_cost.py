@@ -24,10 +24,10 @@ from types import SimpleNamespace
 
 import torch
 
+from dspark.policy.cost_table import COST_TABLES_DIR, parse_table
+from dspark.policy.policy import DraftingPolicy
+from dspark.policy.trace import PolicyTrace
 from dspark.spec.calibration import load_calibration
-from dspark.spec.cost_table import COST_TABLES_DIR, parse_table
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.policy_trace import PolicyTrace
 
 DRAFTER = Path(__file__).resolve().parents[1] / "dspark/drafters/smollm2_135m_instruct"
 
@@ -58,7 +58,7 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
     running = [_Request(i) for i in ids]
     decide = _median_us(lambda: policy.decide([q.request_id for q in running]), steps)
     observe = _median_us(lambda: policy.observe(ids, logits, greedy, accepted, verify_len), steps)
-    # a step trace's line after the decision (DSPARK_POLICY_TRACE, spec/policy_trace.py)
+    # a step trace's line after the decision (DSPARK_POLICY_TRACE, policy/trace.py)
     with tempfile.TemporaryDirectory() as directory:
         trace = PolicyTrace(policy, Path(directory) / "trace.jsonl")
         scheduler = SimpleNamespace(running=[SimpleNamespace(num_computed_tokens=300,

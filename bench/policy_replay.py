@@ -5,16 +5,17 @@ prompts with C requests in flight (`generate` with max_num_seqs C: as one ends t
 admitted), greedy, so every arm emits the same tokens and only the steps differ (with
 --temperature T > 0 each request samples with its own seed: the arms' tokens then differ, their
 distribution does not, and the steps are priced by the table's sampled cells). Every arm's
-policy decides from a copy of a table under this engine's fingerprint, with realised step costs
-off (CPU step times say nothing about the GPU's), and every step it decides is priced by the
-GPU's table:
+policy decides from a copy of a table under this engine's fingerprint, by the table alone (no
+realised step cost counts: CPU step times say nothing about the GPU's), and every step it
+decides is priced by the GPU's table:
 
     modeled time = sum over steps of t(G, V) of the step's cell
                    (V = G: plain decoding; V = G (K + 1): the full block)
 
     arm "plain": a table where drafting never pays (plain decoding, priced as plain cells)
     arm "k7":    a table where drafting always pays (fixed K, priced as full blocks)
-    other arms:  the GPU's own table, with their speculative_config keys (--arms)
+    other arms:  the GPU's own table, with other policy constants (--arms: PolicyTuning fields,
+                 dspark/policy/tuning.py)
 
     H200 table, t(1, 1) 0.727 ms, t(1, 8) 1.293 ms; 2,048 decode tokens at C = 1:
       plain decoding       2,048 steps                     -> 1,489 ms
@@ -25,7 +26,7 @@ GPU's table:
 ahead of the one in flight and each decision reads survivals two blocks old, as on a GPU (the
 CPU computes each step before the next is decided all the same; only the order of decisions and
 reads changes). The arm key "decision_lag" (1 or 2) overrides the policy's persistence fit's
-pairing there (spec/survival_estimates.py).
+pairing there (policy/survival.py).
 
 A model, not a measurement of the GPU: it leaves out what the table does not hold (prefill
 carried by a step, switches between plain and drafting graphs, host gaps), and the CPU's fp32
@@ -41,19 +42,25 @@ which arms to take to the GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 from dspark import LLM, SamplingParams
 from dspark.benchmarks.prompts import default_prompts_dir, load_prompts
 from dspark.engine.spec_setup import probe_steps
 from dspark.models.loader import default_model_path
-from dspark.spec.cost_table import CostTable, full_block_tokens, parse_table
+from dspark.policy.cost_table import CostTable, full_block_tokens, parse_table
+from dspark.policy.policy import DraftingPolicy
+from dspark.policy.tuning import TUNING
 
 MAX_MODEL_LEN = 1024  # the benchmark's prompts and 256 tokens fit
 
@@ -81,26 +88,30 @@ def tables(gpu: CostTable, fingerprint: dict, draft_len: int, folder: Path) -> d
 
 def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
             concurrency: int, gpu: CostTable, temperature: float = 0.0,
-            ahead: bool = False) -> dict:  # fmt: skip
+            ahead: bool = False, tuning: dict | None = None) -> dict:  # fmt: skip
     """The arm's tokens, its steps by cell and their modeled time (at temperature > 0 priced
     by the table's sampled cells, request i seeded with i). ahead: drafting steps launch
     ahead of the one in flight, as with CUDA graphs (windows laid out K + 1 wide), and the
     policy knows it (probe_steps and decision_lag 2, what engine/spec_setup.py gives it on a
-    GPU); the arm key "decision_lag" (this script's, not speculative_config's) overrides the
+    GPU); `tuning`: the arm's PolicyTuning fields, and "decision_lag", which overrides the
     policy's."""
-    spec = dict(spec)
-    decision_lag = spec.pop("decision_lag", None)
-    llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=concurrency,
-              max_model_len=MAX_MODEL_LEN, speculative_config=spec)  # fmt: skip
+    tuning = dict(tuning or {})
+    decision_lag = tuning.pop("decision_lag", None)
+    # the engine's policy built with the arm's constants, pricing by the table alone
+    constants = replace(TUNING, min_price_steps=math.inf, **tuning)
+    tuned = functools.partial(DraftingPolicy, tuning=constants)
+    with mock.patch("dspark.engine.spec_setup.DraftingPolicy", tuned):
+        llm = LLM(model, dtype="float32", device="cpu", max_num_seqs=concurrency,
+                  max_model_len=MAX_MODEL_LEN, speculative_config=spec)  # fmt: skip
     policy = llm.engine.policy
     assert policy is not None and policy.table is not None, llm.get_metrics()["scheduling"]
     if ahead:  # (what build_policy derives on a GPU, where graphs lay the windows out so)
         llm.engine.runner.spec_runner.uniform_windows = True
-        policy.probe_steps = policy.decision_lag = probe_steps(
+        policy.probe_steps = policy.estimates.decision_lag = probe_steps(
             llm.engine.config, llm.engine.runner.spec_runner
         )
     if decision_lag is not None:
-        policy.decision_lag = decision_lag
+        policy.estimates.decision_lag = decision_lag
     cells: list[tuple[int, int]] = []
     decide = policy.decide
 
@@ -128,7 +139,7 @@ def run_arm(model: str, spec: dict, prompts: list[list[int]], output_len: int,
         "modeled_ms": 1e3 * sum(n * prices.cells[g][v] for (g, v), n in by_cell.items()),
         "acceptance_length": m.get("mean_acceptance_length"),
         "policy": dict(m.get("drafting_policy", {})), "cpu_seconds": time.perf_counter() - start,
-        "persistence": policy.persistence,  # the fitted rho at the end
+        "persistence": policy.estimates.persistence,  # the fitted rho at the end
         "launched_ahead": llm.engine.runner.stats["spec_steps_launched_ahead"],
     }  # fmt: skip
 
@@ -142,7 +153,7 @@ def main() -> int:
     ap.add_argument(
         "--arms",
         default='{"scheduled": {}}',
-        help="JSON: name -> speculative_config keys of a policy arm",
+        help="JSON: name -> PolicyTuning fields (and decision_lag) of a policy arm",
     )
     ap.add_argument("--concurrency", default="1")
     ap.add_argument("--num-prompts", type=int, default=12)
@@ -165,18 +176,25 @@ def main() -> int:
     del probe
     convs = load_prompts(default_prompts_dir())  # the package's held-out prompts
     prompts = [tok.apply_chat_template(c) for c in convs[: args.num_prompts]]
-    base = {"method": "dspark", "realised_costs": False}
-    arms = {"plain": {**base, "cost_table": str(paths["never"])},
-            "k7": {**base, "cost_table": str(paths["always"])}}  # fmt: skip
-    for name, extra in json.loads(args.arms).items():
-        arms[name] = {**base, "cost_table": str(paths["gpu"]), **extra}
+    arms = {"plain": ({"method": "dspark", "cost_table": str(paths["never"])}, {}),
+            "k7": ({"method": "dspark", "cost_table": str(paths["always"])}, {})}  # fmt: skip
+    for name, tuning in json.loads(args.arms).items():
+        arms[name] = ({"method": "dspark", "cost_table": str(paths["gpu"])}, tuning)
 
     levels = []
     for c in (int(x) for x in args.concurrency.split(",")):
         results = {}
-        for name, spec in arms.items():
+        for name, (spec, tuning) in arms.items():
             results[name] = run_arm(
-                model, spec, prompts, args.output_len, c, gpu, args.temperature, args.ahead
+                model,
+                spec,
+                prompts,
+                args.output_len,
+                c,
+                gpu,
+                args.temperature,
+                args.ahead,
+                tuning,
             )
             r = results[name]
             print(f"C={c} {name}: {r['drafting_steps']} drafting + {r['plain_steps']} plain "

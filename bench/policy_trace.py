@@ -1,4 +1,4 @@
-"""Summarise a drafting policy's trace (DSPARK_POLICY_TRACE, dspark/spec/policy_trace.py).
+"""Summarise a drafting policy's trace (DSPARK_POLICY_TRACE, dspark/policy/trace.py).
 
     python bench/policy_trace.py TRACE.jsonl [--stretches N] [--decisions N]
 

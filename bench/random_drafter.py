@@ -13,7 +13,8 @@ import argparse
 
 import torch
 
-from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
+from dspark.models.drafter_config import DrafterConfig
+from dspark.models.dspark_drafter import DSparkDrafter, target_identity
 from dspark.models.llama import build_model
 from dspark.models.loader import checkpoint_hash, load_checkpoint, resolve_model
 

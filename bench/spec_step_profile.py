@@ -29,8 +29,8 @@ import time
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.benchmarks.profile import drain
 from dspark.runner.spec_graphs import window_layout
-from dspark.spec.profile import drain
 from dspark.spec.spec_buffers import GREEDY
 
 

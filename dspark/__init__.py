@@ -3,6 +3,6 @@
 from dspark.llm import LLM
 from dspark.outputs import CompletionOutput, RequestOutput
 from dspark.sampling_params import SamplingParams
+from dspark.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -11,12 +11,21 @@ from dspark.config import DTYPE_CHOICES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default', a .gguf file or a HF directory")
+    p.add_argument(
+        "--model", default="default", help="'default', a .gguf file, a HF directory or 'org/name'"
+    )
+    p.add_argument("--revision", default=None, help="of a Hub model: branch, tag or commit")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV pages of prompts' common prefixes (default on)",
+    )
     p.add_argument(
         "--speculative-config",
         type=json.loads,
@@ -51,11 +60,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
+            revision=args.revision,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=args.enable_prefix_caching,
             speculative_config=args.speculative_config,
         )
     )
@@ -93,18 +104,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dspark.benchmarks.gpu_state import describe, held_down, read_gpu_state
+    from dspark.benchmarks.profile import format_table, profile_cost_table
     from dspark.llm import LLM
-    from dspark.spec.cost_table import flatness_reason, table_file_name, user_tables_dir
-    from dspark.spec.profile import format_table, profile_cost_table
+    from dspark.policy.cost_table import flatness_reason, table_file_name, user_tables_dir
 
     spec = dict(args.speculative_config or {"method": "dspark"})
     if "cost_table" in spec:
         raise ValueError("dspark profile measures a new table: leave cost_table out")
     spec["scheduling"] = False  # the profiler pins each cell (a shipped table must not decide)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs if batches is None else max(batches),
-              kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec)  # fmt: skip
+              kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec,
+              enable_prefix_caching=args.enable_prefix_caching)  # fmt: skip
     if batches is None:  # the captured ladder (on the CPU: powers of two to max_num_seqs)
         graphs = llm.engine.runner.spec_runner.graphs
         batches = (
@@ -149,9 +162,9 @@ def _compare_to_reference(table, llm, path: str | None) -> None:
     the median ratio of their cells, and a warning when it is off by more than DRIFT_WARNING."""
     from pathlib import Path
 
+    from dspark.benchmarks.profile import DRIFT_WARNING, reference_drift
     from dspark.engine.spec_setup import matching_cost_table
-    from dspark.spec.cost_table import parse_table
-    from dspark.spec.profile import DRIFT_WARNING, reference_drift
+    from dspark.policy.cost_table import parse_table
 
     engine = llm.engine
     path = path or matching_cost_table(engine.drafter_dir, engine.cost_fingerprint)

@@ -24,14 +24,17 @@ CPU_KV_CACHE_GB = 1.0
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
+    revision: str | None = None  # of a Hub model "org/name": a branch, tag or commit; None: main
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto: cuda when available
     max_model_len: int | None = None  # None: the checkpoint's context length, capped by KV
     max_num_seqs: int = 256  # requests running at once
-    # tokens per step (chunked prefill splits longer prompts); prefill steps run eagerly and are
-    # host-bound on the GPU (~10 ms a step whether it carries 2,048 or 8,192 tokens on the H200:
-    # bench/prefill_profile.py), so fewer, larger steps start requests sooner (vLLM serves with
-    # 8,192 too)
+    # tokens per step (chunked prefill splits longer prompts; every step carries all the decode
+    # rows, then one chunk). Offline, 8,192: prefill steps run eagerly and are host-bound on the
+    # GPU (~10 ms a step whether it carries 2,048 or 8,192 tokens on the H200:
+    # bench/prefill_profile.py), so fewer, larger steps finish sooner. `dspark serve` defaults to
+    # 2,048 (server/cli.py, vLLM's online value): a step lasts as long as its chunk, and while a
+    # long prompt arrives every running stream waits that long for its next token
     max_num_batched_tokens: int = 8192
     page_size: int = 16  # tokens per KV page
     num_kv_pages: int | None = None  # None: sized from kv_cache_memory_gb or GPU memory
@@ -43,12 +46,16 @@ class EngineConfig:
     # GPU's), drafting steps of full windows too (their anchors written on the device from step
     # N's verification, engine.py); off, every step waits for its own results
     async_scheduling: bool = True
+    # automatic prefix caching (vLLM's name and default): full KV pages keyed by the hash chain
+    # of their tokens are kept after their request ends and shared by requests that start with
+    # the same tokens, which then skip their prefill (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True
     # with CUDA graphs: a decode step that also carries prefill chunks (at most 4 rows of up to
     # this many tokens in all: requests admitted while others decode) replays a captured mixed
     # decode graph instead of running eagerly (runner/mixed_layout.py); 0: such steps run
     # eagerly. In a closed loop whose requests end at different steps, 256 ran plain decoding
-    # 1.43x / 2.88x / 3.84x faster than 0 at 16 / 64 / 256 requests (H200, docs/PERFORMANCE.md,
-    # tenth look). (Drafting steps have their own: speculative_config["mixed_prefill_tokens"].)
+    # 1.43x / 2.88x / 3.84x faster than 0 at 16 / 64 / 256 requests (H200). (Drafting steps have
+    # their own: speculative_config["mixed_prefill_tokens"].)
     mixed_prefill_tokens: int = 256
     # output tokens a streamed ("delta") request gathers before it is reported (vLLM's and
     # SGLang's stream_interval); its first token and its end are reported at once

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from dspark.config import EngineConfig
@@ -14,6 +18,8 @@ from dspark.engine.collector import steady_collector
 from dspark.engine.engine import LLMEngine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -26,8 +32,36 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", dtype: str = "auto", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
+        self._engine: LLMEngine | None = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("this LLM was shut down; build a new one")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Free the engine: its weights, KV cache and captured graphs are released now, so a
+        second engine in this process finds the memory (idempotent; `with LLM(...) as llm:`
+        calls it on leaving, and `del llm` frees the same, the engine holding no reference
+        cycle)."""
+        if self._engine is None:
+            return
+        runner = weakref.ref(self._engine.runner)
+        self._engine = None
+        if runner() is not None:  # a reference cycle: freed only by the cyclic collector
+            logger.warning("the engine's runner outlived its engine (a reference cycle): "
+                           "collecting it now")  # fmt: skip
+            gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # (the allocator's cached blocks, back to the device)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -85,12 +119,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to one conversation or a list of them."""
+        """Apply the checkpoint's chat template to one conversation or a list of them;
+        `chat_template_kwargs` are the template's variables (Qwen3: {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt)}
+            {
+                "prompt_token_ids": tok.apply_chat_template(
+                    c, add_generation_prompt, chat_template_kwargs
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -51,6 +51,11 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     page_ids: list[int] = field(default_factory=list)
+    # prefix caching (engine/prefix_cache.py): the hash chain of its full pages whose tokens
+    # are known (kept through preemption: its tokens stay), and how many of page_ids, from the
+    # first, are in the cache (shared at admission or published since)
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_published_pages: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

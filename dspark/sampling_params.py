@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # A seed is folded to 64 bits before hashing; larger values are a user error, not silently wrapped.
 MAX_SEED = 2**63 - 1
@@ -84,6 +84,15 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return self._stop_strings
+
+    def with_eos_ids(self, eos_ids: tuple[int, ...]) -> SamplingParams:
+        """These params with a checkpoint's further EOS ids (generation_config.json's: Qwen3
+        ends a chat turn on <|im_end|>, plain text on <|endoftext|>) among the stop token ids,
+        as vLLM adds them; unchanged with ignore_eos or none missing."""
+        missing = [t for t in eos_ids if t not in self.stop_token_ids]
+        if self.ignore_eos or not missing:
+            return self
+        return replace(self, stop_token_ids=self.stop_token_ids + missing)
 
     @property
     def is_greedy(self) -> bool:

@@ -25,6 +25,10 @@ from dspark.request import Request, TokenLogprobs
 SCRATCH_PAGE = 0
 
 
+PAD_SLOT = SCRATCH_PAGE  # slot 0 of the scratch page: where a pad row's K/V goes
+PAD_TOKEN_ID = 0  # a pad row's input token (its logits are never read)
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that hold num_tokens tokens: pages_for(17, 16) == 2."""
     return -(-num_tokens // page_size)

@@ -3,17 +3,18 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
-import torch
+# dspark's cache (the user's cost tables, dspark profile's default output, searched by every
+# engine) in a directory of the run's own, for the servers the tests spawn too: nothing on the
+# machine running the tests is read or written. Set before dspark is imported: dspark/envs.py
+# reads the variables once.
+os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark_test_cache_")
 
-from dspark.spec.cost_table import CACHE_ENV
-from tests.tiny_models import make_tiny_llama, make_tiny_vocab_model
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.tiny_models import make_tiny_llama, make_tiny_vocab_model  # noqa: E402
 
 torch.set_num_threads(2)
-# the user's cost tables (dspark profile's default output, searched by every engine) in a
-# directory of the run's own, for the servers the tests spawn too: nothing on the machine
-# running the tests is read or written
-os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="dspark_test_cache_")
 
 
 def _has_default_model() -> bool:

@@ -10,8 +10,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from dspark.attention_metadata import single_prefill_metadata
 from dspark.engine.kv_cache import allocate_kv_caches
-from dspark.layers.attention_metadata import single_prefill_metadata
 from dspark.runner.mixed_layout import graph_tail_rows
 from dspark.step_plan import pages_for
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.kernels.paged_attention_ref import paged_attention_ref, store_kv_ref
-from dspark.layers.attention_metadata import AttentionMetadata
 
 
 def _ragged_batch(q_lens, kv_lens, page_size, nh, nkv, hd, seed=0):

@@ -7,14 +7,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from dspark.attention_metadata import AttentionMetadata, single_prefill_metadata
 from dspark.engine.kv_cache import allocate_kv_caches
-from dspark.layers.attention_metadata import AttentionMetadata, single_prefill_metadata
-from dspark.models.dspark_drafter import (
-    DrafterConfig,
-    DrafterMismatchError,
-    DSparkDrafter,
-    target_identity,
-)
+from dspark.models.drafter_config import DrafterConfig, DrafterMismatchError
+from dspark.models.dspark_drafter import DSparkDrafter, target_identity
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
 from tests.helpers import chi2_critical_001

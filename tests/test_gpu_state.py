@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark.benchmarks.gpu_state import describe, held_down, parse_query_line, read_gpu_state
-from dspark.spec.cost_table import CostTable, parse_table
+from dspark.policy.cost_table import CostTable, parse_table
 
 
 def test_a_steady_gpu_line():

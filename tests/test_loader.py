@@ -132,3 +132,67 @@ def test_default_model_config(default_gguf):
     )
     assert config.vocab_size == 49152 and config.tie_word_embeddings
     assert config.rope_theta == 100000.0 and config.eos_token_ids == (2,)
+
+
+def _sharded_bf16(tmp_path, tokenizer, max_shard_size: str):
+    """A tiny Qwen3 saved as bf16 in shards of at most `max_shard_size`, with an index file."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import make_tiny_llama
+
+    d = make_tiny_llama(tmp_path / "f32", tokenizer, "qwen3", tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    out = tmp_path / "bf16"
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    return out
+
+
+def test_sharded_bf16_loads_shard_by_shard_without_float32_copies(tmp_path, smollm_hf_tokenizer):
+    """Each tensor goes from its shard into its bf16 parameter: no float32 tensor bigger than
+    the rotary frequencies is ever created, and no tensor (safetensors' byte views of a
+    shard's storage included) bigger than the largest parameter.
+    The shards give the same model as one file."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dspark.models.safetensors_weights import SafetensorsWeights
+
+    sharded = _sharded_bf16(tmp_path, smollm_hf_tokenizer, "100KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    config, weights = load_checkpoint(resolve_model(str(sharded)))
+    assert isinstance(weights, SafetensorsWeights)
+    created: list[tuple[torch.dtype, int, str]] = []  # (dtype, bytes, op)
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    created.append((t.dtype, t.numel() * t.element_size(), str(func)))
+            return out
+
+    with Allocations():
+        model = build_model(config, weights, torch.bfloat16, torch.device("cpu"))
+    largest = max(p.numel() * p.element_size() for p in model.parameters())  # bytes
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert max(n for dtype, n, _ in created if dtype == torch.float32) <= 4 * config.head_dim // 2
+    assert max(n for _, n, _ in created) <= largest, sorted(created, key=lambda c: -c[1])[:3]
+    single = tmp_path / "single"
+    shutil.copytree(sharded, single, ignore=shutil.ignore_patterns("*.safetensors*"))
+    from safetensors.torch import save_file
+
+    save_file(dict(weights.items()), single / "model.safetensors")
+    one = build_model(*load_checkpoint(resolve_model(str(single))), torch.bfloat16,
+                      torch.device("cpu"))  # fmt: skip
+    assert torch.equal(full_logits(model, IDS).logits, full_logits(one, IDS).logits)
+
+
+def test_missing_fused_part_is_named(tmp_path, smollm_hf_tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    d = _sharded_bf16(tmp_path, smollm_hf_tokenizer, "100MB")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    config, weights = load_checkpoint(resolve_model(str(d)))
+    with pytest.raises(ValueError, match=r"missing tensors: \['layers.1.self_attn.qkv_proj"):
+        build_model(config, weights, torch.bfloat16, torch.device("cpu"))

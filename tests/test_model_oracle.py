@@ -37,9 +37,10 @@ def _hf(path, gguf_file=None):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_hf_checkpoint_logits_and_hidden_states(tmp_path, smollm_hf_tokenizer, arch):
-    # qwen2 has q/k/v biases; both are untied here to cover a separate lm_head
+    # qwen2 has q/k/v biases, qwen3 q/k norms and heads x head_dim != hidden; all are untied
+    # here to cover a separate lm_head
     d = make_tiny_llama(tmp_path / arch, smollm_hf_tokenizer, arch, tie_word_embeddings=False)
     ours, hf = _ours(str(d)), _hf(d)
     ids = smollm_hf_tokenizer.encode("The quick brown fox jumps over the lazy dog.")
@@ -134,3 +135,32 @@ def test_rope_scaling_matches_hf(tmp_path, smollm_hf_tokenizer, rope_scaling):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(full_logits(ours, ids).logits, ref, atol=1e-4, rtol=1e-4)
+
+
+# Llama 3.x's rope: llama3 scaling over theta 500000, untied head (Llama 3.2 1B ties it)
+LLAMA3 = {
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [("qwen3", {}), ("qwen3", {"tie_word_embeddings": False}), ("llama", LLAMA3)],
+    ids=["qwen3-tied", "qwen3-untied", "llama3"],
+)
+def test_real_target_families_greedy_equal_hf(tmp_path, smollm_hf_tokenizer, arch, overrides):
+    """The engine's greedy tokens (prefill, then decode steps over the paged cache) equal HF's
+    for the two families of real targets, float32 on both sides."""
+    d = make_tiny_llama(tmp_path / arch, smollm_hf_tokenizer, arch, **overrides)
+    prompts = [smollm_hf_tokenizer.encode(t) for t in CHAT_PROMPTS[:3]]
+    llm = LLM(model=str(d), dtype="float32", device="cpu", num_kv_pages=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == _hf_greedy(prompts, _hf(d), 12)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
+from dspark.runner.input_buffers import InputBuffers
 from dspark.runner.model_runner import ModelRunner
-from dspark.step_plan import SCRATCH_PAGE
+from dspark.step_plan import PAD_SLOT, SCRATCH_PAGE
 
 PROMPTS = ["Hello there", "The quick brown fox", "1 2 3"]
 

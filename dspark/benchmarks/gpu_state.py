@@ -1,7 +1,7 @@
 """The GPU's clocks, temperature, power and clock-event reasons, read with `nvidia-smi`, so that a
 measurement records the state it ran in.
 
-Two hazards motivated it (docs/PERFORMANCE.md, sixteenth and seventeenth looks): the speculative
+Two hazards motivated it: the speculative
 arms' first repeat of a level sometimes ran up to 1.6x slower than the second, and a cost table
 profiled right after a quarter of an hour of training read up to 1.7x high from G = 64 up, where
 a profile a minute later in a fresh process did not. Both fit clocks that are not at their

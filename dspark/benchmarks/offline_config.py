@@ -39,7 +39,7 @@ class BenchConfig:
     waves: int = 1
     # at least this many requests per level, still at most C in flight (a closed loop where it
     # is more than W * C): a low level then does enough work to time (at C = 1 with 4 waves,
-    # 4 requests spread the issue-6 sweep's repeats by 0.84-1.09x, PERFORMANCE.md 24th look)
+    # 4 requests spread the issue-6 sweep's repeats by 0.84-1.09x)
     min_requests: int = 1
     # request i's length is output_len * (1 - S + 2 S u_i), u_i uniform in [0, 1) from the
     # seed, the same for every arm and repeat; 0: every request output_len tokens. With
@@ -157,6 +157,7 @@ ARM_ENGINE_OPTIONS = frozenset(
         "use_cuda_graphs",
         "max_num_batched_tokens",
         "mixed_prefill_tokens",
+        "enable_prefix_caching",
     }
 )
 

@@ -170,7 +170,7 @@ def _spec_delta(before: dict, after: dict) -> dict:
             "launched_ahead": a["launched_ahead"] - b.get("launched_ahead", 0),
             "not_ahead": {k: n for k, n in not_ahead.items() if n},
         }
-        for key in ("admitting", "behind_mixed"):  # (mixed_steps_ahead's, where counted)
+        for key in ("admitting", "behind_mixed"):  # (mixed steps ahead, where counted)
             if n := a.get(key, 0) - b.get(key, 0):
                 d["async_spec_steps"][key] = n
     if "drafting_policy" in after:  # steps with and without drafting at this level
@@ -194,7 +194,7 @@ def run_level(
         for name, llm in llms.items():
             device = llm.engine.device
             before_run = read_gpu_state(device)  # clocks and heat, outside the timed window
-            if (trace := llm.engine.policy_trace) is not None:  # (spec/policy_trace.py)
+            if (trace := llm.engine.policy_trace) is not None:  # (policy/trace.py)
                 trace.mark(arm=name, concurrency=concurrency or len(prompts),
                            repeat=len(runs[name]))  # fmt: skip
             run = run_dspark_once(llm, prompts, lengths, concurrency, config.temperature)

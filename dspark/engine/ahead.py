@@ -25,92 +25,122 @@ arrivals then took 4.4 ms where a steady one took 2.2).
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Protocol
+
 from dspark.request import PENDING_TOKEN, Request
 from dspark.step_plan import pages_for
 
 
-class AheadRules:
-    """The scheduler's rules for a step scheduled ahead (module docstring). A mixin of
-    Scheduler: it reads the scheduler's queues, limits and per-request helpers
-    (_is_windowed, _num_draft, _empty_window, _is_burst)."""
+class FreePages(Protocol):
+    num_free: int
 
-    def ahead_blocker(self, max_rows: int) -> str | None:
-        """Why the next step may not be scheduled while the in-flight step's windows are
-        unresolved (None: nothing; max_rows: the most windows one step can lay out).
 
-        Scheduled ahead, every row is a window the synchronous engine would give its request
-        too, or a waiting request's prefill in a mixed step's captured tail (a request that
-        stops in the in-flight step frees its seat one step later than it would synchronously),
-        no plain row, a token
-        budget no window can exhaust, and the pages for the most every request can reach free
-        now (preempting on a worst-case guess would preempt where the synchronous engine does
-        not). A request in flight whose next window max_tokens or max_model_len shortens,
-        depending on what the in-flight one emits, gets it shortened on the device. One whose
-        in-flight window could emit its last token, or whose drafter block could run past
-        max_model_len, is deferred: it gets that window one step later, once its count is
-        known (its windows, so its tokens, are the same; only their step changes).
-        """
-        admissible = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        if admissible and not self._admits_ahead():
-            return "waiting_requests"
-        if len(self.running) > max_rows:
-            return "too_many_rows"
-        if len(self.running) * (1 + self.max_verify) > self.max_num_batched_tokens:
-            return "token_budget"
-        pages = rows = 0  # rows: the requests with a window in the next step
-        for req in self.running:
-            if req.num_windows_in_flight:
-                most = self._continuing_most(req)
-                if most is None:
-                    continue  # deferred
-            else:
-                most = len(req.token_ids)  # (no window in flight: its anchor is its last token)
-            if not req.num_windows_in_flight and req.token_ids[-1] == PENDING_TOKEN:
-                if req.num_tokens >= req.max_num_tokens:
-                    continue  # its pending token is its last: no row
-                if self._is_windowed(req):
-                    continue  # its first token in flight: deferred (module docstring)
+class SchedulerView(Protocol):
+    """What these rules read of the scheduler (engine/scheduler.py): its queues and limits, and
+    the per-request window rules it applies itself, so that a step scheduled ahead gives each
+    request the window the synchronous engine would."""
+
+    waiting: deque[Request]
+    running: list[Request]
+    allocator: FreePages
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+    draft_len: int
+    max_verify: int
+    drafting: bool
+    mixed_limits: tuple[int, int] | None
+
+    def is_windowed(self, req: Request) -> bool: ...
+
+    def num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int: ...
+
+    def empty_window(self, req: Request) -> bool: ...
+
+    def is_burst(self, limits: tuple[int, int]) -> bool: ...
+
+
+def ahead_blocker(s: SchedulerView, max_rows: int) -> str | None:
+    """Why the next step may not be scheduled while the in-flight step's windows are
+    unresolved (None: nothing; max_rows: the most windows one step can lay out).
+
+    Scheduled ahead, every row is a window the synchronous engine would give its request
+    too, or a waiting request's prefill in a mixed step's captured tail (a request that
+    stops in the in-flight step frees its seat one step later than it would synchronously),
+    no plain row, a token
+    budget no window can exhaust, and the pages for the most every request can reach free
+    now (preempting on a worst-case guess would preempt where the synchronous engine does
+    not). A request in flight whose next window max_tokens or max_model_len shortens,
+    depending on what the in-flight one emits, gets it shortened on the device. One whose
+    in-flight window could emit its last token, or whose drafter block could run past
+    max_model_len, is deferred: it gets that window one step later, once its count is
+    known (its windows, so its tokens, are the same; only their step changes).
+    """
+    admissible = bool(s.waiting) and len(s.running) < s.max_num_seqs
+    if admissible and not _admits_ahead(s):
+        return "waiting_requests"
+    if len(s.running) > max_rows:
+        return "too_many_rows"
+    if len(s.running) * (1 + s.max_verify) > s.max_num_batched_tokens:
+        return "token_budget"
+    pages = rows = 0  # rows: the requests with a window in the next step
+    for req in s.running:
+        if req.num_windows_in_flight:
+            most = continuing_most(s, req)
+            if most is None:
+                continue  # deferred
+        else:
+            most = len(req.token_ids)  # (no window in flight: its anchor is its last token)
+        if not req.num_windows_in_flight and req.token_ids[-1] == PENDING_TOKEN:
+            if req.num_tokens >= req.max_num_tokens:
+                continue  # its pending token is its last: no row
+            if s.is_windowed(req):
+                continue  # its first token in flight: deferred (module docstring)
+            return "plain_rows"
+        most += s.draft_len  # + the drafter block
+        rows += 1
+        if not req.num_windows_in_flight and s.num_draft(req, s.max_verify + 1) == 0:
+            if not s.empty_window(req):
                 return "plain_rows"
-            most += self.draft_len  # + the drafter block
-            rows += 1
-            if not req.num_windows_in_flight and self._num_draft(req, self.max_verify + 1) == 0:
-                if not self._empty_window(req):
-                    return "plain_rows"
-                most = req.num_tokens  # its anchor's slot
-            pages += pages_for(most, self.page_size) - len(req.page_ids)
-        if admissible and not rows:
-            return "waiting_requests"  # no window to put an admission's tail behind
-        return "kv_pages" if pages > self.allocator.num_free else None
+            most = req.num_tokens  # its anchor's slot
+        pages += pages_for(most, s.page_size) - len(req.page_ids)
+    if admissible and not rows:
+        return "waiting_requests"  # no window to put an admission's tail behind
+    return "kv_pages" if pages > s.allocator.num_free else None
 
-    def _admits_ahead(self) -> bool:
-        """May a step scheduled ahead admit the waiting requests? Only into a captured mixed
-        step's capped tail (not a burst, which runs uncapped and eagerly)."""
-        limits = self.mixed_limits
-        return limits is not None and not self._is_burst(limits)
 
-    def _continuing_most(self, req: Request) -> int | None:
-        """The most tokens the in-flight req can have when its next window runs (one anchor
-        past all that its in-flight window can emit), if it can have that window now, whatever
-        the in-flight one emits; None: deferred.
+def _admits_ahead(s: SchedulerView) -> bool:
+    """May a step scheduled ahead admit the waiting requests? Only into a captured mixed
+    step's capped tail (not a burst, which runs uncapped and eagerly)."""
+    limits = s.mixed_limits
+    return limits is not None and not s.is_burst(limits)
 
-        The window is staged at full length; near the request's end the device shortens it to
-        what max_tokens and max_model_len allow, as _num_draft would
-        (runner/continuations.py). So it needs a window at all (_is_windowed), a token left
-        after the most its in-flight windows can emit (else the window could come after its
-        last token: a step of a dead row), and the drafter block's K slots from the furthest
-        anchor inside max_model_len.
 
-        (One call per row where the ahead check and schedule each run over a few hundred rows
-        a step: _is_windowed is written out here.)
-        """
-        tokens, sp = req.token_ids, req.sampling_params
-        most = len(tokens) + (1 + self.max_verify) * req.num_windows_in_flight
-        if (
-            self.drafting
-            and sp.use_speculation
-            and len(tokens) - len(req.prompt_token_ids) >= sp.min_tokens
-            and most < req.max_num_tokens
-            and most + self.draft_len <= self.max_model_len
-        ):
-            return most
-        return None
+def continuing_most(s: SchedulerView, req: Request) -> int | None:
+    """The most tokens the in-flight req can have when its next window runs (one anchor
+    past all that its in-flight window can emit), if it can have that window now, whatever
+    the in-flight one emits; None: deferred.
+
+    The window is staged at full length; near the request's end the device shortens it to
+    what max_tokens and max_model_len allow, as Scheduler.num_draft would
+    (runner/continuations.py). So it needs a window at all (Scheduler.is_windowed), a token left
+    after the most its in-flight windows can emit (else the window could come after its
+    last token: a step of a dead row), and the drafter block's K slots from the furthest
+    anchor inside max_model_len.
+
+    (One call per row where the ahead check and schedule each run over a few hundred rows
+    a step: is_windowed is written out here.)
+    """
+    tokens, sp = req.token_ids, req.sampling_params
+    most = len(tokens) + (1 + s.max_verify) * req.num_windows_in_flight
+    if (
+        s.drafting
+        and sp.use_speculation
+        and len(tokens) - len(req.prompt_token_ids) >= sp.min_tokens
+        and most < req.max_num_tokens
+        and most + s.draft_len <= s.max_model_len
+    ):
+        return most
+    return None

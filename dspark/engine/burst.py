@@ -1,7 +1,7 @@
 """The burst threshold: when the scheduler admits waiting requests beside a mixed step's head
 uncapped, in one eager step, rather than capped at the tail the runner captured.
 
-A burst is more requests waiting for a free seat than the threshold (Scheduler._is_burst,
+A burst is more requests waiting for a free seat than the threshold (Scheduler.is_burst,
 engine/scheduler.py), burst_threshold(): 4 sqrt(R) for R rows running, and never fewer than the
 captured tail's rows.
 

@@ -51,6 +51,7 @@ from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
 from dspark.engine.memory import plan_kv
+from dspark.engine.prefix_cache import PrefixCache
 from dspark.engine.reporting import report
 from dspark.engine.scheduler import Scheduler
 from dspark.engine.spec_metrics import spec_metrics
@@ -69,14 +70,14 @@ from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import DeltaOutput, RequestOutput
+from dspark.policy.cost_table import make_fingerprint
+from dspark.policy.realised_costs import StepPeriods
+from dspark.policy.trace import PolicyTrace
 from dspark.request import FinishReason, Request, RequestStatus
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.config import tail_sizes
-from dspark.spec.cost_table import make_fingerprint
-from dspark.spec.policy_trace import PolicyTrace
-from dspark.spec.realised_costs import StepPeriods
 from dspark.step_plan import InFlightStep
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.revision)
         model_config, weights = load_checkpoint(source)
         self.model_config = model_config
         self.tokenizer: Tokenizer = load_tokenizer(source)
@@ -108,6 +109,12 @@ class LLMEngine:
             model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
         )
         self.allocator = PageAllocator(self.kv_plan.num_pages)
+        # prefix caching: pages keyed by the drafter too, whose context they carry
+        # (engine/prefix_cache.py); None: off
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            drafter_key = checkpoint_hash(ModelSource(drafter_dir)) if drafter_dir else ""
+            self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
         self.spec = build_spec(
             config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
             drafter_dir, target_hash, backend,
@@ -143,6 +150,7 @@ class LLMEngine:
             # keeps the step's graph
             mixed_limits=spec_runner.mixed_limits if spec_runner is not None else None,
             decode_mixed_limits=self.runner.decode_mixed_limits,
+            prefix_cache=self.prefix_cache,
         )
         self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)
@@ -163,7 +171,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
-        self._last_arrivals = False  # the last decided step admitted or prefilled (arrival_costs)
+        self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -175,7 +183,7 @@ class LLMEngine:
         )
 
     def cost_fingerprint(self) -> dict:
-        """What a cost table measured on this engine must record (DSPARK.md 7)."""
+        """What a cost table measured on this engine must record (docs/SPECULATION.md 6)."""
         spec_runner = self.runner.spec_runner
         graphs = spec_runner.graphs
         return make_fingerprint(
@@ -206,7 +214,7 @@ class LLMEngine:
         (the server passes its handler's time, so the latency metrics include tokenization and
         the pipe); default now.
         """
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).with_eos_ids(self.model_config.eos_token_ids[1:])
         prompt_ids, text = self._prompt_ids(prompt)
         prompt_text = text if text is not None else prompt_text
         self.validate_request(request_id, prompt_ids, params)
@@ -278,7 +286,8 @@ class LLMEngine:
             watch.stats = outer
 
     def _step(self) -> list[RequestOutput | DeltaOutput]:
-        if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
+        # from survivals at least one step old (docs/SPECULATION.md 5.2)
+        if self.policy is not None:
             self._decide_drafting()
         elif self.policy_trace is not None:  # (plain or fixed K: the step, for comparison)
             self.policy_trace.stepped(self.scheduler, self.runner.stats,
@@ -300,7 +309,7 @@ class LLMEngine:
     def _decide_drafting(self) -> None:
         """The drafting policy's choice for the step about to be scheduled; the period since
         the last choice (one step of the pipeline) is the realised cost of that one's cell,
-        when the step before it ran the same cell (spec/realised_costs.py, StepPeriods)."""
+        when the step before it ran the same cell (policy/realised_costs.py, StepPeriods)."""
         now = time.perf_counter()
         reqs = self.scheduler.running
         running = [r.request_id for r in reqs]
@@ -316,9 +325,7 @@ class LLMEngine:
                                       counted, now)  # fmt: skip
         if counted is not None:  # (the period is the previous decision's step)
             self.policy.record_step(*counted, arrivals=self._last_arrivals)
-        costs = self.policy.realised_costs
-        if costs is not None and costs.split_arrivals:  # ("arrival_costs": realised_costs.py)
-            self._last_arrivals = self.scheduler.has_arrivals()
+        self._last_arrivals = self.scheduler.has_arrivals()  # (priced apart: realised_costs.py)
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

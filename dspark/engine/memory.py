@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.attention_metadata import single_prefill_metadata
 from dspark.config import CPU_KV_CACHE_GB, EngineConfig
 from dspark.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token
-from dspark.layers.attention_metadata import single_prefill_metadata
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
 from dspark.step_plan import pages_for
@@ -112,7 +112,7 @@ def sampler_bytes(
 
       max_num_seqs 512, K 7, vocab 49,152: 6 x 512 x 8 x 49,152 x 4 B = 4.5 GiB
       (one softmax over those 4,096 rows is 768 MiB; without this reserve a sampled verify at
-      G = 512 ran out of memory on the H200: docs/PERFORMANCE.md, eleventh look)
+      G = 512 ran out of memory on the H200)
 
     With speculative graphs (spec_graphs), GRAPH_POOL_BUFFERS rows more per position: the
     graphs share one pool, captured largest first, and every graph's outputs stay live in it,
@@ -122,9 +122,8 @@ def sampler_bytes(
     temporaries again beside the pool. On an H100 (80 GB), max_num_seqs 256 and K = 7, five
     graphs a size (the full block in three sampling modes, the mixed step in two) held
     3.96 GiB (~42 B per position and entry) when the next cell's eager run failed to find
-    1.13 GiB, with only the first reserve made (docs/PERFORMANCE.md, twenty-fourth look). The
-    mixed step is captured in three modes since the twenty-ninth look: six graphs a size,
-    ~48 B or 12 rows, and one row of slack:
+    1.13 GiB, with only the first reserve made. With the mixed step captured in three modes
+    too, six graphs a size: ~48 B or 12 rows, and one row of slack:
 
       max_num_seqs 256, K 7, vocab 49,152, graphs: (6 + 13) x 256 x 8 x 49,152 x 4 B = 7.1 GiB
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.outputs import CompletionOutput, DeltaOutput, FinalInfo, RequestOutput
+from dspark.policy.policy import DraftingPolicy
 from dspark.request import Request
-from dspark.spec.drafting_policy import DraftingPolicy
 
 
 def report(

@@ -15,6 +15,10 @@ Policy (vLLM-style, one token budget per step):
    max_num_seqs and free pages allow; a request that does not fit stops admission (FIFO).
 When a running request needs a page and none is free, the most recently admitted running
 request is preempted: its pages are freed and it will recompute its prompt + outputs later.
+With prefix caching (engine/prefix_cache.py) a request is admitted on the cached pages of its
+longest cached prefix, its first chunk starting after them, and its own pages are published
+as they become final (advance() for prefill chunks, update() for sampled tokens); a
+preempted request's re-admission finds its own published pages if they were not evicted.
 
 A drafting step that also admits or prefills (a mixed step) keeps its graph when the runner has
 captured mixed speculative steps (`mixed_limits`: at most R tail rows of at most P tokens in
@@ -30,7 +34,7 @@ host time (the threshold, its measurement and its A/B knob: engine/burst.py).
 
 Speculative steps scheduled ahead, while the step before is in flight (async scheduling of
 drafting steps, mixed steps among them): when they may be, and what their rows are, is
-engine/ahead.py's (AheadRules, which Scheduler extends).
+engine/ahead.py's (functions over the scheduler's queues, limits and window rules).
 """
 
 from __future__ import annotations
@@ -38,15 +42,16 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from dspark.engine.ahead import AheadRules
+from dspark.engine.ahead import ahead_blocker, continuing_most
 from dspark.engine.burst import burst_threshold
 from dspark.engine.kv_cache import PageAllocator
+from dspark.engine.prefix_cache import PrefixCache
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from dspark.sample.logits_shaping import has_multi_token_bad_words
 from dspark.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple, pages_for
 
 
-class Scheduler(AheadRules):
+class Scheduler:
     def __init__(
         self,
         allocator: PageAllocator,
@@ -61,8 +66,10 @@ class Scheduler(AheadRules):
         # None: no cap
         mixed_limits: tuple[int, int] | None = None,
         decode_mixed_limits: tuple[int, int] | None = None,
+        prefix_cache: PrefixCache | None = None,  # None: prefix caching off
     ) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.draft_len = draft_len
         self.max_verify = draft_len if max_verify is None else max_verify
         # False: the next schedule() gives no request a window (the drafting policy's choice)
@@ -117,12 +124,12 @@ class Scheduler(AheadRules):
         limits = self.mixed_limits if drafting else self.decode_mixed_limits
         has_head = reorder = False  # reorder: some head row follows a tail row
         num_tail, tail_rows_left, tail_tokens_left = 0, *(limits or (0, 0))
-        capped = limits is not None and not self._is_burst(limits)
+        capped = limits is not None and not self.is_burst(limits)
         for req in list(self.running):
             if req.status is not running:  # preempted by an earlier row this step
                 continue
             if req.num_windows_in_flight:  # scheduled ahead: ahead_blocker() found no obstacle
-                most = self._continuing_most(req)
+                most = continuing_most(self, req)
                 # (pages checked inline, as for the common decode row below: most requests
                 # own the pages for their next window already)
                 if most is not None and (
@@ -148,7 +155,7 @@ class Scheduler(AheadRules):
             if drafting and tokens[-1] == PENDING_TOKEN:  # behind a mixed step (engine/ahead.py)
                 self.num_first_windows_deferred += 1
                 continue
-            num_draft = self._num_draft(req, budget) if drafting else 0
+            num_draft = self.num_draft(req, budget) if drafting else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on
                 if self._reserve(req, req.num_computed_tokens + 1 + self.draft_len, preempt=True):
                     rows.append(ScheduledRow.window(req, num_draft))
@@ -162,7 +169,7 @@ class Scheduler(AheadRules):
             start = req.num_computed_tokens
             if num_tokens - start == 1 and budget:
                 if start // page_size < len(req.page_ids) or self._reserve(req, num_tokens, True):
-                    empty = drafting and self._empty_window(req)
+                    empty = drafting and self.empty_window(req)
                     rows.append(new_tuple(ScheduledRow, (req, start, 1, True, 0, False, empty)))
                     budget -= 1
                     if not drafting:  # a decode row: the head of a mixed decode step
@@ -185,14 +192,20 @@ class Scheduler(AheadRules):
             is_decode = is_decode and n == 1 and start + n == num_tokens
             num_tail += 1
             tail_tokens_left -= n
+        cache = self.prefix_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            req = self.waiting[0]  # (its num_computed_tokens is 0: it holds no page)
+            hit = cache.match(req) if cache is not None else []
+            start = len(hit) * page_size  # its first chunk starts after its cached pages
+            n = min(req.num_tokens - start, budget)
             if has_head and capped:  # admitted into the tail of a mixed step
                 n = min(n, tail_tokens_left) if num_tail < tail_rows_left else 0
                 if n == 0:
                     break
-            if not self._reserve(req, req.num_computed_tokens + n, preempt=False):
+            if cache is not None:
+                if not cache.admit(req, hit, start + n):
+                    break
+            elif not self._reserve(req, start + n, preempt=False):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -211,14 +224,19 @@ class Scheduler(AheadRules):
         trimmed = self.trimmed_cell if drafting else None
         return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed)
 
-    def _is_burst(self, limits: tuple[int, int]) -> bool:
+    def ahead_blocker(self, max_rows: int) -> str | None:
+        """Why the next step may not be scheduled while the in-flight step's windows are
+        unresolved; None: nothing (engine/ahead.py)."""
+        return ahead_blocker(self, max_rows)
+
+    def is_burst(self, limits: tuple[int, int]) -> bool:
         """More requests wait for a free seat than burst_threshold (
         else 4 sqrt(running rows), at least the mixed step's tail rows)."""
         seats = self.max_num_seqs - len(self.running)
         threshold = burst_threshold(len(self.running), limits[0])
         return min(len(self.waiting), seats) > threshold
 
-    def _empty_window(self, req: Request) -> bool:
+    def empty_window(self, req: Request) -> bool:
         """Is req's next row (a plain decode row) its last token, of a drafting request, with
         the anchor on the host and the window's K + 1 positions inside max_model_len? Then the
         runner may lay it out as an empty window among the windows of a uniform step."""
@@ -227,15 +245,17 @@ class Scheduler(AheadRules):
             and req.num_tokens + self.draft_len <= self.max_model_len
             and req.token_ids[-1] != PENDING_TOKEN
             and req.num_tokens - req.num_computed_tokens == 1
-            and self._is_windowed(req)
+            and self.is_windowed(req)
         )
 
-    def _is_windowed(self, req: Request) -> bool:
+    def is_windowed(self, req: Request) -> bool:
+        """Does req get a window when it decodes (drafting on, not opted out, past min_tokens,
+        no bad word of several tokens: sample/logits_shaping.py)?"""
         sp = req.sampling_params
         return (self.drafting and sp.use_speculation and req.num_output_tokens >= sp.min_tokens
-                and not has_multi_token_bad_words(req))  # (sample/logits_shaping.py)  # fmt: skip
+                and not has_multi_token_bad_words(req))  # fmt: skip
 
-    def _num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int:
+    def num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int:
         """Fixed-K speculation: how many drafts a decoding request verifies (0: no window).
 
         Shortened so the step can never emit past max_tokens or max_model_len (a window of l
@@ -247,7 +267,7 @@ class Scheduler(AheadRules):
             if req.num_tokens - req.num_computed_tokens != 1:
                 return 0  # not decoding
             num_tokens = req.num_tokens
-        if self.draft_len == 0 or not self._is_windowed(req):
+        if self.draft_len == 0 or not self.is_windowed(req):
             return 0  # (the min_tokens ban runs on plain steps)
         if num_tokens + self.draft_len > self.max_model_len:
             return 0  # the drafter block (K slots from the anchor) would run past the page table
@@ -276,7 +296,7 @@ class Scheduler(AheadRules):
         self.running.remove(req)
         self.allocator.free(req.page_ids)
         req.page_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_published_pages = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -291,6 +311,7 @@ class Scheduler(AheadRules):
         Window rows [anchor, drafts] emit a number of tokens only verification knows; they
         advance in update() and are counted in flight until then.
         """
+        cache, page_size = self.prefix_cache, self.page_size
         for req, start, num_tokens, do_sample, num_draft, _, _ in plan.rows:
             if num_draft:
                 req.num_windows_in_flight += 1
@@ -300,6 +321,8 @@ class Scheduler(AheadRules):
             if start < num_prompt:  # a prefill chunk
                 self.num_prompt_tokens_computed += min(end, num_prompt) - start
             req.num_computed_tokens = end
+            if cache is not None and end >= (req.num_published_pages + 1) * page_size:
+                cache.publish(req)  # (its pages' K/V is written by the step about to launch)
             if do_sample:
                 req.token_ids.append(PENDING_TOKEN)
 
@@ -320,18 +343,25 @@ class Scheduler(AheadRules):
         """
         emitted = []
         finished, running, num_generated = RequestStatus.FINISHED, RequestStatus.RUNNING, 0
+        cache, page_size = self.prefix_cache, self.page_size
         for row, out in zip(plan.rows, sampled, strict=True):
             req, start, num_tokens, _, num_draft, is_continuation, _ = row  # (unpacked: per row)
             if num_draft:
                 req.num_windows_in_flight -= 1
             if out is None or req.status is finished:
                 continue
+            # its new tokens may complete a page below num_computed_tokens (a decode row's
+            # token is the next row's input, advanced already; a window's accepted drafts):
+            # published after they are written, before a stop among them frees the pages
             if num_draft:
                 first = len(req.token_ids)  # one past the anchor
                 assert is_continuation or first - 1 == start, (req.request_id, first)
                 if req.status is running:  # (preempted: its KV is recomputed)
                     req.num_computed_tokens = first - 1 + len(out.token_ids)
                 req.token_ids.extend(out.token_ids)
+                if cache is not None and req.status is running:
+                    if req.num_computed_tokens >= (req.num_published_pages + 1) * page_size:
+                        cache.publish(req)
                 # a window emits its accepted drafts and one recovered-or-bonus token (the
                 # device may have verified fewer drafts than planned: out.num_draft)
                 verified = num_draft if out.num_draft is None else out.num_draft
@@ -356,6 +386,9 @@ class Scheduler(AheadRules):
                 assert req.token_ids[first] == PENDING_TOKEN, (req.request_id, first)
                 (token_id,) = out.token_ids
                 req.token_ids[first] = token_id
+                if cache is not None and req.status is running:
+                    if req.num_computed_tokens >= (req.num_published_pages + 1) * page_size:
+                        cache.publish(req)
                 # the common row: one token that cannot stop it (no stop id, short of its
                 # length; only a stop id can be banned by min_tokens) needs none of the checks
                 if (

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from dspark.engine.scheduler import Scheduler
-from dspark.spec.drafting_policy import DraftingPolicy
+from dspark.policy.policy import DraftingPolicy
 from dspark.spec.spec_decoder import SpecDecoder
 
 
@@ -37,10 +37,9 @@ def spec_metrics(
     fallbacks.update({k: n for k, n in stats.items() if k.startswith("trimmed_fallback_")})
     if policy is not None:
         m["drafting_policy"] = dict(policy.counters)
-        m["survival_correction"] = policy.correction  # realised / predicted drafts
-        m["survival_persistence"] = policy.persistence  # 1: own estimates in full
-        if policy.realised_costs is not None:  # realised / table step time per cell
-            m["realised_cost_ratios"] = policy.realised_costs.as_dict()
+        m["survival_correction"] = policy.estimates.correction  # realised / predicted drafts
+        m["survival_persistence"] = policy.estimates.persistence  # 1: own estimates in full
+        m["realised_cost_ratios"] = policy.realised_costs.as_dict()  # realised / table, a cell
         if policy.counters["decision_no_table"]:
             fallbacks["no_cost_table"] = policy.counters["decision_no_table"]
     m["fallbacks"] = fallbacks
@@ -58,7 +57,7 @@ def spec_metrics(
         # shortened on the device near their requests' ends (runner/continuations.py)
         "continuation_windows_shortened": stats["continuation_windows_shortened"],
         "windows_deferred": scheduler.num_windows_deferred,
-        # with "mixed_steps_ahead" (engine/ahead.py): launched ahead admitting into a mixed
+        # mixed steps in the pipeline (engine/ahead.py): launched ahead admitting into a mixed
         # step's tail, launched behind a mixed step, first windows put off a step
         "admitting": stats["spec_steps_launched_ahead_admitting"],
         "behind_mixed": stats["spec_steps_launched_behind_mixed"],

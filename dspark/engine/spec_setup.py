@@ -7,7 +7,6 @@ layers and one position per row, and there is neither decoder nor policy.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,15 +16,14 @@ import torch
 from dspark.config import EngineConfig
 from dspark.drafters import SHIPPED, shipped_drafter
 from dspark.engine.kv_cache import allocate_kv_caches
-from dspark.models.dspark_drafter import DSparkDrafter
+from dspark.models.dspark_drafter import DSparkDrafter, drafter_dims
 from dspark.models.llama import LlamaForCausalLM
-from dspark.models.loader import ModelSource, checkpoint_hash
+from dspark.models.loader import ModelSource, checkpoint_hash, drafter_directory
 from dspark.models.model_config import ModelConfig
+from dspark.policy.cost_table import COST_TABLES_DIR, load_cost_table, user_tables_dir
+from dspark.policy.policy import DraftingPolicy
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
-from dspark.spec.cost_table import COST_TABLES_DIR, load_cost_table, user_tables_dir
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.realised_costs import RealisedCosts
 from dspark.spec.spec_decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
@@ -38,7 +36,7 @@ def resolve_drafter(config: EngineConfig, source: ModelSource) -> tuple[Path | N
     if spec is None:
         return None, None
     target_hash = checkpoint_hash(source)
-    path = Path(spec.model) if spec.model else shipped_drafter(target_hash)
+    path = drafter_directory(spec.model) if spec.model else shipped_drafter(target_hash)
     if path is None:
         raise ValueError(
             f'speculative_config has no "model" and no drafter ships for {source.path} '
@@ -50,19 +48,14 @@ def resolve_drafter(config: EngineConfig, source: ModelSource) -> tuple[Path | N
     return path, target_hash
 
 
-def _drafter_config(drafter_dir: Path | None) -> dict:
-    """The drafter's config.json ({} without a drafter)."""
-    return {} if drafter_dir is None else json.loads((drafter_dir / "config.json").read_text())
-
-
 def drafter_layers(drafter_dir: Path | None) -> int:
     """Layers of the drafter (its KV shares the target's pages), 0 without one."""
-    return int(_drafter_config(drafter_dir).get("num_layers", 0))
+    return 0 if drafter_dir is None else drafter_dims(drafter_dir)[0]
 
 
 def verified_positions(drafter_dir: Path | None) -> int:
     """Positions a row's step samples or verifies at most: the drafter's block + 1, else 1."""
-    return int(_drafter_config(drafter_dir).get("draft_len", 0)) + 1
+    return 1 if drafter_dir is None else drafter_dims(drafter_dir)[1] + 1
 
 
 def build_spec(
@@ -141,18 +134,10 @@ def build_policy(
         table, reason = load_cost_table(path, fingerprint())
     ahead = probe_steps(config, spec_runner)  # 2 where drafting steps launch ahead, else 1
     policy = DraftingPolicy(
-        table, spec.survival_temperatures, spec.num_verify, spec_config.min_gain,
-        unobserved=spec_config.unobserved,
-        regression_target=spec_config.regression_target,
-        fit_persistence=spec_config.persistence,
-        min_dwell_steps=spec_config.dwell_steps,
+        table, spec.survival_temperatures, spec.num_verify,
         probe_steps=ahead,
         decision_lag=ahead,  # (the same cause: a decision reads survivals one block older)
         trimmed_widths=spec_runner.trimmed_widths,
-        price_switches=spec_config.price_switches,
-        realised_costs=RealisedCosts(stale_half_life=spec_config.stale_price_half_life,
-                                     split_arrivals=spec_config.arrival_costs)
-        if spec_config.realised_costs else None,
     )  # fmt: skip
     if table is None or policy.table is None:
         reason = reason or "it has no G with both a plain and a full-block cell"
@@ -186,8 +171,7 @@ def matching_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> P
     writes there by default: cost_table.user_tables_dir). None: every step drafts (fixed K),
     and a warning says how to measure a table: a GPU other than the ones the drafter ships
     tables for would otherwise draft at every load, which at high load costs throughput (on an
-    H100 at 256 requests, fixed K = 7 ran 0.62-0.72x plain decoding: docs/PERFORMANCE.md,
-    twenty-fifth look)."""
+    H100 at 256 requests, fixed K = 7 ran 0.62-0.72x plain decoding)."""
     directories = (drafter_dir / COST_TABLES_DIR, user_tables_dir())
     tables = [path for d in directories for path in sorted(d.glob("*.json"))]
     live = fingerprint()

@@ -6,7 +6,7 @@ loads it from the disk cache) before it runs. Start-up launches the specialisati
 engine expects: runner/model_runner.py `_warm_up_eager`, and graph capture. A step that meets
 one anyway stalls for the compile, hundreds of milliseconds on a fresh machine.
 
-On the H200 (docs/PERFORMANCE.md, sixteenth look) the speculative arms' first repeat of a
+On the H200 the speculative arms' first repeat of a
 benchmark level ran up to 1.6x slower than the second, and plain decoding's did not. This
 module makes such stalls visible instead of averaged away:
 - Triton's process-wide JIT hooks call it before and after every new specialisation.

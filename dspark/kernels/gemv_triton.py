@@ -2,8 +2,8 @@
 layer's projections at small decode batches.
 
 At T = 1 a SmolLM2 projection moves 1-4 MB of weights and is latency bound: cuBLAS took 4.2 us
-a call in a chain of the layer's projections, where this kernel takes 2.1 us launched with PDL
-(bench/pdl_chain.py, docs/PERFORMANCE.md, fifteenth look). Each program owns BLOCK_N output
+a call in a chain of the layer's projections, where this kernel takes 2.1 us launched with PDL.
+Each program owns BLOCK_N output
 columns (rows of W) and walks all of K, so there is no split-K workspace and no second pass.
 Before it waits for the kernel ahead of it (kernels/pdl.py) it prefetches its W rows into L2:
 the weights do not depend on that kernel, so their first HBM round trip overlaps it.
@@ -12,8 +12,7 @@ the weights do not depend on that kernel, so their first HBM round trip overlaps
         out[t, n] = sum over k-blocks of sum_k prologue(x)[t, k] * W[n, k]     (float32)
     At T > 1 each W tile is loaded once and every row is taken over it in registers
     (`_rows_with_w_in_registers`). A version that summed each thread's products over all of K
-    before one reduction lost to it at every batch on the H200 and was removed
-    (docs/PERFORMANCE.md, twenty-third look).
+    before one reduction lost to it at every batch on the H200 and was removed.
 
 The prologue is the elementwise op in front of the projection, folded into the load of its
 input (one launch fewer); every program computes it for the whole row:
@@ -226,7 +225,7 @@ def default_config(N: int, K: int) -> GemvConfig:
     against 2.37 in blocks of 256; fewer, wider steps beat less padding), 4 columns a program,
     2 where K is longer (down, K 1,536: 2.21 us), two warps. The same at T > 1 (the rows
     kernel's best tiles at 8 rows on the H200 were 2-4 columns, all of K, one warp: 6.1 us a
-    layer's chain where cuBLAS took 4.1; docs/PERFORMANCE.md, twenty-third look)."""
+    layer's chain where cuBLAS took 4.1)."""
     block_n = 2 if K > 1024 else 4
     return GemvConfig(block_n, min(triton.next_power_of_2(K), 1024), 2)
 

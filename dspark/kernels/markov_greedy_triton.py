@@ -1,10 +1,10 @@
 """One greedy slot of the Markov head in one launch: x[k] = argmax(U[k] + W2 W1[x[k-1]]).
 
-The Markov head is the drafter's sequential stage (DSPARK.md 3.2; spec/drafting.py): slot k's
-logits add a rank-r bias of the token drafted at slot k - 1 to the backbone's base logits, so
+The Markov head is the drafter's sequential stage (docs/SPECULATION.md 2.3; spec/drafting.py): slot
+k's logits add a rank-r bias of the token drafted at slot k - 1 to the backbone's base logits, so
 the K slots of a block are drawn one after the other. In PyTorch a greedy slot is six launches
-(gather W1, the r -> V GEMM, its cast, the add, the argmax, the copy into the block), each
-latency-bound at decode batch sizes; here it is one.
+(gather W1, the r -> V GEMM, its cast, the add, the argmax, the copy into the block), each latency-
+bound at decode batch sizes; here it is one.
 
 The vocabulary is cut into slices of BLOCK_V columns, one program each. A program loads its
 slice of W2 once and, for every block of BLOCK_R rows, computes the slice's logits and their

@@ -4,10 +4,9 @@ inversion with the row's uniform u (sample/sampler.py, `inverse_cdf`). Greedy ro
 the first maximal token, as markov_greedy_triton.py does, and get the T = 1 distribution
 written (verification never reads it).
 
-In PyTorch a sampled slot is about 22 launches over the vocabulary (the bias, temperature,
-softmax, an fp64 cumsum, searchsorted, the greedy rows' argmax, copies); at G = 1 a sampled
-full block costs 1.864 ms on the H200 against 1.293 greedy (docs/PERFORMANCE.md, eighteenth
-look). Here, with S slices of BLOCK_V columns:
+In PyTorch a sampled slot is about 22 launches over the vocabulary (the bias, temperature, softmax,
+an fp64 cumsum, searchsorted, the greedy rows' argmax, copies); at G = 1 a sampled full block costs
+1.864 ms on the H200 against 1.293 greedy. Here, with S slices of BLOCK_V columns:
 
   1. stats, a program per slice: the slice's logits l = (base + bias) / T into `probs` (raw for
      now), and per row their max m_s, z_s = sum exp(l - m_s) and first argmax, into [R, S].
@@ -28,10 +27,10 @@ draw may differ where u Z falls within rounding of a boundary between two tokens
 The stats and the pick without the Markov bias draw plain decoding's sampled rows
 (`sample_rows`, no distribution kept), where sample/sampler.py's `sample` is about ten launches.
 
-Both are on by default since the H200 measured them (docs/PERFORMANCE.md, twenty-third look):
-the slot in spec/drafting.py (rows without top-k and top-p, a Markov rank the greedy kernel
-takes; DSPARK_FUSED_SAMPLED_DRAFT=0 turns it off) and the rows in sample/sampler.py (on CUDA,
-without top-k and top-p; DSPARK_FUSED_SAMPLE=0).
+Both run wherever they apply (on the H200 the sampled speculative step cost 0.64-0.79x the
+PyTorch slot's, and a sampled plain step 0.88-0.97x): the slot in spec/drafting.py (rows
+without top-k and top-p, a Markov rank the greedy kernel takes) and the rows in
+sample/sampler.py (on CUDA, without top-k and top-p); DSPARK_REFERENCE_OPS keeps PyTorch's.
 Under TRITON_INTERPRET=1 (CPU tensors) it runs in Triton's interpreter.
 """
 

@@ -3,8 +3,8 @@
 Runs on the CPU and the GPU. It loops over requests on the host, gathers each request's KV
 from its pages, and applies a causal-within-request mask. The KV lengths and the windows come
 from the device tensors, not the host mirrors: a mirror may be an upper bound (a window whose
-anchor position was written on the device, or whose verify length was chosen there; DSPARK.md
-8).
+anchor position was written on the device, or whose verify length was chosen there;
+docs/SPECULATION.md 8).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark.layers.attention_metadata import AttentionMetadata
+from dspark.attention_metadata import AttentionMetadata
 
 
 def store_kv_ref(

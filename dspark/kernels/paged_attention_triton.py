@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.kernels.pdl import gdc_enter, pdl_options
 from dspark.kernels.rotary_triton import rotated_rows
-from dspark.layers.attention_metadata import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows

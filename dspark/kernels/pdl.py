@@ -2,7 +2,7 @@
 
 A decode step at a small batch is a chain of ~260 dependent launches of a few microseconds
 each, and much of each is the launch and the first memory round trip rather than the bytes
-moved (docs/PERFORMANCE.md, the fourth look). Launched with PDL (Hopper and later), kernel n+1
+moved. Launched with PDL (Hopper and later), kernel n+1
 is started as soon as every program of kernel n has passed `gdc_enter` below; it may do work
 that does not depend on n (the GEMV prefetches its weight rows into L2) and then waits in its
 own `gdc_enter` until n has finished and n's writes are visible. CUDA graphs keep the launches'

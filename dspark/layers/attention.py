@@ -1,4 +1,11 @@
-"""Grouped-query self-attention over the paged KV cache, driven by one AttentionMetadata."""
+"""Grouped-query self-attention over the paged KV cache, driven by one AttentionMetadata.
+
+With `use_qk_norm` (Qwen3) each query and key head is RMS-normed after the projection and
+before rotary. The norm is the first thing `attend` and `store_kv_only` do to the projection's
+output, in place on the triton backend, so every path that rotates keys afterwards (the
+reference rotary, the fused rotary launch, the paged kernel's in-kernel rotation on decode
+steps, the drafter's context keys) sees normed heads without a variant of its own.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.kernels.paged_attention_ref import paged_attention_ref, store_kv_ref
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.linear import Linear
+from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.model_config import ModelConfig
 
@@ -41,6 +49,26 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, False, self.use_triton)
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+        self.q_norm = self.k_norm = None
+        if config.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def norm_heads(
+        self,
+        q: torch.Tensor,  # [T, nh, hd] (nh may be 0: keys only)
+        k: torch.Tensor,  # [T, nkv, hd]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k norm where the architecture has it: in place (views of the projection) on the
+        triton backend, out of place on the reference one; unchanged without it."""
+        if self.q_norm is None:
+            return q, k
+        if self.use_triton:
+            from dspark.kernels.qk_norm_triton import qk_norm
+
+            qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            return q, k
+        return self.q_norm(q) if q.shape[1] else q, self.k_norm(k)
 
     def store_kv_only(
         self,
@@ -58,12 +86,16 @@ class Attention(nn.Module):
         if self.use_triton:  # rotates k in place and stores k, v: one launch
             from dspark.kernels.rotary_triton import rotary_kv
 
+            k = kv[:, : self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+            self.norm_heads(k[:, :0], k)
+
             rotary_kv(kv, positions, self.rotary.inv_freq, self.num_kv_heads, self.head_dim,
                       kv_cache, slot_mapping)  # fmt: skip
             return
         k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        _, k = self.norm_heads(k[:, :0], k)
         _, k = self.rotary(positions, k, k)
         self._store_kv(k.contiguous(), v.contiguous(), kv_cache, slot_mapping)
 
@@ -85,6 +117,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, q_size], before o_proj
         """Rotary, the K/V store and attention, between the two projections."""
         T = qkv.shape[0]
+        if self.q_norm is not None and self.use_triton:  # in place, before any rotation
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            self.norm_heads(q.view(T, self.num_heads, self.head_dim),
+                             k.view(T, self.num_kv_heads, self.head_dim))  # fmt: skip
         if self.use_triton and _is_decode(attn):  # rotary and the K/V store inside attention
             return self._attend_decode(qkv, positions, kv_cache, attn)
         if self.use_triton:  # rotates q and k in place and stores k, v: one launch
@@ -97,6 +133,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if not self.use_triton:
+            q, k = self.norm_heads(q, k)
             q, k = self.rotary(positions, q, k)
             self._store_kv(k, v, kv_cache, attn.slot_mapping)
         o = self._attend(q, kv_cache, attn, self.scale)  # [T, nh, hd]

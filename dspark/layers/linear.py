@@ -6,8 +6,7 @@ weight fetch with the kernel before it. The row count is known on the host from 
 fixed inside a CUDA graph), so each call takes one path; parameters and state-dict names are
 nn.Linear's.
 
-For A/B runs: DSPARK_GEMV=0 turns the GEMV off; DSPARK_GEMV_ROWS=N (1 to 8) sets the rows up
-to which it is taken (default GEMV_ROWS).
+DSPARK_REFERENCE_OPS turns the GEMV off (F.linear everywhere).
 """
 
 from __future__ import annotations
@@ -19,11 +18,10 @@ from torch import nn
 from dspark import envs
 
 # Rows up to which the projections take the GEMV. At one row it beats cuBLAS (a random-weight
-# SmolLM2 step at batch 1: 670 us against 867). Up to 8 rows its version that loaded W again
-# for every row lost: a step at batch 8 took 1,474 us against 1,001, and the speculative step
-# at G = 1 (8-token windows) 1,790 against 1,292 (bench/device_gemv_ab.sh, H200,
-# docs/PERFORMANCE.md sixteenth look). Since, 2-8 rows share each W tile in registers; not yet
-# measured, so the default stays 1.
+# SmolLM2 step at batch 1: 670 us against 867). Up to 8 rows its version that loaded W again for
+# every row lost: a step at batch 8 took 1,474 us against 1,001, and the speculative step at G = 1
+# (8-token windows) 1,790 against 1,292 (H200). Since, 2-8 rows share each W tile in registers; not
+# yet measured, so the default stays 1.
 GEMV_ROWS = 1
 GEMV_MAX_ROWS = 8  # gemv_triton.GEMV_MAX_ROWS (not imported: the CPU path needs no triton)
 

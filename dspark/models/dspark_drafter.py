@@ -1,5 +1,5 @@
 """The DSpark drafter network: a parallel backbone conditioned on the target, a Markov head and a
-confidence head (DSPARK.md section 3).
+confidence head (docs/SPECULATION.md 2).
 
 Backbone. Context features are the target's residual stream after the tap layers, concatenated
 per token and projected `fc: m d -> d`, then RMS-normed. Each drafter layer has its own q/k/v
@@ -24,7 +24,7 @@ never the token it scores.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import logging
 from pathlib import Path
 
 import torch
@@ -32,54 +32,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark import envs
+from dspark.attention_metadata import AttentionMetadata
 from dspark.layers.attention import Attention
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
+from dspark.models.deepspec_format import (
+    deepspec_dims,
+    deepspec_drafter_config,
+    deepspec_state_dict,
+    is_deepspec,
+)
+from dspark.models.drafter_config import (  # (re-exported: the drafter's public names)
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    DrafterConfig,
+    TargetIdentity,
+    check_identity,
+    read_drafter_config,
+)
 from dspark.models.folded_context import FoldedContext, folded_context_enabled
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-# sharded checkpoints (HF's layout): {"metadata": {...}, "weight_map": {tensor name: shard file}}
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-
-
-class DrafterMismatchError(ValueError):
-    """A drafter checkpoint was made for another target model."""
-
-
-@dataclass(frozen=True)
-class TargetIdentity:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    weights_hash: str  # sha256 over the target's parameter names, shapes and a value sample
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    target: TargetIdentity
-    draft_len: int = 7  # K: drafted slots per block
-    target_layers: tuple[int, ...] = (1, 10, 19, 28)  # taps: decoder layers whose output is read
-    num_layers: int = 2
-    markov_rank: int = 64  # 0: a plain DFlash-style drafter (no Markov head)
-    use_confidence: bool = True
-    mask_token_id: int = -1  # unused: MASK is a trainable embedding; kept for the file format
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["target_layers"] = list(self.target_layers)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DrafterConfig:
-        d = dict(d)
-        d["target"] = TargetIdentity(**d["target"])
-        d["target_layers"] = tuple(d["target_layers"])
-        return cls(**d)
+logger = logging.getLogger(__name__)
 
 
 def target_identity(model: LlamaForCausalLM, weights_hash: str) -> TargetIdentity:
@@ -131,10 +107,10 @@ class DrafterLayer(nn.Module):
         w = a.qkv_proj.weight[a.q_size :]
         bias = None if a.qkv_proj.bias is None else a.qkv_proj.bias[a.q_size :]
         kc, vc = F.linear(ctx, w, bias).split([a.kv_size, a.kv_size], dim=-1)  # [B, L, kv]
-        q, kb = a.rotary(
-            positions.reshape(-1), q.reshape(B * Q, nh, hd), kb.reshape(B * Q, nkv, hd)
-        )
+        q, kb = a.norm_heads(q.reshape(B * Q, nh, hd), kb.reshape(B * Q, nkv, hd))
+        q, kb = a.rotary(positions.reshape(-1), q, kb)
         kc = kc.reshape(B * L, nkv, hd)
+        _, kc = a.norm_heads(kc[:, :0], kc)
         kc, _ = a.rotary(ctx_positions.reshape(-1), kc, kc)  # context tokens are keys only
         keys = torch.cat([kc.view(B, L, nkv, hd), kb.view(B, Q, nkv, hd)], dim=1)  # [B, S, nkv, hd]
         vals = torch.cat([vc.view(B, L, nkv, hd), vb.view(B, Q, nkv, hd)], dim=1)
@@ -298,20 +274,29 @@ class DSparkDrafter(nn.Module):
         backend: str = "torch",
     ) -> DSparkDrafter:
         directory = Path(directory)
-        if not (directory / CONFIG_FILE).is_file():
-            raise FileNotFoundError(f"{directory} is not a DSpark drafter (no {CONFIG_FILE})")
-        config = DrafterConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        hf = read_drafter_config(directory)
+        tensors = None
+        if is_deepspec(hf):  # DeepSeek's layout: identity by the frozen embedding and head
+            identity = target_identity(target, target_weights_hash)
+            config = deepspec_drafter_config(hf, target, identity)
+            tensors = deepspec_state_dict(read_weights(directory), config, target)
+        else:
+            config = DrafterConfig.from_dict(hf)
         device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         drafter = cls(config, target, target_weights_hash, backend)  # checks the identity first
-        drafter.load_state_dict(read_weights(directory))
+        drafter.load_state_dict(tensors if tensors is not None else read_weights(directory))
         drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # .to(dtype) rounded the (shared) rotary frequencies: the kernels want them in fp32
         drafter.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(drafter.target_config).to(
             device
         )
         if backend == "triton" and folded_context_enabled():
-            drafter.folded_context = drafter.fold_context()
+            if drafter.target_config.use_qk_norm:  # k norm is per head: it does not fold
+                logger.info("drafter context upkeep unfolded: %s has q/k norm",
+                            drafter.target_config.architecture)  # fmt: skip
+            else:
+                drafter.folded_context = drafter.fold_context()
         return drafter
 
     def fold_context(self) -> FoldedContext:
@@ -326,14 +311,10 @@ class DSparkDrafter(nn.Module):
                              self.layers[0].self_attn.rotary.inv_freq)  # fmt: skip
 
 
-def check_identity(expected: TargetIdentity, live: TargetIdentity) -> None:
-    for name in ("architecture", "vocab_size", "hidden_size", "weights_hash"):
-        want, got = getattr(expected, name), getattr(live, name)
-        if want != got:
-            raise DrafterMismatchError(
-                f"this drafter was trained for another target: {name} is {want!r} in the drafter "
-                f"checkpoint but {got!r} in the loaded target model"
-            )
+def drafter_dims(directory: Path) -> tuple[int, int]:
+    """(drafter layers, draft length K) from a drafter directory's config, either layout."""
+    hf = read_drafter_config(directory)
+    return deepspec_dims(hf) if is_deepspec(hf) else (int(hf["num_layers"]), int(hf["draft_len"]))
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -17,8 +17,7 @@ adds the biases, rotates and stores. The products are taken in float32 once, whe
 is loaded, and rounded to the model's dtype: the drafter's weights are frozen from then on.
 
 It is a plain object, not a submodule, so the drafter's state dict (its checkpoint) is
-unchanged. For A/B runs DSPARK_FOLDED_CONTEXT=0 keeps the seven launches (read when the drafter
-loads).
+unchanged. DSPARK_REFERENCE_OPS keeps the seven launches.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2): the target model.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3): the target model.
+
+Qwen3 differs only inside attention: per-head q/k RMSNorm before rotary (layers/attention.py).
 
 One forward runs any ragged mix of prefill chunks, decode tokens and verify windows. It returns
 logits only for the rows asked for (`logits_indices`) and, on request, the residual stream after
@@ -19,14 +21,15 @@ host from the input's shape (and fixed inside a CUDA graph), so the whole step t
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.layers.attention import Attention
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.layers.linear import Linear
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -154,61 +157,94 @@ class LlamaForCausalLM(nn.Module):
         return features, {i: features[:, j * d : (j + 1) * d] for j, i in enumerate(hidden_layers)}
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up. Every parameter must be covered."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named (name, tensor) pairs in, one at a time: q/k/v and gate/up go straight
+        into their rows of the fused projections, cast to the parameter's dtype on the way.
+        Every parameter must be covered."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded = set()
-        for name, w in _fuse(weights, self.config).items():
-            key = name.removeprefix("model.")
+        fused = _fused_rows(self.config)
+        loaded: set[tuple[str, int]] = set()  # (parameter, part): part 0 unless fused
+        for name, w in weights:
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            key, part, rows = _place(name.removeprefix("model."), fused)
             if key not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {self.config.architecture}"
                 )
-            if params[key].shape != w.shape:
+            target = params[key] if rows is None else params[key][rows[0] : rows[1]]
+            if target.shape != w.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, "
-                    f"expected {tuple(params[key].shape)}"
+                    f"expected {tuple(target.shape)}"
                 )
-            params[key].copy_(w)
-            loaded.add(key)
+            target.copy_(w)
+            loaded.add((key, part))
         if self.config.tie_word_embeddings:
-            loaded.add("lm_head.weight")
-        missing = set(params) - loaded
+            loaded.add(("lm_head.weight", 0))
+        missing = [
+            k for k in params
+            if any((k, part) not in loaded for part in range(_num_parts(k, fused)))
+        ]  # fmt: skip
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
 
 
-def _fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    out = dict(weights)
-    if config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        for kind in ("weight", "bias"):
-            names = [f"{p}self_attn.{n}_proj.{kind}" for n in "qkv"]
-            if all(n in out for n in names):
-                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in names])
-        gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-        if all(n in out for n in gate_up):
-            out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([out.pop(n) for n in gate_up])
-    return out
+# HF's separate projection -> (our fused one, its part); the rows of each part follow from the
+# config (_fused_rows): qkv_proj stacks [q; k; v], gate_up_proj [gate; up]
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _fused_rows(config: ModelConfig) -> dict[str, list[tuple[int, int]]]:
+    """Fused projection -> the [start, end) rows of each part.
+
+    q_size 8, kv_size 4:  qkv_proj [(0, 8), (8, 12), (12, 16)]
+    """
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    return {
+        "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+        "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+    }
+
+
+def _place(
+    key: str, fused: dict[str, list[tuple[int, int]]]
+) -> tuple[str, int, tuple[int, int] | None]:
+    """A checkpoint name (without "model.") -> (our parameter, part, its rows; None: whole)."""
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[-2] in FUSED:
+        ours, part = FUSED[parts[-2]]
+        return ".".join([*parts[:-2], ours, parts[-1]]), part, fused[ours][part]
+    return key, 0, None
+
+
+def _num_parts(key: str, fused: dict[str, list[tuple[int, int]]]) -> int:
+    parts = key.split(".")
+    return len(fused[parts[-2]]) if len(parts) >= 2 and parts[-2] in fused else 1
 
 
 def build_model(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device,
     attention_backend: str = "torch",
 ) -> LlamaForCausalLM:
-    """Instantiate without random init (meta device), then fill from the checkpoint."""
+    """Instantiate without random init (meta device) directly in `dtype` on `device`, then copy
+    the checkpoint's tensors in one at a time (shard by shard for safetensors): no float32 or
+    host copy of the whole model is ever made."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend)
+        model = LlamaForCausalLM(config, attention_backend).to(dtype)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives every module its own fresh parameter
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(weights)
-    model.to(dtype)
-    # to_empty left the (shared) rotary buffer unset and .to(dtype) would round it: refill in fp32.
+    model.load_weights(weights.items())
+    # to_empty left the (shared) rotary buffer unset, in dtype: refill it in float32
     model.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(config).to(device)
     return model.eval().requires_grad_(False)

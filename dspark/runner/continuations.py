@@ -14,7 +14,7 @@ The window's length is finished there too. The host stages the most drafts the r
 depends on what the window before emitted. With the anchor at position p the request holds
 p + 1 tokens, so a window may verify limit - p - 2 drafts and still emit within `limit`
 (Request.max_num_tokens): its accepted drafts and one more token. That is the length the
-synchronous engine gives the same window (Scheduler._num_draft), so outputs do not change.
+synchronous engine gives the same window (Scheduler.num_draft), so outputs do not change.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ def capture_stream() -> torch.cuda.Stream:
     share that workspace, so freeing one engine's graphs can pull it from under another's
     capture or replay. That is the likely cause of CUBLAS_STATUS_EXECUTION_FAILED in the
     capture of a later engine, which failed `test_captured_trimmed_cells_equal_the_eager_step`
-    in 7 of 8 processes on the H200 (docs/PERFORMANCE.md, fourteenth look). A stream per graph
-    set keeps each set's workspace its own; with it that error did not recur (fifteenth look).
+    in 7 of 8 processes on the H200. A stream per graph
+    set keeps each set's workspace its own; with it that error did not recur.
     """
     return torch.cuda.Stream()
 
@@ -73,7 +73,7 @@ def no_garbage_collection() -> Iterator[None]:
     are released there, and that CUDA work invalidates the capture ("operation failed due to a
     previous error during capture"): it failed one capture in four processes of
     `test_captured_trimmed_cells_equal_the_eager_step` on the H200 even with a stream per graph
-    set (docs/PERFORMANCE.md, fifteenth look). torch.cuda.graph no longer collects before a
+    set. torch.cuda.graph no longer collects before a
     capture (torch.compiler.config.force_cudagraph_gc), so the collection happens here, before
     the first capture of a set, and none can happen during one."""
     gc.collect()

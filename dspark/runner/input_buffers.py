@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.layers.attention_metadata import AttentionMetadata
-from dspark.step_plan import SCRATCH_PAGE
+from dspark.attention_metadata import AttentionMetadata
+from dspark.device_buffers import UploadFence, staging_pair
+from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID, SCRATCH_PAGE
 
-PAD_TOKEN_ID = 0
 NO_OWNER = -1  # a block-table row that holds no request's pages (pad rows, warm-up)
 
 
@@ -51,9 +51,6 @@ def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
-PAD_SLOT = SCRATCH_PAGE  # slot 0 of the scratch page
-
-
 @dataclass(frozen=True)
 class StepLayout:
     """The used sizes of one step: T tokens in R rows, N sampled rows, page-table width W."""
@@ -75,31 +72,6 @@ class StepLayout:
     def num_window_logits(self) -> int:
         """A step of windows: its window tokens' logits come first, this many."""
         return (self.num_rows - self.tail_rows) * (self.window_width or 0)
-
-
-def staging_pair(shape, dtype: torch.dtype, device: torch.device):
-    """(pinned host buffer, device buffer); on the CPU they are one buffer: nothing to copy."""
-    host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
-    return host, host if device.type == "cpu" else host.to(device)
-
-
-class UploadFence:
-    """Marks when the async copies out of a set of staging buffers have run, so the host does
-    not rewrite them under a queued copy. One event, re-recorded after each upload."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._pending = False
-
-    def record(self) -> None:
-        if self._event is not None:
-            self._event.record()
-            self._pending = True
-
-    def wait(self) -> None:
-        if self._pending:
-            self._event.synchronize()
-            self._pending = False
 
 
 class InputBuffers:

@@ -38,8 +38,8 @@ from dspark.step_plan import SCRATCH_PAGE, ScheduledRow
 # the live plain rows a captured mixed step of P tail tokens carries after its windows: one per
 # TAIL_TOKENS_PER_ROW tokens, at least MIN_TAIL_ROWS (4 at P = 256, 8 at 512). Chat prompts of
 # the development sources average ~88 tokens, so a tail's admissions are bounded by its tokens
-# (~5.8 prompts at 512), not by its rows (4 at any size until the thirty-fifth look of
-# docs/PERFORMANCE.md); an empty row costs a graph nearly nothing (a query run of length 0)
+# (~5.8 prompts at 512), not by its rows; an empty row costs a graph nearly nothing (a query
+# run of length 0)
 MIN_TAIL_ROWS = 4
 TAIL_TOKENS_PER_ROW = 64
 

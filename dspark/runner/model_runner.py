@@ -45,6 +45,44 @@ from dspark.step_plan import InFlightStep, SampledTokens, StepPlan, new_tuple, p
 logger = logging.getLogger(__name__)
 
 
+class ModelForward:
+    """The target's forward on the runner's persistent buffers.
+
+    Its own object, not the runner's methods: the decode graphs and the speculative runner keep
+    it, and a bound method of the runner kept by what the runner owns is a reference cycle, so
+    a dropped engine (and its weights and KV cache) would wait for the cyclic collector."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        buffers: InputBuffers,
+        spec: SpecDecoder | None,
+    ) -> None:
+        self.model, self.kv_caches, self.buffers, self.spec = model, kv_caches, buffers, spec
+
+    def __call__(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
+        """A plain step's logits; with speculation, its tokens also join the drafter's context
+        (pad rows write to the scratch page)."""
+        if self.spec is None:
+            return self.run_model(layout).logits
+        out = self.run_model(layout, self.spec.taps)
+        b, t = self.buffers, layout.num_tokens
+        self.spec.append_context(out.features, b.positions[:t], b.slot_mapping[:t])
+        return out.logits
+
+    def run_model(self, layout: StepLayout, hidden_layers: tuple[int, ...] = ()):
+        b = self.buffers
+        return self.model(
+            b.input_ids[: layout.num_tokens],
+            b.positions[: layout.num_tokens],
+            b.metadata(layout),
+            self.kv_caches,
+            b.logits_indices[: layout.num_logits],
+            hidden_layers,
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -84,6 +122,8 @@ class ModelRunner:
         # the rows' block tables and sampling parameters, applied by their changes each step
         self.sampling_rows = SamplingRows(max_rows, self.vocab_size, device)
         self.batch = PersistentBatch(self.buffers, self.sampling_rows)
+        forward = ModelForward(model, kv_caches, self.buffers, spec)
+        self._forward, self._run_model = forward, forward.run_model
         # the previous launch's sampled tokens on the device: pending inputs are fed from them
         self._last_tokens: torch.Tensor | None = None
         # sampled tokens come back through two persistent pinned buffers, alternately: under
@@ -158,27 +198,6 @@ class ModelRunner:
             b.upload(layout)
             self._forward(layout)
         torch.cuda.synchronize(self.device)
-
-    def _forward(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
-        """A plain step's logits; with speculation, its tokens also join the drafter's context
-        (pad rows write to the scratch page)."""
-        if self.spec is None:
-            return self._run_model(layout).logits
-        out = self._run_model(layout, self.spec.taps)
-        b, t = self.buffers, layout.num_tokens
-        self.spec.append_context(out.features, b.positions[:t], b.slot_mapping[:t])
-        return out.logits
-
-    def _run_model(self, layout: StepLayout, hidden_layers: tuple[int, ...] = ()):
-        b = self.buffers
-        return self.model(
-            b.input_ids[: layout.num_tokens],
-            b.positions[: layout.num_tokens],
-            b.metadata(layout),
-            self.kv_caches,
-            b.logits_indices[: layout.num_logits],
-            hidden_layers,
-        )
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -10,12 +10,12 @@ Sampling work depends on host flags (greedy, top-k/top-p filtering), so each siz
 three modes: GREEDY (every row greedy), TEMPERATURE (no row filters) and FILTERED (the general
 case: rows without filters pass through top-k = vocab, top-p = 1).
 
-A mixed step (windows, then a tail of prefill chunks and plain rows: a request admitted while
-others draft) is captured too, per (G, P): G windows, then max_tail_rows(P) tail rows holding P
-tokens in all (runner/mixed_layout.py), in the same three modes. (Until the twenty-ninth look
-of docs/PERFORMANCE.md a TEMPERATURE mixed step replayed FILTERED, to capture fewer graphs: but
-FILTERED sorts the vocabulary of every drafter slot and every window token, some 4,000 rows of
-49,152 at G = 256, K = 7, on each step that admits a request while others draft.)
+A mixed step (windows, then a tail of prefill chunks and plain rows: a request admitted while others
+draft) is captured too, per (G, P): G windows, then max_tail_rows(P) tail rows holding P tokens in
+all (runner/mixed_layout.py), in the same three modes. (A TEMPERATURE mixed step that replayed
+FILTERED would capture fewer graphs, but FILTERED sorts the vocabulary of every drafter slot and
+every window token, some 4,000 rows of 49,152 at G = 256, K = 7, on each step that admits a request
+while others draft.)
 
 Trimmed cells (G, V) (spec/ragged.py) are captured beside each G's full block, in every
 sampling mode: the same staged inputs, cut on the device to V target tokens after drafting.

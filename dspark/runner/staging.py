@@ -26,13 +26,13 @@ import numpy as np
 
 from dspark.request import PENDING_TOKEN, Request
 from dspark.runner.cuda_graph import DecodeGraphs
-from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID, InputBuffers, StepLayout
+from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.runner.mixed_layout import graph_tail_rows, stage_tail, write_tail_pads
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.shapes import decode_size, mixed_decode_shape, prompt_scored
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.spec_decoder import SpecDecoder
-from dspark.step_plan import StepPlan
+from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID, StepPlan
 
 
 class Staged(NamedTuple):

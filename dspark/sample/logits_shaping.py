@@ -19,11 +19,11 @@ outputs [0, 0, 3], repetition 2, frequency 0.5, presence 0.25:
 
 Speculation: the logits at window position j (the distribution of the token after draft j) are
 shaped with O extended by drafts 1..j, in the drafter's Markov loop and in verification alike.
-Both then describe the next token given the same prefix, the one being verified, so §4.2's
-argument (SPECULATION.md) holds position by position: the emitted tokens follow the shaped
-target distribution. A bad word of several tokens depends on that prefix too; its request
-verifies no drafts (Scheduler._is_windowed), so windows only ever carry one-token bans, which
-do not depend on the prefix.
+Both then describe the next token given the same prefix, the one being verified, so the
+rejection-sampling argument (SPECULATION.md §4.2, §4.7) holds position by position: the emitted
+tokens follow the shaped target distribution. A bad word of several tokens depends on that
+prefix too; its request verifies no drafts (Scheduler.is_windowed), so windows only ever carry
+one-token bans, which do not depend on the prefix.
 
 The tensors are dense [N, V], built on the host each step from the requests' tokens: a row that
 shapes its logits takes the PyTorch path (no fused kernel, no captured graph), the reason

@@ -9,7 +9,7 @@ Streams keep different uses apart: the token sampled at a position, a draft samp
 position, an acceptance coin, a recovered token.
 
 On CUDA the same bits come from one Triton launch (kernels/uniform_triton.py) instead of the
-forty-odd elementwise launches below; DSPARK_TRITON_UNIFORM=0 keeps the PyTorch path (A/B). On
+forty-odd elementwise launches below; DSPARK_REFERENCE_OPS keeps the PyTorch path. On
 a device's first call the kernel's bits are checked against this file's on a few fixed inputs
 (seeds of both signs, positions past 2^32); if they differ, or the kernel fails to build or
 launch, the PyTorch path takes over for the process, with a warning saying why (the first call

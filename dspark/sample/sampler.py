@@ -5,14 +5,14 @@ probability exceeds u times the total (`inverse_cdf`), u from the counter-based 
 row's draw depends only on its (seed, position) and its probs. An exponential race (argmax of
 probs_v / E_v) needs one uniform per vocabulary entry instead, 49,152 hashes a row; with it,
 temperature-1 plain decoding ran 1.5x slower than greedy at one request and 1.8x at 256 on the
-H200 (docs/PERFORMANCE.md, tenth look). The inversion has not been timed on the GPU yet.
+H200. The inversion has not been timed on the GPU yet.
 
 On CUDA, a batch whose rows have neither top-k nor top-p is drawn in two Triton launches
 (kernels/markov_sample_triton.py, `sample_rows`) instead of about ten: a sampled plain step cost
-0.88-0.97x on the H200 (docs/PERFORMANCE.md, twenty-third look). DSPARK_FUSED_SAMPLE=0 keeps the
-PyTorch ops. The two sum in another order, so a draw whose u Z falls within rounding of a
-boundary between two tokens may differ between them: a seeded request batched with a row that
-uses top-k or top-p (which takes the whole batch to PyTorch) can, that rarely, draw another token.
+0.88-0.97x on the H200. DSPARK_REFERENCE_OPS keeps the PyTorch ops. The two sum in another order, so
+a draw whose u Z falls within rounding of a boundary between two tokens may differ between them: a
+seeded request batched with a row that uses top-k or top-p (which takes the whole batch to PyTorch)
+can, that rarely, draw another token.
 """
 
 from __future__ import annotations

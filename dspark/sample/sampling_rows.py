@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dspark.device_buffers import staging_pair
 from dspark.request import Request
-from dspark.runner.input_buffers import staging_pair
 from dspark.sample.logits_shaping import LogitsShaping, build_shaping
 from dspark.sample.sampler import SamplingTensors
 

@@ -1,12 +1,11 @@
 """`dspark serve --api-server-count N`: N HTTP server processes in front of one engine process.
 
-One event loop does all of a server's HTTP work: parsing requests, validating them, rendering
-chat templates and tokenizing, writing every stream's chunks. At a few hundred streams it is
-busy most of the time, and requests that arrive together (those that replace the requests one
-engine step finished) wait for it before their handlers run: on the H200 ~100 ms of a 200 ms
-time to first token at 256 streams, and the engine ran 70-80% of its seats
-(docs/PERFORMANCE.md, fourteenth look). vLLM answers the same way (`--api-server-count`):
-several processes share the listening socket, and the kernel spreads the connections.
+One event loop does all of a server's HTTP work: parsing requests, validating them, rendering chat
+templates and tokenizing, writing every stream's chunks. At a few hundred streams it is busy most of
+the time, and requests that arrive together (those that replace the requests one engine step
+finished) wait for it before their handlers run: on the H200 ~100 ms of a 200 ms time to first token
+at 256 streams, and the engine ran 70-80% of its seats. vLLM answers the same way (`--api-server-
+count`): several processes share the listening socket, and the kernel spreads the connections.
 
     main process    binds the socket; spawns the workers, then (its app's start-up) the engine
                     with one pipe per API process; serves HTTP itself
@@ -41,7 +40,9 @@ from dspark.server.engine_process import watch_parent
 
 logger = logging.getLogger(__name__)
 
-WORKER_STOP_TIMEOUT_S = 35.0  # past the default graceful shutdown (30 s), a worker is killed
+# past its graceful shutdown (shutdown.py: the timeout, then the aborts' grace), a worker is
+# killed
+WORKER_STOP_MARGIN_S = 5.0
 
 
 def serve_with_workers(config: ServerConfig, engine_factory: Callable, uvicorn_options: dict):
@@ -49,6 +50,7 @@ def serve_with_workers(config: ServerConfig, engine_factory: Callable, uvicorn_o
     import uvicorn
 
     from dspark.server.app import build_app
+    from dspark.server.shutdown import ABORT_GRACE_S, GracefulServer
 
     context = multiprocessing.get_context("spawn")
     sock = uvicorn.Config(None, host=config.host, port=config.port).bind_socket()
@@ -65,29 +67,31 @@ def serve_with_workers(config: ServerConfig, engine_factory: Callable, uvicorn_o
         workers.append(worker)
         engine_ends.append(engine_end)
 
+    stop_timeout_s = config.shutdown_timeout_s + ABORT_GRACE_S + WORKER_STOP_MARGIN_S
+
     async def stop_workers() -> None:
-        await asyncio.to_thread(_stop_workers, workers)
+        await asyncio.to_thread(_stop_workers, workers, stop_timeout_s)
 
     app = build_app(config, engine_factory, other_servers=tuple(engine_ends),
                     before_stop=stop_workers)  # fmt: skip
     logger.info("serving with %d API processes (this one and %d workers)",
                 config.api_server_count, len(workers))  # fmt: skip
     try:
-        uvicorn.Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])
+        GracefulServer(app, config.shutdown_timeout_s, **uvicorn_options).run(sockets=[sock])
     finally:
-        _stop_workers(workers)  # (already stopped, unless start-up failed)
+        _stop_workers(workers, stop_timeout_s)  # (already stopped, unless start-up failed)
 
 
-def _stop_workers(workers: list[multiprocessing.process.BaseProcess]) -> None:
+def _stop_workers(workers: list[multiprocessing.process.BaseProcess], timeout_s: float) -> None:
     """SIGTERM to every worker still running, then wait for them (killing stragglers)."""
     for worker in workers:
         if worker.is_alive():
             os.kill(worker.pid, signal.SIGTERM)
     for worker in workers:
-        worker.join(WORKER_STOP_TIMEOUT_S)
+        worker.join(timeout_s)
         if worker.is_alive():
             logger.error("API worker %s did not stop in %.0f s: killed", worker.name,
-                         WORKER_STOP_TIMEOUT_S)  # fmt: skip
+                         timeout_s)  # fmt: skip
             worker.kill()
             worker.join()
 
@@ -102,9 +106,8 @@ def run_worker(
 ) -> None:
     """A worker's entry point: the app, attached to the main server's engine, on the shared
     socket."""
-    import uvicorn
-
     from dspark.server.app import build_app
+    from dspark.server.shutdown import GracefulServer
 
     root_level, dspark_level = log_levels
     logging.basicConfig(level=root_level,
@@ -115,4 +118,4 @@ def run_worker(
         os.environ["DSPARK_SERVER_PROFILE"] = f"{envs.ENVS.server_profile}.api{index}"
         envs.reread()
     app = build_app(config, None, attach=conn)
-    uvicorn.Server(uvicorn.Config(app, **uvicorn_options)).run(sockets=[sock])
+    GracefulServer(app, config.shutdown_timeout_s, **uvicorn_options).run(sockets=[sock])

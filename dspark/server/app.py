@@ -1,38 +1,38 @@
 """The FastAPI application: routes, authentication, and the engine's lifetime.
 
-    POST /v1/completions        POST /v1/chat/completions    (API key checked, if one is set)
-    GET  /v1/models             (API key checked)
+    POST /v1/completions        POST /v1/chat/completions    (API key checked, if one is set:
+    GET  /v1/models                                            auth.py, before the body is read)
     GET  /health                200 serving, 503 loading / stopping / dead (with the reason)
-    GET  /metrics               Prometheus text (metrics.py)
+    GET  /metrics               Prometheus text (metrics.py; the key checked if asked for)
     GET  /version
 
 The engine is built by its own process when the application starts (engine_loop.py,
 engine_process.py), so the server answers /health while a large model loads; generation routes
-answer 503 until it is ready. On shutdown (uvicorn's SIGTERM handling first lets open requests
-finish, for up to ServerConfig.shutdown_timeout_s, then cancels them, which aborts them) the
-engine process aborts whatever is left and exits.
+answer 503 until it is ready. On shutdown (SIGTERM: open requests may finish for up to
+ServerConfig.shutdown_timeout_s, then the engine aborts those left, so each still ends with its
+final output: shutdown.py) the engine process aborts whatever is left and exits.
 """
 
 from __future__ import annotations
 
 import cProfile
-import hmac
 import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import dspark
 from dspark import envs
+from dspark.server.auth import ApiKeyMiddleware
 from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
 from dspark.server.engine_process import report_profile
-from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.errors import APIError, error_responses, install_error_handlers
 from dspark.server.event_stream import EventStreamResponse
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -46,6 +46,12 @@ from dspark.server.serving import (
 )
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# /openapi.json for the generation routes: a JSON body, or with "stream": true server-sent events
+GENERATION_RESPONSES = {
+    200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the whole response, or with stream: true its chunks as SSE"},
+    **error_responses(400, 401, 404, 413, 503),
+}  # fmt: skip
 
 
 class ServerState:
@@ -118,34 +124,19 @@ def build_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:  # (outside the body's limit: a request without the key is not read)
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=config.api_key,
+            protect_metrics=config.require_api_key_for_metrics,
+        )  # fmt: skip
     if state.tracer is not None:  # (added last: the outermost, called first)
         app.add_middleware(StampMiddleware)
-    _add_generation_routes(app, state, _api_key_check(config.api_key))
+    _add_generation_routes(app, state)
     _add_info_routes(app, state)
     return app
 
 
-def _api_key_check(api_key: str | None) -> list:
-    """The generation routes' dependencies: the key's check, or none without a key (FastAPI
-    solves each dependency per request, on the event loop that takes a burst's requests one
-    at a time)."""
-    if not api_key:
-        return []
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(
-                401,
-                "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                code="invalid_api_key",
-            )
-
-    return [Depends(check)]
-
-
-def _add_generation_routes(app: FastAPI, state: ServerState, auth: list) -> None:
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     loop = state.engine_loop
 
     async def run(prep_fn, body, request: Request):
@@ -172,15 +163,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth: list) -> None
         result = await full_response(prep, stream, request, model)
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         return await run(prepare_completion, body, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await run(prepare_chat, body, request)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", responses=error_responses(401))
     async def models():
         info = loop.info
         card = {
@@ -205,7 +196,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        text = state.metrics.render(loop.stats, loop.state == EngineState.SERVING)
+        text = state.metrics.render(loop.stats, loop.state.value)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/version")

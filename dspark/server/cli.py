@@ -20,27 +20,39 @@ from typing import Any
 from dspark.config import DTYPE_CHOICES
 from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, STREAM_DETOKENIZE, ServerConfig
 
+# Served, a step's token budget bounds how long every running stream waits for a token while a
+# long prompt is prefilled: each step carries every decode row and one chunk of the prompt, and
+# lasts as long as the chunk. 2048 is vLLM's online value (V1, below H100 class): on the GPU a
+# prefill step is host-bound (~10 ms at 2,048 or 8,192 tokens on the H200), so chunks cost a
+# long prompt little there; offline (EngineConfig's 8192) no stream waits. On the 2-core
+# development CPU (SmolLM2-135M, docs/SERVING.md, Prefill and running streams) the longest
+# silence of a running stream while an 8,191-token prompt arrived fell from 486 s to 88 s.
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+
 # option -> default; the flags default to None so a value from the file is told apart
 ENGINE_OPTIONS: dict[str, Any] = {
     "model": "default",
+    "revision": None,
     "dtype": "auto",
     "device": "auto",
     "max_model_len": None,
     "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,  # EngineConfig's default
+    "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS,  # not EngineConfig's 8192: below
     "kv_cache_memory_gb": None,
     "num_kv_pages": None,
     "seed": 0,
-    # 8, not EngineConfig's 1: served at 256 streams, 0.64x offline against 0.42x (H200,
-    # docs/PERFORMANCE.md, tenth look), for chunks of 8 tokens (7.5 ms apart at one stream)
+    # 8, not EngineConfig's 1: served at 256 streams, 0.64x offline against 0.42x (H200),
+    # for chunks of 8 tokens (7.5 ms apart at one stream)
     "stream_interval": 8,
     "mixed_prefill_tokens": 256,  # EngineConfig's default
+    "enable_prefix_caching": True,  # EngineConfig's default
     "speculative_config": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {
     "host": DEFAULT_HOST,
     "port": DEFAULT_PORT,
     "api_key": None,
+    "require_api_key_for_metrics": False,
     "served_model_name": None,  # None: the model argument
     "max_queued_requests": ServerConfig.max_queued_requests,
     "max_queued_tokens": ServerConfig.max_queued_tokens,
@@ -55,7 +67,10 @@ SERVER_OPTIONS: dict[str, Any] = {
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI API over HTTP (docs/SERVING.md)")
-    p.add_argument("model", nargs="?", default=None, help="'default', a .gguf file or a HF dir")
+    p.add_argument(
+        "model", nargs="?", default=None, help="'default', a .gguf file, a HF dir or 'org/name'"
+    )
+    p.add_argument("--revision", default=None, help="of a Hub model: branch, tag or commit")
     p.add_argument("--config", type=Path, default=None, help="a YAML file of these options")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES)
     p.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
@@ -84,9 +99,22 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help='JSON, the keys of LLM(speculative_config=...): \'{"method": "dspark"}\' (the '
         'drafter shipped for the model) or \'{"method": "dspark", "model": "path/to/drafter"}\'',
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV pages of prompts' common prefixes (default on; "
+        "--no-enable-prefix-caching turns it off)",
+    )
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (loopback only)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}")
     p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--require-api-key-for-metrics",
+        action="store_true",
+        default=None,
+        help="/metrics asks for the API key too (default: open, like /health)",
+    )
     p.add_argument("--served-model-name", default=None, help="default: the model argument")
     p.add_argument(
         "--max-queued-requests",
@@ -105,7 +133,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "--shutdown-timeout-s",
         type=float,
         default=None,
-        help="on SIGTERM, how long in-flight requests may take to finish",
+        help="on SIGTERM, how long in-flight requests may take to finish before they are aborted "
+        "(each still ends with its finish reason)",
     )
     p.add_argument(
         "--stream-budget",
@@ -155,7 +184,8 @@ OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_toke
                 "stream_interval": int, "mixed_prefill_tokens": int,
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float, "api_server_count": int,
-                "disable_access_log": bool}  # fmt: skip
+                "disable_access_log": bool, "require_api_key_for_metrics": bool,
+                "enable_prefix_caching": bool}  # fmt: skip
 
 
 def _from_file(name: str, value: Any) -> Any:
@@ -198,9 +228,8 @@ def build_configs(options: dict[str, Any]):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from dspark.server.app import build_app
+        from dspark.server.shutdown import GracefulServer
     except ImportError as e:
         message = f"dspark serve needs the serve extra ({e}): pip install 'dspark[serve]'"
         raise ValueError(message) from None
@@ -209,7 +238,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = resolve_options(args)
     engine_config, server_config = build_configs(options)
     uvicorn_options = {
-        "timeout_graceful_shutdown": server_config.shutdown_timeout_s,
         "access_log": not options["disable_access_log"],
         "log_level": "info",
     }
@@ -219,8 +247,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
         return 0
     app = build_app(server_config, engine_factory(engine_config))
-    config = uvicorn.Config(
-        app, host=server_config.host, port=server_config.port, **uvicorn_options
-    )
-    uvicorn.Server(config).run()
+    GracefulServer(
+        app, server_config.shutdown_timeout_s, host=server_config.host,
+        port=server_config.port, **uvicorn_options,
+    ).run()  # fmt: skip
     return 0

@@ -15,13 +15,16 @@ class ServerConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_key: str | None = None  # None: no authentication
+    # /metrics asks for the key too (it shows request counts and the served model's name)
+    require_api_key_for_metrics: bool = False
     served_model_name: str = "default"  # the name clients pass as "model"
     # admission: requests (and their prompt tokens) waiting for the scheduler beyond these are
     # answered 503 with Retry-After instead of queueing without bound
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     max_request_bytes: int = 2 * 1024 * 1024  # a larger body is answered 413
-    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    # SIGTERM: in-flight requests get this long to finish, then are aborted (shutdown.py)
+    shutdown_timeout_s: float = 30.0
     # the share of the event loop's time SSE chunks may take; under load a chunk then carries
     # several tokens (request_stream.py). None: unpaced (a chunk per step, unless behind)
     stream_budget: float | None = 0.1
@@ -37,6 +40,10 @@ class ServerConfig:
         checks = [
             (0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
+            (
+                self.api_key is not None or not self.require_api_key_for_metrics,
+                "require_api_key_for_metrics needs an api_key (--api-key)",
+            ),
             (self.served_model_name != "", "served_model_name must not be empty"),
             (
                 self.max_queued_requests >= 1,

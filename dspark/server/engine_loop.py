@@ -13,7 +13,7 @@ message's first bytes arrive, and a large one (READY carries the tokenizer, a st
 hundreds of deltas) arrives in parts. `Connection.recv` reads a message whole: in blocking mode
 it waits for the rest with the event loop stopped, and in non-blocking mode it stopped
 mid-message with BlockingIOError and lost the stream (which killed servers under uvloop, which
-sets every watched fd non-blocking: docs/PERFORMANCE.md, ninth look). So `_read`
+sets every watched fd non-blocking). So `_read`
 takes whatever bytes are there, one os.read per poll() that says there are some, and
 `wire.FrameReader` keeps a partial frame until its rest arrives. The fd itself stays blocking:
 the commands are sent on it, and a send must not stop halfway.
@@ -27,13 +27,14 @@ A stream gathers what its choices gained and sends it when its pacing allows
 strings is sent to the engine as output_kind "delta_tokens": the engine reports its tokens
 only and the stream decodes them, once per chunk. Decoding in the engine cost its step loop
 one DecodeStream call per report (32 a step at 256 streams and stream interval 8: some 10% of
-the step on the H200, docs/PERFORMANCE.md, eleventh look); a stop string still needs the
+the step on the H200); a stop string still needs the
 engine's decoding, to know which token completed it.
 
 Admission control lives here: a submission is refused with 503 when the requests (or prompt
 tokens) waiting for the scheduler, per the engine's latest stats, plus those sent but not yet
-acknowledged, would pass the configured limits. A group of sub-requests (n choices, several
-prompts) is added atomically: the engine validates all before it adds any.
+acknowledged, less the seats still free, would pass the configured limits. A group of
+sub-requests (n choices, several prompts) is added atomically: the engine validates all before
+it adds any.
 
 Failures: a request the engine refuses (prompt too long, a token outside the vocabulary) fails
 its submission with a 400, before any response starts. If the engine fails to load, a step
@@ -45,7 +46,6 @@ engine to abort what is left and waits for the process to exit (killing it if it
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import multiprocessing
@@ -66,7 +66,7 @@ from dspark.server.gc_pauses import GCPauses
 from dspark.server.loop_lag import LoopLag
 from dspark.server.phase_times import PhaseTimes
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
-from dspark.server.wire import EngineInfo, EngineStats, decode_output, merge_stats
+from dspark.server.wire import EngineInfo, EngineState, EngineStats, decode_output, merge_stats
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,6 @@ READ_SIZE = 1 << 20  # bytes a read of the engine pipe takes at most
 # the reader logs where its time went when nothing is in flight, once it has read this many
 # messages since it last did (about one a step: a benchmark level, not each idle moment)
 LOG_EVERY_MESSAGES = 500
-
-
-class EngineState(str, enum.Enum):
-    LOADING = "loading"
-    SERVING = "serving"
-    STOPPING = "stopping"
-    DEAD = "dead"
 
 
 @dataclass(frozen=True)
@@ -126,6 +119,8 @@ class EngineLoop:
         self._num_pending_requests = self._num_pending_tokens = 0
         self._ack_ids = itertools.count()
         self._stopped: asyncio.Future | None = None  # set when the engine process has ended
+        self.is_draining = False  # shutting down: no new request; the open ones end by a deadline
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.read_times = PhaseTimes()  # the pipe's messages: receiving, then routing each
         self.gc_pauses = GCPauses()  # the server process's collections, logged beside those
@@ -262,6 +257,8 @@ class EngineLoop:
     async def stop(self) -> None:
         """Abort whatever this server still runs, then wait for the engine process to exit
         (attached: for the engine to detach this server)."""
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         if self._conn is None:
             return
         if self.state == EngineState.LOADING and self.process is not None:
@@ -295,9 +292,24 @@ class EngineLoop:
         """Engine requests the server still routes (running, waiting or being aborted)."""
         return len(self._routes)
 
+    def drain(self, timeout_s: float) -> None:
+        """Shutting down: refuse new requests, and abort the open ones still running in
+        `timeout_s` (shutdown.py), so that each ends with its final output."""
+        self.is_draining = True
+        if self._loop is not None and self._drain_timer is None:
+            self._drain_timer = self._loop.call_later(timeout_s, self._abort_all)
+
+    def _abort_all(self) -> None:
+        if self._routes:
+            logger.warning("shutting down: aborting the %d request(s) still running",
+                           len(self._routes))  # fmt: skip
+            self.abort(list(self._routes))
+
     def check_serving(self) -> None:
-        if self.state == EngineState.SERVING:
+        if self.state == EngineState.SERVING and not self.is_draining:
             return
+        if self.state == EngineState.SERVING:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.state == EngineState.LOADING:
             raise APIError(
                 503,
@@ -309,11 +321,19 @@ class EngineLoop:
         raise APIError(503, f"the engine is {self.state.value}{reason}", code="unavailable")
 
     def _check_capacity(self, num_requests: int, num_tokens: int) -> None:
-        queued_requests = self.stats.num_waiting + self._num_pending_requests
-        queued_tokens = self.stats.num_waiting_tokens + self._num_pending_tokens
-        if (
-            queued_requests + num_requests > self.max_queued_requests
-            or queued_tokens + num_tokens > self.max_queued_tokens
+        """Refuse (503) when the requests that would wait for a seat pass the limits.
+
+        The engine's waiting requests, those sent but not yet acknowledged and this one would
+        all queue, less the seats free after the last step: a burst that arrives at an idle
+        engine is not refused while seats would take it. Their prompt tokens count only when
+        some of them will wait (which of them cannot be told here)."""
+        stats = self.stats
+        free_seats = max(0, self.info.max_num_seqs - stats.num_running)
+        queued_requests = stats.num_waiting + self._num_pending_requests
+        queued_tokens = stats.num_waiting_tokens + self._num_pending_tokens
+        num_waiting = queued_requests + num_requests - free_seats
+        if num_waiting > self.max_queued_requests or (
+            num_waiting > 0 and queued_tokens + num_tokens > self.max_queued_tokens
         ):
             raise APIError(
                 503,
@@ -420,6 +440,9 @@ class EngineLoop:
         logger.error("the engine is dead: %s", reason)
         self.failure = reason
         self.state = EngineState.DEAD
+        # nothing runs, waits or holds a page any more; the request counters stay
+        self.stats = replace(self.stats, num_running=0, num_waiting=0, num_waiting_tokens=0,
+                             num_kv_pages_used=0)  # fmt: skip
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:

@@ -108,7 +108,9 @@ def run_engine_process(
         # this 2-core VM, in CI and in an earlier session's run
         logging.shutdown()
         os._exit(LOAD_FAILED_EXIT)
-    info = EngineInfo(engine.tokenizer, engine.max_model_len, os.getpid())
+    info = EngineInfo(
+        engine.tokenizer, engine.max_model_len, engine.scheduler.max_num_seqs, os.getpid()
+    )
     for conn in conns:
         _send_quietly(conn, (wire.READY, info))
     # what exists now (modules, weights' wrappers, the tokenizer) lives as long as the
@@ -269,7 +271,7 @@ class EngineServer:
         timed apart ("poll"): a check releases the interpreter lock, and the output sender's
         thread takes it to pickle and send what the last step posted, so the check's time is
         mostly the sender's work (on the development CPU at 256 streams, 0.081 ms a step
-        against the sender's 0.085: docs/PERFORMANCE.md, thirty-seventh look)."""
+        against the sender's 0.085)."""
         times = self.times
         for i in list(self._attached):
             conn, acks, rejected = self.conns[i], [], False

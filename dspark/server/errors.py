@@ -3,7 +3,8 @@
 Every failure the server answers goes through `APIError` or one of the handlers installed by
 `install_error_handlers`, so a client sees one shape whatever went wrong:
 
-    400 invalid_request_error   a body that fails validation (FastAPI's own 422 included),
+    400 invalid_request_error   a body that fails validation (FastAPI's own 422 included, and
+                                so declared in /openapi.json) or is not JSON (param null),
                                 a value the engine refuses (prompt too long, bad stop string)
     401 authentication_error    a missing or wrong API key
     404 not_found_error         an unknown model name or route
@@ -15,11 +16,13 @@ Every failure the server answers goes through `APIError` or one of the handlers 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -98,8 +101,20 @@ def validation_message(error: dict) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+def _json_error_message(error: dict) -> str:
+    """A body that is not JSON at all: what the decoder said, and where (no field is at
+    fault, so the error's param is null, as OpenAI's)."""
+    position = next((p for p in error.get("loc", ())[1:] if isinstance(p, int)), None)
+    where = f" at character {position}" if position is not None else ""
+    reason = (error.get("ctx") or {}).get("error", error.get("msg", "JSON decode error"))
+    return f"the request body is not valid JSON: {reason}{where}"
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = sorted(exc.errors(), key=_relevance)
+    if errors and errors[0].get("type") == "json_invalid":
+        body = error_body(400, _json_error_message(errors[0]), None, "invalid_json")
+        return JSONResponse(body, status_code=400)
     message, param = validation_message(errors[0]) if errors else ("invalid request", None)
     others = {validation_message(e)[1] for e in errors[1:]} - {param}
     if others:
@@ -128,8 +143,48 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(500, message, code="internal_error"), status_code=500)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The envelope of every error (for /openapi.json)."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """The `responses` of a route's OpenAPI entry for these error statuses."""
+    return {status: {"model": ErrorResponse, "description": ERROR_TYPES[status]}
+            for status in statuses}  # fmt: skip
+
+
+def _without_422(app: FastAPI) -> Callable[[], dict]:
+    """app.openapi, less the 422 FastAPI declares for every route with a body or parameters
+    (the server answers validation errors with 400, declared per route) and its schemas."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    app.openapi = _without_422(app)

@@ -6,7 +6,7 @@ Three sources, each rendered by one function:
   engine process records them, where every request of every API process ends, and sends a
   snapshot with its stats, so each API process's page is the whole server's;
 - the engine's state after its last step (`EngineStats`): running and waiting requests, KV use,
-  preemptions;
+  preemptions, prefix cache queries and hits (tokens);
 - the engine's speculative counters (`LLMEngine.get_metrics()`), mapped by the `SPEC_METRICS`
   table. A new engine counter is exposed by adding one row there; a row whose key the engine
   does not report (yet) is simply left out.
@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dspark.outputs import FinalInfo
-from dspark.server.wire import EngineStats
+from dspark.server.wire import EngineState, EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
@@ -157,12 +157,14 @@ class ServerMetrics:
         self.labels = {"model_name": model_name}
         self.rejected_here = Counter()  # reason -> 503s this process answered itself
 
-    def render(self, stats: EngineStats, is_serving: bool) -> str:
+    def render(self, stats: EngineStats, engine_state: str) -> str:
+        """The page; `engine_state`: an EngineState's value (loading, serving, stopping,
+        dead)."""
         requests = RequestMetrics.from_snapshot(stats.requests)
         requests.rejected.update(self.rejected_here)
         return "".join(
             _request_families(requests, self.labels)
-            + _engine_families(stats, is_serving, self.labels)
+            + _engine_families(stats, engine_state, self.labels)
             + spec_families(stats.spec, self.labels)
         )  # fmt: skip
 
@@ -191,11 +193,11 @@ def _request_families(m: RequestMetrics, lb: dict[str, str]) -> list[str]:
     ]  # fmt: skip
 
 
-def _engine_families(stats: EngineStats, is_serving: bool, lb: dict[str, str]) -> list[str]:
+def _engine_families(stats: EngineStats, engine_state: str, lb: dict[str, str]) -> list[str]:
     usage = stats.num_kv_pages_used / stats.num_kv_pages if stats.num_kv_pages else 0.0
     gauges = [
         ("dspark:engine_serving", "1 while the engine serves, 0 while loading or dead.",
-         int(is_serving)),
+         int(engine_state == "serving")),
         ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
         ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
         ("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).", usage),
@@ -203,10 +205,24 @@ def _engine_families(stats: EngineStats, is_serving: bool, lb: dict[str, str]) -
         ("dspark:kv_cache_pages", "Usable KV pages.", stats.num_kv_pages),
     ]  # fmt: skip
     families = [_family(name, "gauge", text, [_sample(name, lb, v)]) for name, text, v in gauges]
-    name = "vllm:num_preemptions_total"
+    name = "dspark:engine_state"  # one sample per state, 1 for the current one (an enum gauge)
     families.append(
-        _family(name, "counter", "Preemptions.", [_sample(name, lb, stats.num_preemptions)])
-    )
+        _family(name, "gauge", "The engine's state: loading, serving, stopping or dead.",
+                [_sample(name, {**lb, "state": st}, int(st == engine_state))
+                 for st in (state.value for state in EngineState)])
+    )  # fmt: skip
+    counters = [
+        ("vllm:num_preemptions_total", "Preemptions.", stats.num_preemptions),
+        ("vllm:prefix_cache_queries_total",
+         "Prefix cache queries: tokens of the requests admitted (looked up in the cache).",
+         stats.num_prefix_cache_queries),
+        ("vllm:prefix_cache_hits_total",
+         "Prefix cache hits: tokens of admitted requests found in cached KV pages.",
+         stats.num_prefix_cache_hits),
+    ]  # fmt: skip
+    families += [
+        _family(name, "counter", text, [_sample(name, lb, v)]) for name, text, v in counters
+    ]
     return families
 
 

@@ -5,15 +5,16 @@ stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_id
 repetition_penalty, min_p, bad_words) plus dspark's use_speculation. Every bound is declared on
 the field, so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it
 is a 400 naming the field. Unknown fields are ignored, as OpenAI and vLLM do. Options the engine
-does not implement (prompt_logprobs, echo with logprobs, suffix, tools, ...) are accepted at
-their neutral value and refused otherwise with a clear message, never silently dropped.
+does not implement (prompt_logprobs, echo with logprobs, suffix, tools, tool_choice, ...) are
+accepted at their neutral value and refused otherwise with a clear message, never silently
+dropped; a chat message reaches the template with all its fields.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.server.errors import bad_request
@@ -154,12 +155,37 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """One message, handed to the chat template with every field it carries: an assistant's
+    earlier `tool_calls` and a tool result's `tool_call_id` are what a tool-calling template
+    renders, so they are passed on, never dropped."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_MESSAGES)] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on assistant messages, not {self.role}")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs its tool_call_id, and only a tool message")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -167,6 +193,17 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it (HF's message dicts)."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ResponseFormat(BaseModel):
@@ -185,6 +222,7 @@ class ChatCompletionRequest(_Request):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, as vLLM's
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -197,6 +235,11 @@ class ChatCompletionRequest(_Request):
             )
         if self.tools:
             raise bad_request("tools are not supported", "tools")
+        if self.tool_choice is not None:  # (OpenAI refuses it without tools too)
+            raise bad_request(
+                "tool_choice is only allowed with tools, which are not supported; omit it",
+                "tool_choice",
+            )
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -206,8 +249,8 @@ class ChatCompletionRequest(_Request):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
 
 
 def _field_named(message: str) -> str | None:

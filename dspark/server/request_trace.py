@@ -3,7 +3,7 @@
 
 The engine's own latency metrics start when it adds a request, so they cannot see the HTTP
 side: at 256 streams on the H200 a request waited ~100 ms before its handler ran, against 17-36
-ms of engine time to first token (docs/PERFORMANCE.md, fourteenth look). With the variable set,
+ms of engine time to first token. With the variable set,
 each API process writes one JSON line per finished stream to `path.PID`, on the monotonic
 clock, which on Linux is also `dspark bench serve --save-requests`' clock, so
 bench/request_phases.py joins both by the response id:

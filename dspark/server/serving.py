@@ -96,7 +96,9 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
     body.check_supported()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
-        ids = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        ids = tokenizer.apply_chat_template(
+            body.conversation(), body.add_generation_prompt, body.chat_template_kwargs
+        )
     except Exception as e:  # noqa: BLE001 - the template's own checks (role order, ...)
         raise bad_request(
             f"messages could not be rendered by the chat template: {e}", "messages"

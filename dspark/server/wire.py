@@ -17,6 +17,7 @@ rebuilt on the server's side, and the stats snapshot as a tuple of EngineStats' 
                        (STOPPED,)                             the answer to STOP, its last
 
     stats = (running, waiting, waiting tokens, KV pages used, KV pages, preemptions,
+             prefix cache queries, prefix cache hits (tokens),
              speculative metrics | None, the request metrics' snapshot | None)
 
 On the pipe each message is multiprocessing.Connection's frame: its pickle's length ("!i"; -1
@@ -26,6 +27,7 @@ from whatever bytes have arrived, never waiting for the rest of a message in tra
 
 from __future__ import annotations
 
+import enum
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -38,6 +40,15 @@ READY, ADDED, STEP, FAILED, STOPPED = "ready", "added", "step", "failed", "stopp
 INVALID = "invalid"  # the kind of an add error that is the client's (ValueError): a 400
 
 
+class EngineState(str, enum.Enum):
+    """The engine as a server process sees it (/health, /metrics, admission)."""
+
+    LOADING = "loading"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    DEAD = "dead"
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """What the engine looked like after its last step (read by /metrics and admission)."""
@@ -48,6 +59,10 @@ class EngineStats:
     num_kv_pages_used: int = 0
     num_kv_pages: int = 0
     num_preemptions: int = 0
+    # automatic prefix caching, in tokens as vLLM counts them (engine/prefix_cache.py): looked
+    # up at admission, and found in cached pages; 0 with caching off
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
     spec: dict = field(default_factory=dict)  # LLMEngine.get_metrics()
     requests: tuple = ()  # metrics.RequestMetrics.snapshot(): every API process's requests
 
@@ -55,10 +70,12 @@ class EngineStats:
 @dataclass(frozen=True)
 class EngineInfo:
     """What the server needs of the engine, sent once it is built: the tokenizer (prompts are
-    encoded and chat templates rendered in the server process) and the context length."""
+    encoded and chat templates rendered in the server process), the context length, and the
+    seats (admission counts as queued only the requests that will not find one)."""
 
     tokenizer: Tokenizer
     max_model_len: int
+    max_num_seqs: int
     pid: int  # the engine process's
 
 
@@ -68,7 +85,7 @@ def stats_of(engine, requests=None, with_spec: bool = True, with_requests: bool 
     keeps its last one, `merge_stats`): the speculative part is the dearer one, a dict built and
     pickled (with a drafting policy's realised costs, ~130 cells, 0.12 ms on the development
     CPU), the snapshot costs ~1 us."""
-    sched, alloc = engine.scheduler, engine.allocator
+    sched, alloc, cache = engine.scheduler, engine.allocator, engine.prefix_cache
     snapshot = None
     if with_requests:
         snapshot = requests.snapshot() if requests is not None else ()
@@ -79,6 +96,8 @@ def stats_of(engine, requests=None, with_spec: bool = True, with_requests: bool 
         alloc.num_usable - alloc.num_free,
         alloc.num_usable,
         sched.num_preemptions,
+        cache.num_queries if cache is not None else 0,
+        cache.num_hits if cache is not None else 0,
         engine.get_metrics() if with_spec else None,
         snapshot,
     )

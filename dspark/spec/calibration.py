@@ -3,7 +3,7 @@
 calibration.json lies beside the drafter's config.json (written by `dspark calibrate`, see
 dspark/train/calibrate.py for the fit and the file's fields). The calibrated confidence of
 drafted position k is c[k] = sigmoid(logit[k] / T_k); the scheduler multiplies them into
-survivals (dspark/spec/lagged.py).
+survivals (dspark/policy/survival.py).
 
 Acceptance depends on how a request samples: a greedy request keeps a draft when it is the
 target's argmax, a sampled one with probability min(1, p/q), so the same raw confidence means a

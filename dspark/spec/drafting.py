@@ -12,9 +12,9 @@ A batch of greedy rows on the triton backend draws each slot in one launch
 GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six. A sampled batch without
 top-k or top-p draws each slot in three launches (kernels/markov_sample_triton.py) instead of
 about 22: on the H200 the sampled speculative step cost 0.64-0.79x the PyTorch slot's
-(docs/PERFORMANCE.md, twenty-third look); DSPARK_FUSED_SAMPLED_DRAFT=0 keeps the PyTorch slot.
-A block whose rows shape their logits (penalties, min_p, logit_bias, bad words) takes the
-PyTorch slot: the kernels read the LM head's logits as they are.
+(DSPARK_REFERENCE_OPS keeps the PyTorch slot). A block whose rows shape their logits (penalties,
+min_p, logit_bias, bad words) takes the PyTorch slot: the kernels read the LM head's logits as
+they are.
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
 function of (seed, position), like every other random number in the engine. A draft is drawn by

@@ -1,5 +1,5 @@
 """A trimmed cell (G, V): a step of G windows staged K + 1 wide, cut on the device to a ragged
-verify batch of V target tokens after drafting (DSPARK.md 6.3 item 2, 8).
+verify batch of V target tokens after drafting (docs/SPECULATION.md 5.3, 8.3).
 
 The host stages every window at full width, exactly as for the fixed-K graph (so continuation
 anchors, pad rows and short windows need nothing new), and picks only the cell: its budget of
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
 from dspark.spec.layout import window_tokens
+from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dspark.layers.attention_metadata import AttentionMetadata
-from dspark.runner.input_buffers import UploadFence, staging_pair
+from dspark.attention_metadata import AttentionMetadata
+from dspark.device_buffers import UploadFence, staging_pair
 from dspark.sample.sampler import SamplingTensors
 from dspark.step_plan import SCRATCH_PAGE
 

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 
 from dspark.models.dspark_drafter import DSparkDrafter
+from dspark.policy.survival import survival
 from dspark.sample.logits_shaping import LogitsShaping, apply_shaping, window_draft_counts
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.spec.drafting import DraftBlock, draft_block
-from dspark.spec.lagged import select_verify_lengths, survival
 from dspark.spec.ragged import TrimmedCell, compact_windows
+from dspark.spec.selector import select_verify_lengths
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
 from dspark.spec.verifier import VerifyInput, VerifyOutput, verify, verify_greedy
 

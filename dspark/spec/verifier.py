@@ -104,7 +104,7 @@ def verify_greedy(
     and the final token is the argmax at the first disagreement (or after the last draft).
     The argmax of the logits, exactly as plain greedy decoding takes it: no distribution over
     the vocabulary is ever built. On CUDA everything after the argmax is one Triton launch
-    (kernels/verify_greedy_triton.py; DSPARK_FUSED_VERIFY=0 keeps this code, for A/B)."""
+    (kernels/verify_greedy_triton.py; DSPARK_REFERENCE_OPS keeps this code)."""
     R, K = draft_tokens.shape
     target_tokens = target_logits.argmax(dim=-1)  # [T]
     if target_tokens.is_cuda and fused_verify_enabled():  # the rest in one launch

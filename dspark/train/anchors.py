@@ -1,7 +1,7 @@
 """Training blocks: anchors sampled per sequence, their labels and the contiguous-prefix mask.
 
 A sequence is prompt + response tokens; the drafter trains on the response only. An anchor is a
-position i with response tokens at i and i + 1 (DSPARK.md 3.4): the block input is
+position i with response tokens at i and i + 1 (docs/SPECULATION.md 3.1): the block input is
 [x_i, MASK x (K-1)], slot k (0-based) is labelled with x_{i+k+1}, and the context is the target's
 features at positions < i. A slot is supervised only while every slot before it is (the block
 is verified left to right, so a label past the first missing one teaches nothing):

@@ -1,4 +1,5 @@
-"""Sequential temperature scaling (STS, DSPARK.md 5) of the confidence head, and calibration.json.
+"""Sequential temperature scaling (STS, docs/SPECULATION.md 3.3) of the confidence head, and
+calibration.json.
 
 Calibrated c[k] = sigmoid(logit[k] / T_k), one temperature per drafted position. The scheduler
 adds survivals a[k] = prod_{i<=k} c[i] up as expected tokens, so they must be right in absolute

@@ -18,12 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.models.dspark_drafter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    WEIGHTS_INDEX_FILE,
-    DSparkDrafter,
-)
+from dspark.models.drafter_config import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from dspark.models.dspark_drafter import DSparkDrafter
 
 MAX_SHARD_BYTES = 15 * 2**20
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.engine.kv_cache import allocate_kv_caches
-from dspark.layers.attention_metadata import AttentionMetadata
 from dspark.models.llama import LlamaForCausalLM
 from dspark.step_plan import pages_for
 from dspark.train.anchors import Blocks, Sequence

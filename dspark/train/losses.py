@@ -1,4 +1,5 @@
-"""The drafter's training losses (DSPARK.md 3.4), per supervised slot, with position weights.
+"""The drafter's training losses (docs/SPECULATION.md 3.1), per supervised slot, with position
+weights.
 
 For slot k = 1..K of a block (label x_{i+k}, supervised where the prefix mask is true):
   draft_probs  = softmax(U[k] + bias(prev)), prev = the label before (teacher forcing; the anchor
@@ -9,8 +10,8 @@ For slot k = 1..K of a block (label x_{i+k}, supervised where the prefix mask is
   confidence   = BCE(c_raw[k], 1 - 1/2 ||draft_probs - target_probs||_1), the soft label
                  detached                                                        weight 1.0
 1 - 1/2 ||d - t||_1 = sum_v min(d(v), t(v)) is exactly the probability that rejection sampling
-accepts a draft drawn from d at this slot (DSPARK.md 4), given the slots before were accepted:
-the conditional acceptance the confidence head predicts.
+accepts a draft drawn from d at this slot (docs/SPECULATION.md 4), given the slots before were
+accepted: the conditional acceptance the confidence head predicts.
 
 Each term is a weighted mean over supervised slots with w_k = exp(-(k-1)/4):
   term = sum_{b,k} mask w_k loss / sum_{b,k} mask w_k

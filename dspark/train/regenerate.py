@@ -1,5 +1,5 @@
 """The regenerate stage: the target answers the training prompts with the engine's own batched
-generation (DSPARK.md 3.4: self-distillation needs the target's own responses).
+generation (docs/SPECULATION.md 3.1: self-distillation needs the target's own responses).
 
 1. Self prompts: the target continues its chat template's user header ("system prompt, then
    <|im_start|>user\\n" for SmolLM2) and writes a user turn; turns that end with EOS (not cut by
@@ -51,7 +51,7 @@ class RegenerateConfig:
     # answers per file source; for "self": user turns sampled (the kept train ones get an answer)
     counts: dict[str, int] = field(default_factory=dict)
     max_tokens: int = 384  # per answer
-    temperature: float = 0.7  # SmolLM2's recommended sampling (DSPARK.md 3.4)
+    temperature: float = 0.7  # SmolLM2's recommended sampling (docs/SPECULATION.md 3.1)
     top_p: float = 0.8
     top_k: int = 20
     self_max_tokens: int = 96  # per self-written user turn

@@ -1,4 +1,5 @@
-"""Full-block rollouts through the engine, recording what STS calibration needs (DSPARK.md 5).
+"""Full-block rollouts through the engine, recording what STS calibration needs
+(docs/SPECULATION.md 3.3).
 
 Per verify step and window row: the drafter's raw confidence logits (K) and how many drafts the
 target accepted. From those, the prefix labels y_k = 1[drafts 1..k all accepted] = 1[accepted >= k].
@@ -13,7 +14,7 @@ logits, in the same row order, so a step's labels are paired with that step's co
                                                     -> rows with verify_len == K recorded
 
 Rows verified with fewer than K drafts (windows shortened near max_tokens) are dropped: their
-later labels are censored, and a censored label reads as a rejection (DSPARK.md 5).
+later labels are censored, and a censored label reads as a rejection (docs/SPECULATION.md 3.3).
 """
 
 from __future__ import annotations

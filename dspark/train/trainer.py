@@ -1,4 +1,5 @@
-"""The train stage: self-distillation of a DSpark drafter from its frozen target (DSPARK.md 3.4).
+"""The train stage: self-distillation of a DSpark drafter from its frozen target
+(docs/SPECULATION.md 3.1).
 
 One step:
     seqs   = batch_order.indices(step)               # resumable: a pure function of the step
@@ -29,6 +30,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,13 +39,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.models.dspark_drafter import (
-    CONFIG_FILE,
-    DrafterConfig,
-    DSparkDrafter,
-    read_weights,
-    target_identity,
-)
+from dspark.models.drafter_config import CONFIG_FILE, DrafterConfig
+from dspark.models.dspark_drafter import DSparkDrafter, read_weights, target_identity
 from dspark.models.llama import LlamaForCausalLM
 from dspark.train.anchors import Sequence, build_blocks
 from dspark.train.dataset import BatchOrder
@@ -330,7 +327,15 @@ class Trainer:
     def resume(self, path: Path) -> None:
         if not path.is_file():
             return
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        # weights_only: tensors and plain values only, so a file planted in a work directory
+        # cannot run code when it is unpickled (the checkpoint holds nothing else: save())
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"{path} could not be loaded as plain tensors and values (a checkpoint this "
+                f"trainer wrote holds nothing else); delete it or use a new --work-dir: {e}"
+            ) from None
         if state["drafter_config"] != self.drafter.config.to_dict():
             raise ValueError(
                 f"{path} was written for another drafter configuration "

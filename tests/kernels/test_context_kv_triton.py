@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from dspark.engine.kv_cache import allocate_kv_caches
 from dspark.layers.rotary import rope_inv_freq
-from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, target_identity
+from dspark.models.drafter_config import DrafterConfig
+from dspark.models.dspark_drafter import DSparkDrafter, target_identity
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
 from tests.tiny_models import _llama_config, save_random_model

@@ -3,20 +3,29 @@ against the same model on the PyTorch reference ops: prefill logits and a decode
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from dspark.attention_metadata import AttentionMetadata, single_prefill_metadata
 from dspark.engine.kv_cache import allocate_kv_caches
-from dspark.layers.attention_metadata import AttentionMetadata, single_prefill_metadata
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
 from tests.tiny_models import _llama_config, save_random_model
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-def test_triton_model_matches_torch_model(tmp_path, device):
-    hf_config = _llama_config(128, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norm before every rotation
+def test_triton_model_matches_torch_model(tmp_path, device, arch):
+    """The decode step rotates q and k inside the paged attention kernel, the prefill in the
+    fused rotary launch."""
+    hf_config = _llama_config(128, arch, num_attention_heads=6, num_key_value_heads=2,
+                              hidden_size=96)  # fmt: skip
     save_random_model(tmp_path, hf_config)
-    config = ModelConfig.from_hf_dict(hf_config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    config = ModelConfig.from_hf_dict(
+        hf_config.to_dict() | {"architectures": [ARCHITECTURES[arch]]}
+    )
     weights = load_file(tmp_path / "model.safetensors")
     page_size, n = 4, 9
     outputs = {}
@@ -86,3 +95,32 @@ def test_speculative_engine_triton_backend_equals_torch(tiny_vocab_dir, tmp_path
     assert got["triton"] == got["torch"] and got["torch"][2] > 0
     for triton_kv, torch_kv in zip(caches["triton"], caches["torch"], strict=True):
         torch.testing.assert_close(triton_kv, torch_kv)  # the drafter's context keys/values
+
+
+def test_qwen3_deepspec_drafter_triton_backend_equals_torch(tmp_path, device,
+                                                             smollm_hf_tokenizer):  # fmt: skip
+    """A Qwen3 target with a drafter in DeepSpec's layout: the drafter's context keys are
+    k-normed before the triton rotary store (its folded upkeep does not apply), the target's
+    q/k before the fused rotary and the decode kernel's rotation; same tokens, same drafts,
+    same context caches as the torch path."""
+    from dspark import LLM, SamplingParams
+    from tests.tiny_models import make_deepspec_drafter, make_tiny_llama
+
+    target = make_tiny_llama(tmp_path / "qwen3", smollm_hf_tokenizer, "qwen3",
+                             num_hidden_layers=3)  # fmt: skip
+    drafter = make_deepspec_drafter(target, tmp_path / "drafter", (0, 1), block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    spec = {"model": str(drafter), "num_speculative_tokens": 3}
+    got, caches = {}, {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(target), dtype="float32", device=device.type, num_kv_pages=64,
+                  attention_backend=backend, use_cuda_graphs=False,
+                  speculative_config=spec)  # fmt: skip
+        outputs = llm.generate([[2, 3, 4], [5, 6, 7, 8, 9]], params, use_tqdm=False)
+        metrics = llm.get_metrics()
+        got[backend] = ([o.outputs[0].token_ids for o in outputs],
+                        metrics["num_accepted_tokens_per_pos"], metrics["num_drafts"])  # fmt: skip
+        caches[backend] = [kv.clone() for kv in llm.engine.spec.kv_caches]
+    assert got["triton"] == got["torch"] and got["torch"][2] > 0
+    for triton_kv, torch_kv in zip(caches["triton"], caches["torch"], strict=True):
+        torch.testing.assert_close(triton_kv, torch_kv, atol=1e-5, rtol=1e-5)

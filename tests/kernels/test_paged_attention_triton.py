@@ -15,9 +15,9 @@ import random
 import pytest
 import torch
 
+from dspark.attention_metadata import AttentionMetadata
 from dspark.kernels.paged_attention_ref import paged_attention_ref
 from dspark.kernels.paged_attention_triton import launch_config, paged_attention_triton
-from dspark.layers.attention_metadata import AttentionMetadata
 
 
 def _many(num_reqs: int, max_q_len: int, max_context: int, seed: int) -> tuple[list, list]:

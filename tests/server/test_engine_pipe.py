@@ -19,7 +19,7 @@ from dspark.engine.collector import STEP_LOOP_THRESHOLDS
 from dspark.server import wire
 from dspark.server.engine_loop import EngineLoop, EngineState
 from dspark.server.output_sender import send_whole
-from dspark.server.wire import EngineInfo, FrameReader
+from dspark.server.wire import EngineInfo, EngineStats, FrameReader
 
 
 def frame(message) -> bytes:
@@ -76,7 +76,7 @@ def test_a_large_message_on_a_non_blocking_pipe_is_read_whole():
     async def read_ready() -> EngineLoop:
         engine_loop, child = _engine_loop_on_a_pipe(asyncio.get_running_loop())
         os.set_blocking(engine_loop._conn.fileno(), False)  # as uvloop leaves it
-        info = EngineInfo("x" * 8_000_000, 4096, os.getpid())  # (a large tokenizer)
+        info = EngineInfo("x" * 8_000_000, 4096, 256, os.getpid())  # (a large tokenizer)
         sender = threading.Thread(target=child.send, args=((wire.READY, info),))
         sender.start()
         deadline = time.monotonic() + 10
@@ -100,7 +100,7 @@ def test_a_read_returns_at_once_when_a_message_is_still_in_transit():
 
     async def read_in_halves() -> tuple[EngineLoop, float]:
         engine_loop, child = _engine_loop_on_a_pipe(asyncio.get_running_loop())
-        data = frame((wire.READY, EngineInfo("tok", 2048, os.getpid())))
+        data = frame((wire.READY, EngineInfo("tok", 2048, 256, os.getpid())))
         half = len(data) // 2
         os.write(child.fileno(), data[:half])
         rest = threading.Timer(1.0, os.write, (child.fileno(), data[half:]))
@@ -149,14 +149,15 @@ print(before, "transformers" in sys.modules)
 
 def test_admission_counts_the_submissions_the_engine_has_not_acknowledged():
     """The queue limits count what was sent and not yet acknowledged beside what the engine
-    reports waiting; an acknowledgement, accepted or refused, frees its share."""
+    reports waiting (here its one seat is taken, so every submission would wait); an
+    acknowledgement, accepted or refused, frees its share."""
     import pytest
 
     from dspark.sampling_params import SamplingParams
     from dspark.server.engine_loop import SubRequest
     from dspark.server.errors import APIError
 
-    stats = (0, 0, 0, 0, 8, 0, None, None)  # the engine: nothing waiting
+    stats = (1, 0, 0, 0, 8, 0, 0, 0, None, None)  # the engine: its seat taken, nothing waiting
 
     def subs(name: str) -> list[SubRequest]:
         return [SubRequest(name, [1] * 10, SamplingParams(max_tokens=1))]
@@ -165,7 +166,8 @@ def test_admission_counts_the_submissions_the_engine_has_not_acknowledged():
         engine_loop = EngineLoop(lambda: None, max_queued_requests=2, max_queued_tokens=100)
         engine_loop._loop = asyncio.get_running_loop()
         engine_loop._conn, child = multiprocessing.Pipe()
-        engine_loop.state, engine_loop.info = EngineState.SERVING, EngineInfo(None, 64, 0)
+        engine_loop.state, engine_loop.info = EngineState.SERVING, EngineInfo(None, 64, 1, 0)
+        engine_loop.stats = EngineStats(num_running=1)
         first = asyncio.ensure_future(engine_loop.submit(subs("a")))
         second = asyncio.ensure_future(engine_loop.submit(subs("b")))
         await asyncio.sleep(0)  # both sent, neither acknowledged

@@ -51,6 +51,13 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_error(long_llama_dir):
         assert "killed by signal 9" in health.json()["reason"]
         refused = httpx.post(f"{live.url}/v1/completions", json={"prompt": "Hi"})
         assert refused.status_code == 503 and "killed by signal 9" in refused.text
+        # the gauges say what is running now (nothing), not what the dead engine last had
+        metrics = httpx.get(f"{live.url}/metrics").text
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                      "dspark:kv_cache_pages_used", "dspark:engine_serving"):  # fmt: skip
+            assert f'{gauge}{{model_name="tiny"}} 0.0' in metrics, gauge
+        assert 'dspark:engine_state{model_name="tiny",state="dead"} 1.0' in metrics
+        assert 'dspark:engine_state{model_name="tiny",state="serving"} 0.0' in metrics
     finally:
         live.stop()
     assert process.exitcode == -signal.SIGKILL

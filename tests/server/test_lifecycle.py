@@ -135,6 +135,22 @@ def test_queue_limit_answers_503_and_recovers(small_server):
     assert ok.status_code == 200
 
 
+def test_a_burst_takes_the_free_seats_and_only_what_waits_counts_as_queued(small_server):
+    """Two seats and three places in the queue: of six requests sent at once, five are
+    admitted (the two that take the seats never wait) and the sixth is refused."""
+    url = f"{small_server.url}/v1/completions"
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            bodies = [_body(f"Burst {i}", 150) for i in range(6)]
+            return await asyncio.gather(*(client.post(url, json=body) for body in bodies))
+
+    small_server.wait_idle()
+    statuses = sorted(response.status_code for response in asyncio.run(scenario()))
+    assert statuses == [200] * 5 + [503], statuses
+    small_server.wait_idle()
+
+
 def test_a_client_that_leaves_a_whole_response_aborts_it(small_server):
     aborted = _count(small_server, "abort")
     with pytest.raises(httpx.ReadTimeout):
@@ -238,3 +254,45 @@ def _healthy(url: str, process: subprocess.Popen) -> bool:
         return httpx.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_sigterm_past_the_grace_period_aborts_requests_with_complete_responses(
+    long_llama_dir, tmp_path
+):
+    """Requests still running at --shutdown-timeout-s are aborted through the engine: a whole
+    response is the envelope with finish_reason "abort", a stream ends with its final chunk and
+    [DONE], and the log has no traceback."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dspark.cli", "serve", str(long_llama_dir), "--device", "cpu",
+         "--dtype", "float32", "--max-model-len", "4096", "--num-kv-pages", "600",
+         "--served-model-name", MODEL, "--port", str(port), "--shutdown-timeout-s", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            whole = asyncio.ensure_future(client.post(url, json=_body("Whole", 4000)))
+            stream = await _open_stream(client, url, _body("Streamed", 4000))
+            lines = stream.aiter_lines()
+            first = await anext(line async for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)
+            rest = [line async for line in lines if line.startswith("data: ")]
+            return await whole, [first, *rest]
+
+    try:
+        _wait_for(lambda: _healthy(f"http://127.0.0.1:{port}", process), timeout=120)
+        whole, lines = asyncio.run(scenario())
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["choices"][0]["finish_reason"] == "abort"
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "abort"
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        output = process.communicate()[0]
+    assert "Traceback" not in output, output[-3000:]
+    assert "Application shutdown complete" in output, output[-2000:]

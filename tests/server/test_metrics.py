@@ -67,7 +67,7 @@ def test_server_metrics_record_finished_requests():
     metrics.rejected_here["loading"] += 1
     stats = EngineStats(num_running=1, num_kv_pages_used=3, num_kv_pages=12,
                         requests=requests.snapshot())  # fmt: skip
-    text = metrics.render(stats, True)
+    text = metrics.render(stats, "serving")
     labels = 'model_name="a \\"quoted\\" name"'
     assert f"vllm:prompt_tokens_total{{{labels}}} 2.0" in text
     assert f"vllm:generation_tokens_total{{{labels}}} 3.0" in text

@@ -120,21 +120,21 @@ def test_metrics_are_sent_when_due_and_never_lost_in_a_merge(tiny_vocab_dir, mon
     clock[0] += METRICS_INTERVAL_S
     assert None not in loop._stats()[-2:]
     before = EngineStats(spec={"num_drafts": 3}, requests=(5, 6, {}, {}, ()))
-    kept = EngineStats(1, 0, 0, 2, 8, 0, {"num_drafts": 3}, (5, 6, {}, {}, ()))
-    assert merge_stats(before, (1, 0, 0, 2, 8, 0, None, None)) == kept
-    assert merge_stats(before, (1, 0, 0, 2, 8, 0, {}, None)).spec == {}
-    assert merge_stats(before, (1, 0, 0, 2, 8, 0, None, ())).requests == ()
+    kept = EngineStats(1, 0, 0, 2, 8, 0, 40, 32, {"num_drafts": 3}, (5, 6, {}, {}, ()))
+    assert merge_stats(before, (1, 0, 0, 2, 8, 0, 40, 32, None, None)) == kept
+    assert merge_stats(before, (1, 0, 0, 2, 8, 0, 40, 32, {}, None)).spec == {}
+    assert merge_stats(before, (1, 0, 0, 2, 8, 0, 40, 32, None, ())).requests == ()
     reader, writer = multiprocessing.Pipe(duplex=False)
     sender = OutputSender(writer, on_closed_exit=3)
     big = "x" * 200_000  # blocks the first send: the next three steps merge
-    sender.post_step([("a", big, [1], None, None)], (0, 0, 0, 0, 8, 0, None, None))
+    sender.post_step([("a", big, [1], None, None)], (0, 0, 0, 0, 8, 0, 0, 0, None, None))
     time.sleep(0.2)
-    sender.post_step([("a", "b", [2], None, None)], (1, 0, 0, 1, 8, 0, {"num_drafts": 5}, ()))
-    sender.post_step([("a", "c", [3], None, None)], (1, 0, 0, 1, 8, 0, None, (7,)))
-    sender.post_step([("a", "d", [4], None, None)], (1, 0, 0, 1, 8, 0, None, None))
+    sender.post_step([("a", "b", [2], None, None)], (1, 0, 0, 1, 8, 0, 0, 0, {"num_drafts": 5}, ()))
+    sender.post_step([("a", "c", [3], None, None)], (1, 0, 0, 1, 8, 0, 0, 0, None, (7,)))
+    sender.post_step([("a", "d", [4], None, None)], (1, 0, 0, 1, 8, 0, 0, 0, None, None))
     sender.send((wire.STOPPED,))
     steps = [m for m in _read_all(reader, wire.STOPPED) if m[0] == wire.STEP]
-    assert steps[-1][2] == (1, 0, 0, 1, 8, 0, {"num_drafts": 5}, (7,))
+    assert steps[-1][2] == (1, 0, 0, 1, 8, 0, 0, 0, {"num_drafts": 5}, (7,))
 
 
 def test_a_sender_of_one_of_several_servers_stops_when_its_pipe_closes():
@@ -143,12 +143,12 @@ def test_a_sender_of_one_of_several_servers_stops_when_its_pipe_closes():
     reader, writer = multiprocessing.Pipe(duplex=False)
     sender = OutputSender(writer, on_closed_exit=None)
     reader.close()  # the API process is gone
-    sender.post_step([("a", "x", [1], None, None)], (0, 0, 0, 0, 8, 0, None, None))
+    sender.post_step([("a", "x", [1], None, None)], (0, 0, 0, 0, 8, 0, 0, 0, None, None))
     deadline = time.monotonic() + 5
     while not sender.closed:
         assert time.monotonic() < deadline, "the sender did not notice the closed pipe"
         time.sleep(0.01)
-    sender.post_step([("a", "y", [2], None, None)], (0, 0, 0, 0, 8, 0, None, None))  # dropped
+    sender.post_step([("a", "y", [2], None, None)], (0, 0, 0, 0, 8, 0, 0, 0, None, None))  # dropped
     sender.send((wire.STOPPED,))
     assert sender.drain(timeout=1.0)  # nothing left waiting
 

@@ -63,10 +63,23 @@ def test_the_api_server_count_flows_from_flag_or_file_and_is_checked(tmp_path):
         _options(tmp_path, "api-server-count: two\n")
 
 
-def test_the_burst_threshold_flows_from_flag_or_file_and_is_checked(tmp_path):
-    assert build_configs(_options(tmp_path, "model: m\n"))[0].burst_requests is None  # default
-    engine, _ = build_configs(_options(tmp_path, "burst-requests: 64\n", "--burst-requests", "32"))
-    assert engine.burst_requests == 32
-    assert build_configs(_options(tmp_path, "burst_requests: 16\n"))[0].burst_requests == 16
-    with pytest.raises(ValueError, match="burst_requests must be None or an integer >= 1, got 0"):
-        build_configs(_options(tmp_path, "burst-requests: 0\n"))
+def test_a_deleted_setting_is_refused_by_name(tmp_path):
+    """burst_requests became a rule (engine/burst.py), no longer a setting: a file naming it
+    is refused with the allowed options."""
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['burst_requests'\]"):
+        _options(tmp_path, "burst-requests: 64\n")
+
+
+def test_prefix_caching_is_on_by_default_and_switched_by_flag_or_file(tmp_path):
+    assert build_configs(_options(tmp_path, "model: m\n"))[0].enable_prefix_caching
+    off = _options(tmp_path, "model: m\n", "--no-enable-prefix-caching")
+    assert not build_configs(off)[0].enable_prefix_caching
+    from_file = _options(tmp_path, "enable-prefix-caching: false\n")
+    assert not build_configs(from_file)[0].enable_prefix_caching
+    flag_wins = _options(tmp_path, "enable-prefix-caching: false\n", "--enable-prefix-caching")
+    assert build_configs(flag_wins)[0].enable_prefix_caching
+    with pytest.raises(ValueError, match="enable_prefix_caching: expected bool, got 'no'"):
+        _options(tmp_path, "enable-prefix-caching: 'no'\n")
+    generate = build_parser().parse_args(["generate", "hi", "--no-enable-prefix-caching"])
+    assert generate.enable_prefix_caching is False
+    assert build_parser().parse_args(["generate", "hi"]).enable_prefix_caching is True

@@ -8,12 +8,11 @@ import json
 
 import httpx
 
-from dspark.spec.policy_trace import TRACE_ENV
 from tests.server.conftest import MODEL, engine_config, start_server
 
 
 def test_the_engine_process_writes_its_trace(tiny_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
+    monkeypatch.setenv("DSPARK_POLICY_TRACE", str(tmp_path / "traces"))  # (the engine process)
     live = start_server(engine_config(tiny_llama_dir))
     try:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}

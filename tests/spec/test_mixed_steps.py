@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.runner.input_buffers import PAD_SLOT, InputBuffers
+from dspark.runner.input_buffers import InputBuffers
 from dspark.runner.mixed_layout import capture_layout, max_tail_rows, write_tail_pads
 from dspark.runner.spec_graphs import MODES, SpecGraphs
 from dspark.spec.spec_buffers import FILTERED, TEMPERATURE
-from dspark.step_plan import SCRATCH_PAGE
+from dspark.step_plan import PAD_SLOT, SCRATCH_PAGE
 from tests.spec.eager_replay import EagerReplay
 from tests.spec.test_uniform_windows import _assert_same_outputs
 from tests.tiny_models import make_tiny_drafter

@@ -9,10 +9,10 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.drafters import SHIPPED, shipped_drafter
-from dspark.models.dspark_drafter import DrafterConfig
+from dspark.models.drafter_config import DrafterConfig
 from dspark.models.loader import ModelSource, checkpoint_hash
+from dspark.policy.cost_table import COST_TABLES_DIR, parse_table
 from dspark.spec.calibration import load_calibration
-from dspark.spec.cost_table import COST_TABLES_DIR, parse_table
 from dspark.train.export import MAX_SHARD_BYTES
 from tests.tiny_models import make_tiny_drafter
 

@@ -165,6 +165,7 @@ def test_bench_reports_speculation_per_level(tiny_llama_dir, llama_drafter, tmp_
     import json
 
     from dspark.benchmarks.offline import add_bench_parser
+
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "spec.json"

@@ -1,7 +1,7 @@
 """Trimmed cells (G, V): verify lengths chosen on the device from fresh survivals under the
 cell's budget, the full-width windows compacted in place (spec/ragged.py), end to end through
 the engine on the CPU: greedy output equals plain decoding, sampled output keeps the target's
-distribution, and the cost table, the policy and the profiler know the cells."""
+distribution, and the profiler measures the cells."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.runner.input_buffers import PAD_SLOT, PAD_TOKEN_ID
-from dspark.spec.cost_table import CostTable, check_table, full_block_tokens
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.lagged import select_verify_lengths, survival
-from dspark.spec.profile import format_table, profile_cost_table
+from dspark.benchmarks.profile import format_table, profile_cost_table
+from dspark.policy.cost_table import CostTable, check_table, full_block_tokens
+from dspark.policy.survival import survival
 from dspark.spec.ragged import FullWidthWindows, compact_windows
-from dspark.step_plan import SCRATCH_PAGE
+from dspark.spec.selector import select_verify_lengths
+from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID, SCRATCH_PAGE
 from tests.helpers import assert_matches_distribution
+from tests.policy.helpers import by_table
 from tests.spec.eager_replay import EagerReplay
 from tests.spec.test_spec_engine import PROMPTS12, _exact_pair_distribution
 from tests.tiny_models import make_tiny_drafter
@@ -79,9 +79,8 @@ LADDER = (1, 2, 4)
 
 
 def _spec(drafter, **extra):
-    # (realised step costs off: the tests' tables alone choose the cells)
     return {"model": str(drafter), "num_speculative_tokens": K, "trimmed_widths": [2, 3],
-            "realised_costs": False, **extra}  # fmt: skip
+            **extra}  # fmt: skip
 
 
 def _trimming_table(fingerprint: dict, sizes=LADDER) -> CostTable:
@@ -98,8 +97,8 @@ def _llm(tiny_vocab_dir, drafter, tmp_path, padded: bool, **kw):
     path = tmp_path / f"trim_{padded}.json"
     sizes = [1 << i for i in range((kw.get("max_num_seqs", 4)).bit_length())]
     path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
-    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(path)),
-              **{**KW, **kw})  # fmt: skip
+    spec = _spec(drafter, cost_table=str(path))
+    llm = by_table(LLM(str(tiny_vocab_dir), speculative_config=spec, **{**KW, **kw}))
     spec_runner = llm.engine.runner.spec_runner
     spec_runner.uniform_windows = True  # (what graphs turn on: trimmed cells need full width)
     if padded:
@@ -195,52 +194,8 @@ def test_profile_measures_the_trimmed_cells(tiny_vocab_dir, drafter):
     assert llm.engine.scheduler.trimmed_cell is None
 
 
-# ---- the table, the policy, the configuration ----------------------------------------------
-
-
-def _fingerprint(**extra) -> dict:
-    base = dict(gpu="cpu", device_count=0, torch="t", triton=None, target_hash="a",
-                drafter_hash="b", draft_len=K, dtype="float32", graph_sizes=[1, 2],
-                page_size=16, engine_version="0")  # fmt: skip
-    return {**base, **extra}
-
-
-def test_cost_table_authenticates_trimmed_cells():
-    live = _fingerprint(trimmed_widths=[2])
-    cells = {g: {g: 1.0, 2 * g: 1.2, 4 * g: 1.5} for g in (1, 2)}
-    assert check_table(CostTable(live, cells), live) is None
-    # a table from before trimmed cells (no key) is an engine without them
-    old = _fingerprint()
-    assert check_table(CostTable(old, cells), {**old, "trimmed_widths": []}) is None
-    assert "mismatch on trimmed_widths" in check_table(CostTable(old, cells), live)
-    unmeasured = {1: {1: 1.0, 2: 1.2, 4: 1.5}, 2: {2: 1.0, 8: 1.5}}
-    assert check_table(CostTable(live, unmeasured), live) == (
-        "G=2 has no trimmed cell V=4 (unmeasured)"
-    )
-
-
-def test_policy_prices_trimmed_cells_from_per_position_survivals():
-    g = 4
-    table = CostTable({}, {g: {g: 1.0, 2 * g: 1.1, full_block_tokens(g, K): 1.6}})
-    ones = {False: torch.ones(K), True: torch.ones(K)}
-    policy = DraftingPolicy(
-        table, ones, K, min_dwell_steps=0, trimmed_widths=(2,), regression_half_life=1e9
-    )  # (estimates that do not age)
-    ids = [f"r{i}" for i in range(4)]
-    # first drafts likely, later ones hopeless: one draft a row (w = 2) is the best cell
-    logits = torch.tensor([[3.0, -4.0, -4.0]] * 4)
-    policy.observe(ids, logits, [False] * 4)
-    decision = policy.decide(ids)
-    assert decision.drafting and decision.reason == "trimmed"
-    assert decision.trimmed_cell == (g, 2 * g)
-    a = policy.lagged_survival(ids, g)
-    assert a.shape == (4, K) and a.sum() == pytest.approx(policy.survival_sum(ids, g), rel=1e-5)
-    # every draft survives: the full block
-    policy.observe(ids, torch.full((4, K), 9.0), [False] * 4)
-    assert policy.decide(ids).reason == "full block"
-    # without the runner's trimmed cells the table's are ignored
-    plain_policy = DraftingPolicy(table, ones, K, min_dwell_steps=0)
-    assert set(plain_policy.table.cells[g]) == {g, full_block_tokens(g, K)}
+# ---- the configuration ------------------------------------------------------------------------
+# (the table's and the policy's side of trimmed cells: tests/policy/)
 
 
 def test_trimmed_widths_configuration_errors(tiny_vocab_dir, drafter):
@@ -277,8 +232,9 @@ def test_captured_trimmed_cells_equal_the_eager_step(
     path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
     runs = {}
     for name, ahead in (("eager", False), ("graphs", False), ("ahead", True)):
-        llm = LLM(str(tiny_vocab_dir), async_scheduling=ahead,
-                  speculative_config=_spec(drafter, cost_table=str(path)), **kw)  # fmt: skip
+        spec = _spec(drafter, cost_table=str(path))
+        llm = by_table(LLM(str(tiny_vocab_dir), async_scheduling=ahead, speculative_config=spec,
+                           **kw))  # fmt: skip
         spec_runner = llm.engine.runner.spec_runner
         if name == "eager":
             graphs = spec_runner.graphs
@@ -311,8 +267,8 @@ def test_engines_built_after_others_were_freed_capture_and_replay_the_same(
               for i, n in enumerate([40, 33, 51, 37, 29])]  # fmt: skip
     runs = []
     for _ in range(4):
-        llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(path)),
-                  **kw)  # fmt: skip
+        spec = _spec(drafter, cost_table=str(path))
+        llm = by_table(LLM(str(tiny_vocab_dir), speculative_config=spec, **kw))
         runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS12, params,
                                                                   use_tqdm=False)])  # fmt: skip
         del llm

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.models.dspark_drafter import WEIGHTS_INDEX_FILE, DrafterMismatchError, DSparkDrafter
+from dspark.models.drafter_config import WEIGHTS_INDEX_FILE, DrafterMismatchError
+from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.llama import build_model
 from dspark.models.model_config import ModelConfig
 from dspark.train.export import export_drafter, shard_tensors
@@ -72,7 +73,7 @@ def test_shards_keep_tensors_whole():
 def test_default_taps_spread_over_depth():
     from dspark.train.trainer import default_taps
 
-    assert default_taps(30) == (1, 10, 19, 28)  # DSPARK.md 3.1's example for SmolLM2
+    assert default_taps(30) == (1, 10, 19, 28)  # docs/SPECULATION.md 2.1's example for SmolLM2
     assert default_taps(2) == (0, 1)
     assert default_taps(12) == (1, 4, 7, 10)
 

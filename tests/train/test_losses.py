@@ -1,4 +1,4 @@
-"""The training losses on hand-made tensors (DSPARK.md 3.4)."""
+"""The training losses on hand-made tensors (docs/SPECULATION.md 3.1)."""
 
 from __future__ import annotations
 

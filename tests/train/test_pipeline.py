@@ -185,3 +185,23 @@ def test_a_missing_prompt_source_is_an_error_before_generating(tiny_llama_dir, t
     with pytest.raises(FileNotFoundError, match=r"no prompts for source\(s\) \['gsm8k', "):
         run_pipeline(config, ("regenerate",))
     assert not (config.data / "self_prompts.jsonl").exists()
+
+
+def test_training_a_drafter_for_a_qwen3_target(tmp_path, smollm_hf_tokenizer):
+    """regenerate -> train -> calibrate -> evaluate for a tiny Qwen3 target (q/k norm in the
+    drafter's training forward too); the drafter it writes serves losslessly."""
+    from tests.tiny_models import make_tiny_llama
+
+    target = make_tiny_llama(tmp_path / "qwen3", smollm_hf_tokenizer, "qwen3")
+    _prompts_dir(tmp_path)
+    config = _config(target, tmp_path, "qwen3_run")
+    assert run_pipeline(config)
+    drafter = config.drafter_dir
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kwargs = dict(dtype="float32", device="cpu", num_kv_pages=64)
+    plain = LLM(model=str(target), **kwargs).generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    spec = {"model": str(drafter), "num_speculative_tokens": 3}
+    got = LLM(model=str(target), speculative_config=spec, **kwargs).generate(
+        [[5, 6, 7, 8]], params, use_tqdm=False
+    )
+    assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids

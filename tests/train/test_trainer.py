@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pathlib
 
 import pytest
 import torch
@@ -75,6 +76,24 @@ def test_resume_continues_exactly(tiny, tmp_path):
     other = _trainer(tiny, markov_rank=8)
     with pytest.raises(ValueError, match="another drafter configuration"):
         other.resume(tmp_path / CHECKPOINT_FILE)
+
+
+class _RunsCode:
+    """Unpickled, it creates the file `marker`: what a planted checkpoint could do."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tiny, tmp_path):
+    marker = tmp_path / "code_ran"
+    torch.save({"step": 1, "payload": _RunsCode(marker)}, tmp_path / CHECKPOINT_FILE)
+    with pytest.raises(ValueError, match="could not be loaded as plain tensors and values"):
+        _trainer(tiny).resume(tmp_path / CHECKPOINT_FILE)
+    assert not marker.exists()
 
 
 def test_run_sizes_total_steps_from_the_time_budget_and_exports(tiny, tmp_path):

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from dspark.spec.cost_table import (
-    CACHE_ENV,
+from dspark.policy.cost_table import (
     CostTable,
+    check_table,
     flatness_reason,
     full_block_tokens,
     load_cost_table,
@@ -94,10 +94,10 @@ def test_flat_tables_are_refused(live):
     assert "single cell" in flatness_reason(single)
 
 
-def test_the_users_tables_live_in_the_cache_directory(monkeypatch, tmp_path, live):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+def test_the_users_tables_live_in_the_cache_directory(monkeypatch, set_envs, tmp_path, live):
+    set_envs(cache_dir=tmp_path / "mine")  # (DSPARK_CACHE_DIR)
     assert user_tables_dir() == tmp_path / "mine" / "cost_tables"
-    monkeypatch.delenv(CACHE_ENV)
+    set_envs(cache_dir=None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert user_tables_dir() == tmp_path / "xdg" / "dspark" / "cost_tables"
     monkeypatch.delenv("XDG_CACHE_HOME")
@@ -107,3 +107,24 @@ def test_the_users_tables_live_in_the_cache_directory(monkeypatch, tmp_path, liv
     h100 = dict(live, gpu="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130")
     assert table_file_name(h100) == "nvidia_h100_80gb_hbm3_dddddddd_k7_torch2.11.0_cu130.json"
     assert table_file_name(live) != table_file_name(h100)
+
+
+def _fingerprint(**extra) -> dict:
+    base = dict(gpu="cpu", device_count=0, torch="t", triton=None, target_hash="a",
+                drafter_hash="b", draft_len=3, dtype="float32", graph_sizes=[1, 2],
+                page_size=16, engine_version="0")  # fmt: skip
+    return {**base, **extra}
+
+
+def test_cost_table_authenticates_trimmed_cells():
+    live = _fingerprint(trimmed_widths=[2])
+    cells = {g: {g: 1.0, 2 * g: 1.2, 4 * g: 1.5} for g in (1, 2)}
+    assert check_table(CostTable(live, cells), live) is None
+    # a table from before trimmed cells (no key) is an engine without them
+    old = _fingerprint()
+    assert check_table(CostTable(old, cells), {**old, "trimmed_widths": []}) is None
+    assert "mismatch on trimmed_widths" in check_table(CostTable(old, cells), live)
+    unmeasured = {1: {1: 1.0, 2: 1.2, 4: 1.5}, 2: {2: 1.0, 8: 1.5}}
+    assert check_table(CostTable(live, unmeasured), live) == (
+        "G=2 has no trimmed cell V=4 (unmeasured)"
+    )

@@ -1,5 +1,5 @@
-"""The measured cost table (DSPARK.md section 7): whole-step seconds per runnable cell, and the
-fingerprint that says which engine on which GPU measured them.
+"""The measured cost table: whole-step seconds per runnable cell, and the fingerprint that says
+which engine on which GPU measured them (docs/SPECULATION.md, the cost table).
 
 A cell is (G, V): a step of G rows (the graph batch size) verifying V target tokens in all.
 V = G is plain decoding (no drafting), V = G * (K + 1) the full block (fixed K); ragged cells
@@ -17,7 +17,7 @@ each of them.
 "cells" are measured with greedy requests. A step of rows that sample costs more (every draft
 slot's distribution, rejection sampling, the sampler itself), so a table may also hold
 "sampled_cells", measured with requests at temperature 1, for the same G: the drafting policy
-prices a batch with any sampling row by them (spec/drafting_policy.py). A table without them
+prices a batch with any sampling row by them (policy.py). A table without them
 prices such batches by the greedy cells, counted.
 
 Loading is authentication: the table is used only if its fingerprint equals the live engine's
@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from dspark import envs
+from dspark.version import __version__
 
 FINGERPRINT_KEYS = (
     "gpu", "device_count", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
@@ -45,28 +46,17 @@ FINGERPRINT_DEFAULTS = {"trimmed_widths": []}
 # tables shipped beside a drafter (one per engine they were measured on), used when their
 # fingerprint matches and speculative_config names none
 COST_TABLES_DIR = "cost_tables"
-# the user's own tables (user_tables_dir): where `dspark profile` writes by default, searched
-# after the drafter's
-CACHE_ENV = "DSPARK_CACHE_DIR"
 # a table whose step time varies less than this across the cells of every G is flat
 MIN_SPREAD = 0.05
 
 
 def user_tables_dir() -> Path:
-    """The directory of the tables `dspark profile` measured on this machine:
-    $DSPARK_CACHE_DIR/cost_tables, else $XDG_CACHE_HOME/dspark/cost_tables, else
-    ~/.cache/dspark/cost_tables. A table there is used like one shipped beside the drafter:
-    when its fingerprint equals the live engine's."""
-    root = os.environ.get(CACHE_ENV)
-    if not root:
-        cache = os.environ.get("XDG_CACHE_HOME")
-        if not cache:
-            try:
-                cache = Path.home() / ".cache"
-            except RuntimeError:  # no home directory (a bare container's user)
-                cache = Path(tempfile.gettempdir())
-        root = Path(cache) / "dspark"
-    return Path(root) / COST_TABLES_DIR
+    """The directory of the tables `dspark profile` measured on this machine: cost_tables/
+    under dspark's cache directory (envs.cache_dir: $DSPARK_CACHE_DIR, else
+    $XDG_CACHE_HOME/dspark, else ~/.cache/dspark), where `dspark profile` writes by default. A
+    table there is used like one shipped beside the drafter: when its fingerprint equals the
+    live engine's."""
+    return envs.cache_dir() / COST_TABLES_DIR
 
 
 def table_file_name(fingerprint: dict) -> str:
@@ -123,8 +113,6 @@ def make_fingerprint(
     """The live fingerprint: what a table's measurements depend on."""
     import torch
 
-    import dspark
-
     try:
         import triton
 
@@ -143,7 +131,7 @@ def make_fingerprint(
         "dtype": dtype,
         "graph_sizes": list(graph_sizes),
         "page_size": page_size,
-        "engine_version": dspark.__version__,
+        "engine_version": __version__,
         "trimmed_widths": list(trimmed_widths),
     }
 

@@ -1,18 +1,16 @@
 """A step-by-step record of the drafting policy's choices: where a scheduled run loses time.
 
-The policy's counters say how often it drafted and why; they cannot say when. At concurrency
-64 on the H200 (docs/PERFORMANCE.md, twentieth look) the policy drafted ~87% of steps in a
-handful of long stretches, and the scheduled arm's repeats spread from 0.87x to 0.99x fixed
-K = 7. Which stretch cost the time, what the prices and survivals read when drafting went off,
-and what brought it back are per-step questions. With DSPARK_POLICY_TRACE=DIR every engine
+The policy's counters say how often it drafted and why; they cannot say when. A policy that
+drafts most steps in a handful of long stretches, with repeats that spread widely, raises
+per-step questions: which stretch cost the time, what the prices and survivals read when
+drafting went off, and what brought it back. With DSPARK_POLICY_TRACE=DIR every engine
 with a drafting policy writes one JSON line per decision to DIR/policy_trace_<pid>_<n>.jsonl
 (n counts the process's traced engines, in creation order: a bench's arms). Engines without
 a policy (plain decoding, fixed K) write a line per step too, without the decision's fields,
 so that arms compare step by step. Off by default. A line costs 1.3-2.3x the policy's own
-decide() (its prices read again, the JSON, the write: 143 against 83 us at 64 rows on the
-development CPU, `bench/policy_host_cost.py`); on the H200's host decide() took 12 us at 64
-rows (docs/PERFORMANCE.md, thirteenth look). Enough to see where time goes, not to time the
-engine: compare traced arms with traced arms.
+decide() (its prices read again, the JSON, the write; `bench/policy_host_cost.py` measures
+both). Enough to see where time goes, not to time the engine: compare traced arms with traced
+arms.
 
 A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 
@@ -30,15 +28,14 @@ A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 - priced / table: the step's runnable cells (V -> seconds) as the policy priced them (the
   table scaled by realised costs) and as the table has them; survival_sum and the row counts
   by kind (fresh, stale, unseen) are the lagged evidence the choice rested on.
-- period: the realised step cost this decision taught (spec/realised_costs.py StepPeriods),
+- period: the realised step cost this decision taught (realised_costs.py StepPeriods),
   or null; stats: the runner's counters that moved since the previous decision (what the
   pipeline ran in between).
 - cpu_s, wait_s: the engine thread's CPU seconds (time.thread_time) and the wall seconds it
   waited in the steps' host synchronisation (ModelRunner.sync_wait_s), both since the trace
   began. The CUDA synchronisation spins, so CPU time includes the wait: a step's host work is
   its CPU time less its wait, and its period beyond its CPU time is time the thread did not
-  run (descheduled). On the H100 at C = 1 a fixed-K drafting step's 1.34 ms period was 0.66 ms
-  of wait and 0.68 of host work (docs/PERFORMANCE.md, twenty-fifth look).
+  run (descheduled).
 - A line {"t": ..., "mark": {...}} is the caller's label (a bench's arm, level and repeat).
 - An engine without a policy writes {"t", "cpu_s", "wait_s", "R", "waiting", "seats",
   "prefilling", "drafting", "stats"} per step ("drafting": whether its steps draft, fixed K).
@@ -57,10 +54,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from dspark.spec.drafting_policy import Decision, DraftingPolicy
-from dspark.spec.survival_estimates import FRESH, STALE, UNSEEN
+from dspark import envs
+from dspark.policy.policy import Decision, DraftingPolicy
+from dspark.policy.survival import FRESH, STALE, UNSEEN
 
-TRACE_ENV = "DSPARK_POLICY_TRACE"
 _engines = itertools.count()  # this process's traced engines, in creation order
 
 
@@ -87,8 +84,8 @@ class PolicyTrace:
     def from_env(cls, policy: DraftingPolicy | None, runner=None) -> PolicyTrace | None:
         """A trace under $DSPARK_POLICY_TRACE (None when it is unset); `policy` None: an engine
         without a drafting policy; `runner`: the ModelRunner whose sync wait is reported."""
-        directory = os.environ.get(TRACE_ENV)
-        if not directory:
+        directory = envs.ENVS.policy_trace
+        if directory is None:
             return None
         name = f"policy_trace_{os.getpid()}_{next(_engines)}.jsonl"
         return cls(policy, Path(directory) / name, runner)
@@ -164,7 +161,8 @@ class PolicyTrace:
         totals, kinds = policy.last_row_totals or policy.row_totals(
             request_ids, g, decision.sampled
         )
-        mean = policy.population_mean()
+        estimates = policy.estimates
+        mean = estimates.population_mean()
         return {
             "priced": {str(v): round(s, 7) for v, s in priced[1].items()} if priced else None,
             "table": {str(v): s for v, s in table.cells[g].items()},
@@ -172,8 +170,8 @@ class PolicyTrace:
             "fresh": kinds.count(FRESH),
             "stale": kinds.count(STALE),
             "unseen": kinds.count(UNSEEN),
-            "correction": round(policy.correction, 4),
-            "persistence": round(policy.persistence, 4),
+            "correction": round(estimates.correction, 4),
+            "persistence": round(estimates.persistence, 4),
             "population_mean": None if mean is None else round(mean, 4),
             "stale_after": policy.stale_after(g, decision.sampled),
         }

@@ -1,6 +1,8 @@
-"""The synchronous planner (Algorithm 1): its worked example, and why it must stop early.
+"""The synchronous planner (Algorithm 1, a reference function): its worked example, its pricing
+by a cost table's cells, and why it must stop early.
 
-The losslessness test reproduces the paper's counterexample (DSPARK.md 6.3) through the real
+The losslessness test reproduces the paper's counterexample (docs/SPECULATION.md, the
+scheduler) through the real
 rejection sampler: one request, K = 2, vocabulary {A, B}, target (0.7, 0.3) at every position,
 draft (0.5, 0.5); survival a1 = 0.8, and a2 = 0.72 if the first draft is A, else 0 (the
 confidence head reads the previous token). Step times 1.0, 2.0, 2.22 for 1, 2, 3 tokens.
@@ -18,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.spec.cost_table import CostTable
-from dspark.spec.lagged import choose_cell, select_verify_lengths
-from dspark.spec.planner import candidate_order, plan_sync
+from dspark.policy.cells import choose_cell
+from dspark.policy.cost_table import CostTable
+from dspark.policy.planner import candidate_order, plan_sync, staircase
+from dspark.spec.selector import select_verify_lengths
 from dspark.spec.verifier import VerifyInput, verify
 from tests.helpers import chi2_critical_001
 
@@ -55,6 +58,15 @@ def test_worked_example_of_the_docstring():
     # ties: position first, then row; a step time the table lacks ends the plan
     assert candidate_order([[0.5, 0.5], [0.5, 0.5]]) == [(0, 1), (1, 1), (0, 2), (1, 2)]
     assert plan_sync([[0.9, 0.9]], lambda b: {1: 1.0, 2: 1.0}.get(b)) == [1]
+
+
+def test_staircase_worked_example():
+    """A step of B live tokens costs the smallest measured cell holding them and the pad rows."""
+    step_time = staircase({4: 1.0, 8: 1.2, 16: 2.0}, 4 - 3)
+    assert [step_time(b) for b in (3, 5, 14, 16)] == [1.0, 1.2, 2.0, None]
+    # Algorithm 1 priced by those cells, R 3: the V = 8 stair holds the four best drafts
+    # (Theta 5.4 / 1.2 = 4.5); the fifth needs V = 16 (5.5 / 2.0): stop
+    assert plan_sync([[0.9, 0.5], [0.8, 0.1], [0.2, 0.1]], step_time) == [2, 1, 1]
 
 
 def _first_tokens(planner, n: int = 20000) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """`dspark profile`: measure the whole-step time of every cell the engine can run and write the
-cost table (DSPARK.md 7; the format is in spec/cost_table.py).
+cost table (docs/SPECULATION.md 6; the format is in policy/cost_table.py).
 
 For each batch size G and each cell: G greedy requests (a fixed synthetic prompt, ignore_eos)
 are prefilled, then the engine steps in the cell's mode, drafting off (plain decoding, V = G)
@@ -37,8 +37,8 @@ import statistics
 import time
 
 from dspark.llm import LLM
+from dspark.policy.cost_table import CostTable, full_block_tokens
 from dspark.sampling_params import SamplingParams
-from dspark.spec.cost_table import CostTable, full_block_tokens
 
 
 def _median_step(llm: LLM, steps: int, warmup: int) -> float:
@@ -188,7 +188,6 @@ def _cells_text(row: dict[int, float], g: int, draft_len: int) -> str:
 
 # a new table whose cells read this much above (or below) a reference table's, in median, is
 # worth profiling again: one of five profiles on the H200 read 8-53% high in most cells
-# (docs/PERFORMANCE.md, twentieth look)
 DRIFT_WARNING = 0.05
 
 

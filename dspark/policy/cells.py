@@ -1,9 +1,11 @@
-"""The lagged-capacity scheduler's two halves (DSPARK.md 6.3 item 2, 6.4).
+"""Cells: the geometry that pricing, allocation and execution share, and the host's choice
+of a step's cell (docs/SPECULATION.md, the policy).
 
-Host, before launch: choose the step's cell (G, V) by the global argmax of expected tokens per
-second over the measured cells, from survivals at least one step old (the drafts they describe
-are already verified, so the budget cannot depend on the tokens it admits). Device, inside the
-step: rank the fresh survivals and fill exactly that budget.
+Before launch the host chooses the step's cell (G, V) by the global argmax of expected tokens
+per second over the measured cells, from survivals at least one step old (the drafts they
+describe are already verified, so the budget cannot depend on the tokens it admits). Inside the
+step the device ranks the fresh survivals and fills exactly that budget
+(spec/selector.py select_verify_lengths).
 
 Geometry, the one formula pricing, allocation and execution share: a cell of G rows and V
 tokens serves R <= G live rows; the G - R pad rows take one token each, and the live rows get
@@ -11,19 +13,20 @@ their anchors plus D = V - G drafts in all. V = G means no drafting (plain decod
 
   G 4, R 3, V 10:  pad rows 1 x 1 token; live rows 3 anchors + D = 6 drafts
 
-Survival a[r, j] is the calibrated probability that drafts 1..j of row r all survive:
-cumprod_j sigmoid(logit[r, j] / T_j). Rows with no confidences yet (just admitted, preempted)
-count as fully confident: a[r, :] = 1.
+Survival a[r, j] is the calibrated probability that drafts 1..j of row r all survive
+(survival.py survival).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dspark.spec.cost_table import CostTable
+from dspark.policy.cost_table import CostTable
+from dspark.policy.tuning import TUNING
 
 
 @dataclass(frozen=True)
@@ -44,18 +47,12 @@ def cell_geometry(g: int, v: int, num_live: int) -> CellGeometry:
     return CellGeometry(g, v, num_live, v - g)
 
 
-def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """[R, K] raw logits, STS temperatures [K] (or [R, K], per row) -> [R, K] non-increasing
-    survivals."""
-    return torch.sigmoid(confidence_logits / temperatures).cumprod(dim=-1)
-
-
 def expected_tokens(a: torch.Tensor | np.ndarray, num_drafts: int) -> float:
     """Live rows' anchors plus the D highest survivals (always a prefix of each row)."""
     return _expected_by_budget(a)(num_drafts)
 
 
-def _expected_by_budget(a: torch.Tensor | np.ndarray):
+def _expected_by_budget(a: torch.Tensor | np.ndarray) -> Callable[[int], float]:
     """num_drafts -> expected tokens for the rows' survivals [R, K]: sorted once on the host,
     so pricing every cell of a G costs one sort."""
     a = np.asarray(a, dtype=np.float64)
@@ -80,23 +77,20 @@ def choose_cell(
     g: int,
     table: CostTable,
     draft_len: int,
-    min_gain: float = 0.02,
+    min_gain: float = TUNING.min_gain,
     drafting_now: bool = True,
-    off_margin: float = 0.0,  # more that plain decoding must win by to switch drafting off
 ) -> CellChoice:
     """The measured cell of G rows with the highest expected tokens per second.
 
     The incumbent is the full block while drafting (fixed K, the safe default) and plain
     decoding while not. Another cell must beat the incumbent by min_gain, and by that margin
     twice over when it switches drafting off or back on (hysteresis: noise in the lagged
-    estimates cannot flip the mode every step); switching drafting off, by off_margin more (the
-    drafting policy's price of the round trip, drafting_policy.py). A budget of D drafts
-    expects R plus the sum of the D largest survivals.
+    estimates cannot flip the mode every step). A budget of D drafts expects R plus the sum of
+    the D largest survivals.
     """
     expected = _expected_by_budget(lagged_survival)
     num_live = lagged_survival.shape[0]
-    return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now,
-                      off_margin)  # fmt: skip
+    return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now)
 
 
 def choose_drafting(
@@ -105,9 +99,8 @@ def choose_drafting(
     g: int,
     table: CostTable,
     draft_len: int,
-    min_gain: float = 0.02,
+    min_gain: float = TUNING.min_gain,
     drafting_now: bool = True,
-    off_margin: float = 0.0,
 ) -> CellChoice:
     """choose_cell restricted to G's plain and full-block cells, from the survivals' sum.
 
@@ -121,11 +114,17 @@ def choose_drafting(
     def expected(num_drafts: int) -> float:
         return num_live + (survival_sum if num_drafts > 0 else 0.0)
 
-    return _best_cell(g, cells, num_live, draft_len, expected, min_gain, drafting_now, off_margin)
+    return _best_cell(g, cells, num_live, draft_len, expected, min_gain, drafting_now)
 
 
 def _best_cell(
-    g, row, num_live, draft_len, expected, min_gain, drafting_now, off_margin=0.0
+    g: int,
+    row: dict[int, float],  # V -> seconds
+    num_live: int,
+    draft_len: int,
+    expected: Callable[[int], float],  # num_drafts -> expected tokens
+    min_gain: float,
+    drafting_now: bool,
 ) -> CellChoice:
     """Argmax of expected(num_drafts) / seconds over the cells in `row` (V -> seconds)."""
     full = g * (draft_len + 1)
@@ -141,40 +140,7 @@ def _best_cell(
             continue
         switches_mode = (v == g) != (incumbent == g)
         margin = (1 + min_gain) ** (2 if switches_mode else 1)
-        if switches_mode and v == g:  # drafting off
-            margin += off_margin
         if theta(v) > floor * margin and theta(v) > best:
             best_v, best = v, theta(v)
     reason = "full block" if best_v == full else ("no drafting" if best_v == g else "trimmed")
     return CellChoice(cell_geometry(g, best_v, num_live), best, reason)
-
-
-def select_verify_lengths(
-    a: torch.Tensor,  # [R, K] fresh survivals, non-increasing along each row
-    num_drafts: int,  # D, the cell's budget
-    cap: torch.Tensor | None = None,  # [R] at most this many per row (None: K)
-) -> torch.Tensor:  # [R] verify lengths
-    """On the device, no host sync: the D candidates (r, j) of highest fresh survival, ties by
-    position then row, as verify lengths [R] (a prefix of each row, since a is non-increasing).
-    Candidates past a row's cap (a window shortened near max_tokens, an empty window, a pad
-    row: all known on the host before drafting) are never chosen.
-
-      a = [[0.9, 0.5], [0.9, 0.2]], D = 3 -> candidates (0,1) (1,1) (0,2) -> lengths [2, 1]
-      the same with cap [1, 2]           -> candidates (0,1) (1,1) (1,2) -> lengths [1, 2]
-
-    Why this is lossless (DSPARK.md 6.3): a[r, k+1] depends on draft x[r, k], but it is at most
-    a[r, k] and ranks after it on a tie (position ascending), so whether (r, k) is among the D
-    best is decided by candidates that do not depend on x[r, k]; D itself was fixed before
-    these drafts existed.
-    """
-    num_rows, k = a.shape
-    if cap is not None:  # (below every survival: ranked last, and never chosen)
-        a = torch.where(torch.arange(k, device=a.device)[None, :] < cap[:, None], a, -1.0)
-    # flatten position-major, so a stable sort on survival alone leaves ties by (j, r)
-    flat = a.t().reshape(-1)  # index i = j * R + r
-    order = torch.sort(flat, descending=True, stable=True).indices
-    # (index_fill_ with a Python scalar: no host tensor to copy inside a captured graph)
-    chosen = torch.zeros_like(flat, dtype=torch.bool)
-    chosen.index_fill_(0, order[: min(num_drafts, flat.numel())], True)
-    chosen &= flat >= 0
-    return chosen.view(k, num_rows).sum(dim=0)

@@ -1,64 +1,57 @@
-"""Whether the next step drafts: the lagged-capacity choice between plain decoding and the full
-block, priced by the measured cost table (DSPARK.md 6.3 item 2, 6.4).
+"""Whether the next step drafts, and which cell it runs: the lagged-capacity choice priced by
+the measured cost table (docs/SPECULATION.md, the policy).
 
 Drafting is not free: the block is drafted in full for every window, and on a small target the
 whole speculative step costs several plain steps at high batch. Before each step the host prices
-the two cells of the step's graph size G that the engine can run today:
+the cells of the step's graph size G that the engine can run:
 
   plain (V = G)           expected tokens R                      / step_seconds(G, G)
   full block (V = G(K+1)) expected tokens R + sum_r sum_j a[r, j] / step_seconds(G, G(K+1))
 
 with a[r, j] the calibrated survivals of each running request's last verified block (at least
 one step old: the drafts they describe are already verified, so the choice cannot depend on the
-tokens it admits; DSPARK.md 6.3), computed with the greedy calibration for greedy requests. A
-request with no survivals yet (just admitted, never drafted), or whose survivals are stale,
-counts as fully confident: a = 1, a sum of K (or, just admitted, the recent requests' mean).
+tokens it admits), computed with the greedy calibration for greedy requests. A request whose
+survivals are stale counts as fully confident (a = 1, a sum of K); one that never drafted, as
+the recent requests' mean.
 
-How each request's survivals are estimated (smoothing, the population of recent requests,
-persistence, online recalibration) is spec/survival_estimates.py's; DraftingPolicy extends it.
+The policy is a composition of three parts, each with its own module: the survival estimates
+(survival.py: smoothing, the population of recent requests, persistence, online
+recalibration), the realised step costs that scale the table's prices (realised_costs.py) and
+the cell choice over the priced cells (cells.py). Its constants are tuning.py's.
 
 Probing. While drafting is off nothing refreshes the survivals. They go stale after
 probe_steps (t_full / t_plain - 1) / probe_budget steps at the step's G, priced as the choice
-prices it (realised step costs included), so the probe (the drafting steps that refresh them)
-costs at most probe_budget of the time spent not drafting: with one step a probe, about 80
-steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256 (3.9) with the 1% default. When
-drafting steps launch ahead (async_spec_steps with uniform windows) a probe is two steps: the
-second is decided while the first is in flight, its survivals not yet read, so the rows are
-still stale (a temperature-1 trace at C = 64 on the H100: every probe drafted two steps at
-"tokens per row 8.00" before the first fresh survivals were read; docs/PERFORMANCE.md,
-thirty-first look), and probe_steps is 2 (engine/spec_setup.py). A step
-priced by the sampled cells sets it by those (G = 4 on the H200: 118 steps at 2.18, where the
-greedy cells' 1.29 gave 29 and a sampled batch probed four times its budget).
-Load that falls (a smaller G, where the full block costs relatively less), new requests and
-stale rows bring drafting back.
+prices it (realised step costs included, since that is what a probe costs), so the probe (the
+drafting steps that refresh them) costs at most probe_budget of the time spent not drafting:
+with one step a probe, about 80 steps at G = 1 (t_full / t_plain = 1.8) and 290 at G = 256
+(3.9). When drafting steps launch ahead (async scheduling with uniform windows) a probe is two
+steps: the second is decided while the first is in flight, its survivals not yet read, so the
+rows are still stale, and probe_steps is 2 (engine/spec_setup.py). A step priced by the sampled
+cells sets it by those (a sampled drafting step costs more, so probing it is rarer for the same
+budget). Load that falls (a smaller G, where the full block costs relatively less), new
+requests and stale rows bring drafting back.
 
 Flapping is prevented twice over. The other mode must beat the incumbent by (1 + min_gain)^2
-(lagged.choose_drafting), and once drafting is off it stays off for at least min_dwell_steps
-steps. With price_switches (speculative_config "price_switches", off: on an H100 it gained
-nothing at 1-64 requests and lost 6% at 256, thirty-fourth look) a switch off must also pay
-for its round trip: the drafting step that resumes after the dwell cannot launch ahead
-(~0.8 ms at G = 1 on the H100, about one drafting step), so plain decoding must win by that
-step's time spread over the dwell's plain steps more, t_full /
-(dwell t_plain) by the table's steady cells: +21% at G = 1 (1.27 / (8 x 0.74) ms), where (1 +
-min_gain)^2 alone is 4% and the C = 1 switches it let through bought nothing
-(docs/PERFORMANCE.md, thirty-second and thirty-third looks). Switching drafting off is not
-delayed: a drafting step costs several plain steps at high load, so one step of fresh
-confidences is enough to stop. Example, G = 64, K = 7, plain 1.1 ms, full 4.3 ms, survivals
-summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, full 64 * 2.3 / 4.3 = 34 tokens/ms, so
-drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request gives 0.87 against 1.15
-tokens/ms, and drafting comes back once the dwell has passed.
+(cells.choose_drafting), and once drafting is off it stays off for at least dwell_steps steps.
+Switching drafting off is not delayed: a drafting step costs several plain steps at high load,
+so one step of fresh confidences is enough to stop. (Making a switch off also pay for its round
+trip, the resuming drafting step that cannot launch ahead, keeps drafting too long at high
+load.) Example, G = 64, K = 7, plain 1.1 ms, full 4.3 ms, survivals summing to 1.3 per row:
+plain 64 / 1.1 = 58 tokens/ms, full 64 * 2.3 / 4.3 = 34 tokens/ms, so drafting goes off; at
+G = 1 (1.15 vs 2.0 ms) the same request gives 0.87 against 1.15 tokens/ms, and drafting comes
+back once the dwell has passed.
 
-Realised step costs (spec/realised_costs.py, on by default): the table prices steady steps,
-and a serving loop's drafting steps (prefill tails, eager fallbacks at high load) cost more; the
-engine reports each step's period with the cell it was decided as (record_step), and every cell
-is priced by its table time scaled by the recent realised / table ratio.
+Realised step costs (realised_costs.py): the table prices steady steps, and a serving loop's
+drafting steps (prefill tails, eager fallbacks at high load) cost more; the engine reports
+each step's period with the cell it was decided as (record_step), and every cell is priced by
+its table time scaled by the recent realised / table ratio.
 
 A batch with any row that samples is priced by the table's sampled cells (measured at
 temperature 1: a sampled drafting step costs more than a greedy one), or by the greedy cells
 where the table has none (counted: sampled_priced_by_greedy_cells).
 
 Trimmed cells. With trimmed_widths (the cells (G, w G) the runner can run, spec/ragged.py) and a
-table that measured them, the choice is lagged.choose_cell over G's plain, trimmed and full
+table that measured them, the choice is cells.choose_cell over G's plain, trimmed and full
 cells: the expected tokens of a budget of D drafts are R plus the D highest lagged survivals,
 so each request's survivals are kept per position, not only summed. A row's vector is its own
 smoothed one (or the population's, for a request that never drafted) rescaled to the total the
@@ -78,10 +71,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dspark.spec.cost_table import CostTable, full_block_tokens
-from dspark.spec.lagged import choose_cell, choose_drafting
-from dspark.spec.realised_costs import RealisedCosts
-from dspark.spec.survival_estimates import SurvivalEstimates
+from dspark.policy.cells import choose_cell, choose_drafting
+from dspark.policy.cost_table import CostTable, full_block_tokens
+from dspark.policy.realised_costs import RealisedCosts
+from dspark.policy.survival import SurvivalEstimates
+from dspark.policy.tuning import TUNING, PolicyTuning
 
 
 @dataclass(frozen=True)
@@ -99,30 +93,24 @@ class Decision:
         return self.cell if self.reason == "trimmed" else None
 
 
-class DraftingPolicy(SurvivalEstimates):
-    """The choice (decide) on top of the survival estimates it rests on (observe, forget and
-    the estimates: spec/survival_estimates.py)."""
+class DraftingPolicy:
+    """The choice (decide) over the survival estimates it holds (observe, forget: `estimates`)
+    and the realised step costs that price the cells (record_step: `realised_costs`)."""
 
     def __init__(
         self,
         table: CostTable | None,  # None: always draft (fixed K), the reason counted
         temperatures: dict[bool, torch.Tensor],  # greedy? -> [K] STS temperatures (host)
         draft_len: int,  # K verified per full block
-        min_gain: float = 0.02,
-        min_dwell_steps: int = 8,  # plain steps before drafting may resume
-        probe_budget: float = 0.01,  # the share of plain time probes (stale rows) may cost
         probe_steps: int = 1,  # drafting steps a probe runs at least (2 with steps ahead)
+        decision_lag: int = 1,  # blocks between a decision's newest evidence and its block
         trimmed_widths: tuple[int, ...] = (),  # the runner's trimmed cells (G, w G)
-        realised_costs: RealisedCosts | None = None,  # price cells by realised step times too
-        price_switches: bool = False,  # a switch off pays for its round trip (module docstring)
-        **estimates,  # SurvivalEstimates' keys: half-lives, unobserved, persistence, ...
+        tuning: PolicyTuning = TUNING,
     ) -> None:
-        if not 0 < probe_budget <= 1:
-            raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         if probe_steps < 1:
             raise ValueError(f"probe_steps must be >= 1, got {probe_steps}")
-        # the cells the engine can run (plain and the full block), greedy and, if measured,
-        # sampled (a batch with any row that samples is priced by those)
+        # the cells the engine can run (plain, the full block, the trimmed cells), greedy and,
+        # if measured, sampled (a batch with any row that samples is priced by those)
         self.table = _runnable(table, draft_len, trimmed_widths)
         self.sampled_table = _runnable(table and table.for_sampling(), draft_len, trimmed_widths)
         if self.table is None or self.sampled_table is None or (
@@ -130,19 +118,33 @@ class DraftingPolicy(SurvivalEstimates):
         ):  # fmt: skip
             self.sampled_table = None
         # with trimmed cells to price, each request's survivals are kept per position too
-        self.prices_trimmed = self.table is not None and any(
+        prices_trimmed = self.table is not None and any(
             len(row) > 2 for row in self.table.cells.values()
         )  # fmt: skip
-        super().__init__(temperatures, draft_len, keep_vectors=self.prices_trimmed, **estimates)
-        self.realised_costs = realised_costs
-        self.min_gain, self.min_dwell_steps = min_gain, min_dwell_steps
-        self.price_switches = price_switches
-        self.probe_budget, self.probe_steps = probe_budget, probe_steps
+        self.estimates = SurvivalEstimates(temperatures, draft_len, decision_lag, prices_trimmed,
+                                           tuning)  # fmt: skip
+        self.realised_costs = RealisedCosts(tuning)
+        self.tuning, self.draft_len, self.probe_steps = tuning, draft_len, probe_steps
         self.sizes = sorted(self.table.cells) if self.table else []
         self.drafting = True
         self._steps_in_mode = 0
         self.counters: Counter[str] = Counter()
         self.last_row_totals: tuple[list[float], list[int]] | None = None  # of the last decide()
+
+    def observe(
+        self,
+        request_ids: list[str],
+        confidence_logits: torch.Tensor,  # [R, K] raw (host)
+        greedy: list[bool],
+        num_accepted: list[int] | None = None,  # per window, with verify_len: recalibration
+        verify_len: list[int] | None = None,
+    ) -> None:
+        """After a speculative step's sync: each window's raw confidences and what it kept
+        (SurvivalEstimates.observe)."""
+        self.estimates.observe(request_ids, confidence_logits, greedy, num_accepted, verify_len)
+
+    def forget(self, request_id: str) -> None:
+        self.estimates.forget(request_id)
 
     # ---- the choice -------------------------------------------------------------------------
 
@@ -155,7 +157,7 @@ class DraftingPolicy(SurvivalEstimates):
             self.counters["drafting_switches"] += 1
             self.drafting, self._steps_in_mode = decision.drafting, 0
         self._steps_in_mode += 1
-        self._step += 1
+        self.estimates.step += 1
         self.counters[f"steps_{'drafting' if decision.drafting else 'not_drafting'}"] += 1
         self.counters[f"decision_{decision.reason.replace(' ', '_')}"] += 1
         if decision.cell is not None:  # where in the batch-size range the policy drafts
@@ -177,32 +179,17 @@ class DraftingPolicy(SurvivalEstimates):
         if sampled and self.sampled_table is None:
             self.counters["sampled_priced_by_greedy_cells"] += 1
         g, row, sampled = priced
-        if not self.drafting and self._steps_in_mode < self.min_dwell_steps:
+        if not self.drafting and self._steps_in_mode < self.tuning.dwell_steps:
             return Decision(False, "dwell", (g, g), sampled)
-        table = CostTable({}, {g: row})
-        off = self._round_trip_margin(g, sampled) if self.price_switches and self.drafting else 0.0
+        table, gain = CostTable({}, {g: row}), self.tuning.min_gain
         if len(row) > 2:  # trimmed cells: per-position survivals price them
             a = self.lagged_survival(request_ids, g, sampled)
-            choice = choose_cell(a, g, table, self.draft_len, self.min_gain, self.drafting, off)
+            choice = choose_cell(a, g, table, self.draft_len, gain, self.drafting)
         else:
             choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g, sampled),
-                                     g, table, self.draft_len, self.min_gain,
-                                     drafting_now=self.drafting, off_margin=off)  # fmt: skip
+                                     g, table, self.draft_len, gain, self.drafting)  # fmt: skip
         geometry = choice.geometry
         return Decision(geometry.drafts, choice.reason, (g, geometry.num_tokens), sampled)
-
-    def _round_trip_margin(self, g: int, sampled: bool) -> float:
-        """What plain decoding must win by more to switch drafting off (module docstring): the
-        resuming drafting step's time over the dwell's plain steps, by the table's steady
-        cells. (Not the realised prices: a drafting step with arrivals costs 2-3x its steady
-        time at G = 256, which a switch's round trip, one step that cannot launch ahead, does
-        not; at those prices the rule would keep drafting where plain decoding wins by half.)
-
-          G = 1 on the H100 table: plain 0.741 ms, full block 1.272 ms, dwell 8:
-          1.272 / (8 x 0.741) = 0.21;  G = 256: 4.047 / (8 x 1.978) = 0.26
-        """
-        row = self._cells(sampled).cells[g]
-        return row[full_block_tokens(g, self.draft_len)] / (max(1, self.min_dwell_steps) * row[g])
 
     def _cells(self, sampled: bool) -> CostTable:
         """The table that prices a step: the sampled cells when some row samples and the
@@ -220,16 +207,14 @@ class DraftingPolicy(SurvivalEstimates):
             return None
         g = self.sizes[i]
         table = self._cells(sampled)
-        row = table.cells[g]
-        if self.realised_costs is not None:  # (realised_costs.py)
-            row = self.realised_costs.priced(g, row, table is self.sampled_table)
-        return g, row, table is self.sampled_table
+        sampled = table is self.sampled_table
+        return g, self.realised_costs.priced(g, table.cells[g], sampled), sampled
 
     def record_step(self, decision: Decision, seconds: float, arrivals: bool = False) -> None:
         """The engine's period of a step the policy decided (realised_costs.py), and whether
         that step admitted or prefilled requests; a decision with no cell (no table, idle,
         beyond the table) teaches nothing."""
-        if self.realised_costs is None or decision.cell is None:
+        if decision.cell is None:
             return
         g, v = decision.cell
         table = self._cells(decision.sampled)
@@ -239,14 +224,13 @@ class DraftingPolicy(SurvivalEstimates):
     def stale_after(self, g: int, sampled: bool = False) -> int:
         """Steps after which a request's survivals are stale at graph size G (module doc), by
         the cells that price the step: a sampled drafting step costs more than a greedy one
-        (on the H200 at G = 4, 2.2 plain steps against 1.3), so probing it is rarer for the
-        same budget. The prices are the realised ones where the engine measured them, since
-        that is what a probe costs: at G = 256 on the H200 a drafting step cost 3.1-3.7 plain
-        ones where the table said 2.04, and probes every 104 steps (the table's horizon) spent
-        ~5% of a closed loop at 256, not 1% (docs/PERFORMANCE.md, twenty-fourth look)."""
+        (at G = 4, 2.2 plain steps against 1.3), so probing it is rarer for the same budget.
+        The prices are the realised ones where the engine measured them, since that is what a
+        probe costs: at G = 256 a drafting step can cost 3.1-3.7 plain ones where the table
+        says 2.04, and probing at the table's horizon then spends ~5% of the time, not 1%."""
         _, row, _ = self.priced_cells(g, sampled)  # (G is one of the table's: it prices itself)
         ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
-        return max(1, math.ceil(self.probe_steps * (ratio - 1) / self.probe_budget))
+        return max(1, math.ceil(self.probe_steps * (ratio - 1) / self.tuning.probe_budget))
 
     def survival_sum(self, request_ids: list[str], g: int, sampled: bool = False) -> float:
         """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale
@@ -258,13 +242,15 @@ class DraftingPolicy(SurvivalEstimates):
     ) -> tuple[list[float], list[int]]:
         """Each request's estimated survival sum and its kind (FRESH, STALE or UNSEEN), stale
         after stale_after(G) steps by the cells that price the step (`sampled`)."""
-        totals = self.estimate_totals(request_ids, self._step - self.stale_after(g, sampled))
-        self.last_row_totals = totals  # (the decision's evidence, for policy_trace.py)
+        fresh_since = self.estimates.step - self.stale_after(g, sampled)
+        totals = self.estimates.estimate_totals(request_ids, fresh_since)
+        self.last_row_totals = totals  # (the decision's evidence, for trace.py)
         return totals
 
     def lagged_survival(self, request_ids: list[str], g: int, sampled: bool = False) -> np.ndarray:
         """[R, K] the requests' lagged survivals per position (estimate_vectors)."""
-        return self.estimate_vectors(request_ids, *self.row_totals(request_ids, g, sampled))
+        totals, kinds = self.row_totals(request_ids, g, sampled)
+        return self.estimates.estimate_vectors(request_ids, totals, kinds)
 
 
 def _runnable(

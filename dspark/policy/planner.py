@@ -1,4 +1,6 @@
-"""Which drafted positions the target verifies: the synchronous planner (DSPARK.md 6.1-6.3).
+"""Algorithm 1 with early stop: the synchronous planner, a pure reference function for tests
+(docs/SPECULATION.md, the scheduler). The engine schedules by lagged capacity (cells.py,
+policy.py); this is what that choice is checked against.
 
 Request r's survival a[r, j] is the probability that drafts 1..j all survive (the cumulative
 product of calibrated confidences; non-increasing in j). Verifying l_r drafts of each request
@@ -21,6 +23,7 @@ reproduces the paper's counterexample, where the retrospective argmax emits A wi
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 
@@ -53,3 +56,20 @@ def plan_sync(
             break  # the first candidate that does not raise Theta ends the plan
         lengths[r], tokens, expected, best = j, tokens + 1, expected + survival[r][j - 1], theta
     return lengths
+
+
+def staircase(cells: dict[int, float], num_pad_rows: int) -> Callable[[int], float | None]:
+    """plan_sync's step_time from one G's measured cells (V -> seconds): a step of B live
+    tokens costs the smallest cell that holds them with the G - R pad rows (one token each),
+    never interpolated; None past the full block.
+
+      cells {4: 1.0, 8: 1.2, 16: 2.0} (G 4), R 3: B 3 -> V 4: 1.0, B 5 -> V 8: 1.2,
+      B 14 -> V 16: 2.0, B 16 -> None
+    """
+    sizes = sorted(cells)
+
+    def step_time(num_tokens: int) -> float | None:
+        i = bisect.bisect_left(sizes, num_tokens + num_pad_rows)
+        return cells[sizes[i]] if i < len(sizes) else None
+
+    return step_time

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.spec.cost_table import CostTable
-from dspark.spec.drafting_policy import DraftingPolicy
-from dspark.spec.policy_trace import TRACE_ENV, PolicyTrace
-from dspark.spec.survival_estimates import FRESH, UNSEEN
+from dspark.policy.cost_table import CostTable
+from dspark.policy.policy import DraftingPolicy
+from dspark.policy.survival import FRESH, UNSEEN
+from dspark.policy.trace import PolicyTrace
+from dspark.policy.tuning import TUNING
 from tests.helpers import bench_module
+from tests.policy.helpers import by_table
 from tests.tiny_models import make_tiny_drafter
 
 KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=4, max_model_len=256)
@@ -35,15 +38,16 @@ def _edge_table(path, llm):
 
 
 def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
-    tiny_vocab_dir, drafter, tmp_path, monkeypatch
+    tiny_vocab_dir, drafter, tmp_path, set_envs
 ):
-    spec = {"model": str(drafter), "num_speculative_tokens": 3, "realised_costs": False}
+    spec = {"model": str(drafter), "num_speculative_tokens": 3}
     probe = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
     assert probe.engine.policy_trace is None  # off unless asked for
     table = _edge_table(tmp_path / "edge.json", probe)
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
-    spec |= {"cost_table": str(table), "dwell_steps": 0, "min_gain": 0.0}
+    set_envs(policy_trace=tmp_path / "traces")
+    spec |= {"cost_table": str(table)}
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
+    by_table(llm, dwell_steps=0, min_gain=0.0)  # (no dwell, no margin: near break-even it flaps)
     trace = llm.engine.policy_trace
     trace.mark(arm="edge", repeat=0)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -72,7 +76,7 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     for line in priced:
         g, v = line["cell"]
         assert 1 <= line["R"] <= g and v in (g, 4 * g)
-        # realised costs off: priced as the table has it; survivals from the rows' kinds
+        # no realised cost counts: priced as the table has it; survivals from the rows' kinds
         assert line["priced"] == {k: round(s, 7) for k, s in line["table"].items()}
         assert line["fresh"] + line["stale"] + line["unseen"] == line["R"]
         assert 0 <= line["survival_sum"] <= 3 * line["R"]
@@ -120,7 +124,7 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
 
 
 def test_steps_beyond_the_table_are_traced_without_a_cell(
-    tiny_vocab_dir, drafter, tmp_path, monkeypatch
+    tiny_vocab_dir, drafter, tmp_path, set_envs
 ):
     """A table of G = 1 only: four rows run beyond it (drafting, no cell), and their periods,
     counted by StepPeriods, are traced and summarised without one (the trace raised on them)."""
@@ -129,7 +133,7 @@ def test_steps_beyond_the_table_are_traced_without_a_cell(
     table = tmp_path / "g1.json"
     cells = {1: {1: 1e-3, 4: 1.2e-3}}
     table.write_text(CostTable(probe.engine.cost_fingerprint(), cells).to_json())
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "traces"))
+    set_envs(policy_trace=tmp_path / "traces")
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec | {"cost_table": str(table)}, **KW)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -145,12 +149,13 @@ def test_steps_beyond_the_table_are_traced_without_a_cell(
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_engines_without_a_policy_trace_each_step(tiny_vocab_dir, drafter, tmp_path, monkeypatch,
-                                                  speculative):  # fmt: skip
+def test_engines_without_a_policy_trace_each_step(
+    tiny_vocab_dir, drafter, tmp_path, set_envs, monkeypatch, speculative
+):
     """Plain decoding and fixed K (no cost table): a line per step, for comparing arms."""
-    monkeypatch.delenv(TRACE_ENV, raising=False)
+    set_envs(policy_trace=None)
     assert PolicyTrace.from_env(None) is None  # off unless asked for
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    set_envs(policy_trace=tmp_path)
     spec = {"model": str(drafter), "num_speculative_tokens": 3} if speculative else None
     llm = LLM(str(tiny_vocab_dir), speculative_config=spec, **KW)
     engine, steps = llm.engine, []
@@ -190,13 +195,8 @@ def test_a_dwell_line_carries_its_own_evidence(tmp_path):
     previous decision's (DraftingPolicy.last_row_totals is reset by every decide())."""
     k, g = 7, 4
     ones = {False: torch.ones(k), True: torch.ones(k)}
-    policy = DraftingPolicy(
-        CostTable({}, {g: {g: 1.0, 8 * g: 9.0}}),
-        ones,
-        k,
-        min_dwell_steps=3,
-        regression_half_life=1e9,
-    )  # (estimates that do not age: exact sums)
+    tuning = replace(TUNING, dwell_steps=3, regression_half_life=1e9)  # (no ageing: exact sums)
+    policy = DraftingPolicy(CostTable({}, {g: {g: 1.0, 8 * g: 9.0}}), ones, k, tuning=tuning)
     trace = PolicyTrace(policy, tmp_path / "trace.jsonl")
     scheduler = SimpleNamespace(running=[], waiting=[], max_num_seqs=g)
     ids = ["a", "b", "c"]

@@ -1,0 +1,57 @@
+"""Cells: the geometry, survivals and expected tokens, the host's cell choice with hysteresis
+(the device's fixed-budget fill: tests/spec/test_selector.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.policy.cells import cell_geometry, choose_cell, choose_drafting, expected_tokens
+from dspark.policy.cost_table import CostTable
+from dspark.policy.survival import survival
+
+K = 3
+
+
+def test_geometry_worked_example():
+    geo = cell_geometry(4, 10, 3)
+    assert (geo.num_rows, geo.num_tokens, geo.num_live, geo.num_drafts) == (4, 10, 3, 6)
+    assert not cell_geometry(4, 4, 4).drafts
+    with pytest.raises(ValueError, match="cannot serve 5 live rows"):
+        cell_geometry(4, 10, 5)
+
+
+def test_survival_is_the_cumulative_product_of_calibrated_confidences():
+    logits = torch.tensor([[2.0, 0.0, -2.0]])
+    temps = torch.tensor([1.0, 2.0, 0.5])
+    a = survival(logits, temps)
+    c = torch.sigmoid(torch.tensor([2.0, 0.0, -4.0]))
+    torch.testing.assert_close(a[0], torch.cumprod(c, 0))
+    assert (a[:, 1:] <= a[:, :-1]).all()
+    assert expected_tokens(torch.tensor([[0.9, 0.5], [0.8, 0.1]]), 2) == pytest.approx(2 + 1.7)
+
+
+def _table(g, times):  # times: V -> seconds
+    return CostTable({}, {g: dict(times)})
+
+
+def test_host_choice_full_trimmed_plain_and_hysteresis():
+    g, full = 2, 2 * (K + 1)
+    confident = torch.ones(2, K)  # every draft survives: the full block wins
+    table = _table(g, {2: 1.0, 4: 1.1, full: 1.3})
+    assert choose_cell(confident, g, table, K).reason == "full block"
+    # late drafts hopeless: verifying one per row is worth it
+    unsure = torch.tensor([[0.9, 0.05, 0.01], [0.9, 0.05, 0.01]])
+    choice = choose_cell(unsure, g, table, K)
+    assert choice.reason == "trimmed" and choice.geometry.num_drafts == 2
+    # nothing survives: stop drafting; once stopped, only a clear gain resumes it
+    hopeless = torch.full((2, K), 0.01)
+    assert choose_cell(hopeless, g, table, K).reason == "no drafting"
+    slight = _table(g, {2: 1.0, full: 2.0})
+    a = torch.tensor([[0.4, 0.35, 0.3], [0.4, 0.35, 0.3]])  # full: (2 + 2.1) / 2.0 = 2.05
+    assert choose_cell(a, g, slight, K, min_gain=0.02, drafting_now=True).reason == "full block"
+    # plain gives 2.0: within the doubled margin of 2.05, so no switch either way
+    assert choose_cell(a, g, slight, K, min_gain=0.02, drafting_now=False).reason == "no drafting"
+    # the sum-only choice agrees: plain and the full block of G
+    assert choose_drafting(2, 2.1, g, slight, K, 0.02, drafting_now=True).reason == "full block"
+    assert choose_drafting(2, 2.1, g, slight, K, 0.02, drafting_now=False).reason == "no drafting"

@@ -84,8 +84,8 @@ class LLM:
 
         A prompt whose params have n > 1 runs as n requests with n = 1, sample i seeded
         seed + i when a seed is given (vLLM's children); its RequestOutput holds the n
-        completions, index i. Each request prefills the prompt itself: the engine has no
-        page sharing between requests.
+        completions, index i. They share the prompt's pages only through prefix caching, as
+        requests with a common prefix do (SamplingParams' docstring).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)

@@ -39,8 +39,10 @@ class SamplingParams:
 
     n > 1 (offline only, `LLM.generate`) runs n requests of the prompt; sample i takes seed
     seed + i when a seed is given, as vLLM derives its children's seeds (each without one draws
-    its own). They do not share the prompt's KV pages: the engine has no page sharing, so each
-    prefills the prompt.
+    its own). They share the prompt's full KV pages only through prefix caching
+    (engine/prefix_cache.py), as any requests with a common prefix do: a sample admitted after
+    another's prompt pages are computed starts on them, samples admitted in the same step
+    prefill the prompt each.
     """
 
     n: int = 1

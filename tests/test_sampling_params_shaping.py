@@ -270,6 +270,11 @@ def test_prompt_logprobs_are_the_raw_models(tiny_vocab_dir, budget):
                               use_tqdm=False)  # fmt: skip
     assert other.prompt_logprobs is None
     assert_raw_prompt_logprobs(llm.engine.model, prompt, out.prompt_logprobs, 2)
+    # a prompt whose pages are cached by now is still scored whole (no cache hit for it)
+    long_prompt = prompt * 5  # (full pages of 16 tokens)
+    llm.generate([long_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    (again,) = llm.generate([long_prompt], sp, use_tqdm=False)
+    assert_raw_prompt_logprobs(llm.engine.model, long_prompt, again.prompt_logprobs, 2)
     with pytest.raises(ValueError, match="prompt_logprobs comes with a RequestOutput"):
         llm.engine.add_request("d", prompt, SamplingParams(prompt_logprobs=1, output_kind="delta"))
 

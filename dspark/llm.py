@@ -17,7 +17,7 @@ from dspark.config import EngineConfig
 from dspark.engine.collector import steady_collector
 from dspark.engine.engine import LLMEngine
 from dspark.outputs import RequestOutput
-from dspark.sampling_params import SamplingParams
+from dspark.sampling_params import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class LLM:
 
         A prompt is text, a list of token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
         All prompts are validated before any is queued, so a bad one loses nothing.
+
+        A prompt whose params have n > 1 runs as n requests with n = 1, sample i seeded
+        seed + i when a seed is given (vLLM's children); its RequestOutput holds the n
+        completions, index i. They share the prompt's pages only through prefix caching, as
+        requests with a common prefix do (SamplingParams' docstring).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -91,17 +96,22 @@ class LLM:
             replace(p, output_kind="final_only") for p in _per_prompt(sampling_params, len(prompts))
         ]
         encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
+        samples = [_samples(sp) for sp in params]
         for i, (ids, _) in enumerate(encoded):
             try:
-                self.engine.validate_request(f"__check_{i}", ids, params[i])
+                self.engine.validate_request(f"__check_{i}", ids, samples[i][0])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        request_ids = []
-        for (ids, text), sp in zip(encoded, params, strict=True):
+        request_ids = []  # [prompt][sample]
+        for (ids, text), children in zip(encoded, samples, strict=True):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, sp, prompt_text=text)
-            request_ids.append(rid)
-        return self._run(request_ids, use_tqdm)
+            child_ids = [rid] if len(children) == 1 else [f"{j}_{rid}" for j in
+                                                          range(len(children))]  # fmt: skip
+            for child_id, sp in zip(child_ids, children, strict=True):
+                self.engine.add_request(child_id, ids, sp, prompt_text=text)
+            request_ids.append(child_ids)
+        finished = self._run([r for ids in request_ids for r in ids], use_tqdm)
+        return [_merge(ids[0].split("_", 1)[-1], [finished[r] for r in ids]) for ids in request_ids]
 
     def chat(
         self,
@@ -138,7 +148,7 @@ class LLM:
             return list(prompt), None
         raise TypeError(f"prompt {index}: expected text, token ids or a dict, got {type(prompt)}")
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
@@ -154,7 +164,25 @@ class LLM:
             engine = self.engine
             while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished:
                 engine.step()
-        return [finished[r] for r in request_ids]
+        return finished
+
+
+def _samples(sp: SamplingParams) -> list[SamplingParams]:
+    """The n requests of one prompt: n = 1 each, sample i seeded seed + i (vLLM's rule)."""
+    if sp.n == 1:
+        return [sp]
+    return [
+        replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % (MAX_SEED + 1))
+        for i in range(sp.n)
+    ]
+
+
+def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's samples as one RequestOutput, completion i from sample i."""
+    if len(outs) == 1:
+        return outs[0]
+    completions = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return replace(outs[0], request_id=request_id, outputs=completions)
 
 
 def _per_prompt(

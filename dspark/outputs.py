@@ -41,6 +41,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # prompt_logprobs: per prompt token {token id: logprob} of it and the top alternatives
+    # there (raw model), None for the first token; None without prompt_logprobs
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class FinalInfo(NamedTuple):

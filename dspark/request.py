@@ -61,6 +61,11 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # prompt_logprobs: per prompt token, {token id: logprob} of it and the top alternatives
+    # at its position; None for the first (nothing predicts it), as vLLM returns them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # sampling_params.bad_words as token sequences (SamplingParams.bad_words_token_ids)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # the token count at which it ends by length (max_tokens or max_model_len): set once by
     # Scheduler.add, which knows max_model_len, so the per-step checks are one comparison
     max_num_tokens: int = 0
@@ -80,6 +85,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

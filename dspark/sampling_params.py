@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 # A seed is folded to 64 bits before hashing; larger values are a user error, not silently wrapped.
@@ -23,12 +25,34 @@ class SamplingParams:
     max_tokens None means "until the context is full". logprobs n returns, for every emitted
     token, its log-probability and the n most likely tokens (under the model's raw distribution,
     as vLLM does by default).
+
+    Logits shaping, as vLLM defines it (dspark/sample/logits_shaping.py), in this order before
+    temperature: bad_words and logit_bias, then repetition_penalty (over prompt and output
+    tokens: a positive logit divided by it, a negative one multiplied), frequency_penalty
+    (minus penalty x the token's count among the outputs) and presence_penalty (minus penalty
+    once the token is among the outputs); min_p after temperature (tokens whose probability is
+    below min_p x the most likely token's are dropped), then top-k and top-p. logit_bias maps
+    token id -> bias in [-100, 100] (OpenAI's range). bad_words are strings, each tokenised
+    alone and with a leading space (`bad_words_token_ids`): the last token of a word is banned
+    wherever the outputs end in the tokens before it. prompt_logprobs n returns, for every
+    prompt token after the first, its log-probability and the n most likely tokens there.
+
+    n > 1 (offline only, `LLM.generate`) runs n requests of the prompt; sample i takes seed
+    seed + i when a seed is given, as vLLM derives its children's seeds (each without one draws
+    its own). They share the prompt's full KV pages only through prefix caching
+    (engine/prefix_cache.py), as any requests with a common prefix do: a sample admitted after
+    another's prompt pages are computed starts on them, samples admitted in the same step
+    prefill the prompt each.
     """
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -37,6 +61,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     # Per-request opt-out of speculation (verify length 0 every step).
     use_speculation: bool = True
@@ -51,6 +78,9 @@ class SamplingParams:
         else:
             self._stop_strings = tuple(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:  # (JSON object keys arrive as strings: "50256")
+            self.logit_bias = {_token_id(k): v for k, v in self.logit_bias.items()}
+        self.bad_words = list(self.bad_words or [])
         self._validate()
 
     @property
@@ -70,8 +100,66 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Does any penalty read the request's tokens?"""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)  # fmt: skip
+
+    @property
+    def reads_outputs(self) -> bool:
+        """Does the shaping read the request's output tokens (so they must be on the host)?"""
+        return self.has_penalties or bool(self.bad_words)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Does the request shape its logits beyond temperature, top-k and top-p?"""
+        return self.has_penalties or self.min_p > 0.0 or bool(self.logit_bias or self.bad_words)
+
+    def bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> list[list[int]]:
+        """The token sequences bad_words bans, as vLLM tokenises them: each word (leading
+        spaces stripped) alone, and with one leading space when that gives another first token
+        and as many tokens (the word in mid-text). `encode` adds no special tokens.
+
+          "hello" -> encode("hello") = [15339], encode(" hello") = [24748]: both banned
+          "a b"   -> [64, 293], [264, 293]: "b" is banned after "a" or " a"
+        """
+        banned: list[list[int]] = []
+        for word in self.bad_words:
+            alone = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            _check(bool(alone), f"bad word {word!r} encodes to no tokens")
+            banned.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                banned.append(spaced)
+        return banned
+
     def _validate(self) -> None:
-        _check(self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2.0 <= value <= 2.0,
+                f"{name} must be in [-2, 2], got {value!r}",
+            )
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            f"repetition_penalty must be greater than 0, got {self.repetition_penalty!r}",
+        )
+        _check(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        for token, bias in (self.logit_bias or {}).items():
+            _check(
+                _is_number(bias) and -100.0 <= bias <= 100.0,
+                f"logit_bias of token {token} must be in [-100, 100], got {bias!r}",
+            )
+        for word in self.bad_words:
+            _check(
+                isinstance(word, str) and word.strip() != "",
+                f"bad_words must be non-empty strings, got {word!r}",
+            )
         _check(
             isinstance(self.temperature, (int, float)) and self.temperature >= 0.0,
             f"temperature must be >= 0, got {self.temperature!r}",
@@ -108,6 +196,11 @@ class SamplingParams:
                 isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
                 f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
             )
+        if self.prompt_logprobs is not None:
+            _check(
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
+            )
         _check(
             self.output_kind in OUTPUT_KINDS,
             f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}",
@@ -121,6 +214,22 @@ class SamplingParams:
         )
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, f"stop_token_ids must be >= 0, got {t!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _token_id(key: object) -> int:
+    """A logit_bias key as a token id: an int, or a string of one (JSON object keys)."""
+    digits = key.strip().removeprefix("-") if isinstance(key, str) else ""
+    if digits.isascii() and digits.isdigit():
+        return int(key)
+    _check(
+        isinstance(key, int) and not isinstance(key, bool),
+        f"logit_bias key {key!r} is not a token id",
+    )
+    return key  # type: ignore[return-value]
 
 
 def _check(ok: bool, message: str) -> None:

@@ -126,6 +126,10 @@ class InFlightStep:
     #   cell's, or lowered for continuations near their requests' ends
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
+    # prompt_logprobs: (plan row, first position, count) per scored chunk, and the host copies
+    # of the scored tokens' (logprob of the next prompt token, top ids, top logprobs)
+    prompt_scored: tuple[tuple[int, int, int], ...] = ()
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None
     is_uniform: bool = False  # all rows windows laid out K + 1 wide: a step may launch behind it
     windows_first: bool = False  # its windows K + 1 wide in rows 0..n-1, a tail after or not
     sampled_serials: np.ndarray | None = None  # [len(plain)] the requests of `tokens`

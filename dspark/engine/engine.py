@@ -229,6 +229,7 @@ class LLMEngine:
             arrival_time=now if arrival_time is None else arrival_time,
             prompt=prompt_text,
             added_time=now,
+            bad_words_token_ids=self._bad_words_token_ids(params),
         )
         self._requests[request_id] = req
         self._detokenizers[request_id] = Detokenizer(
@@ -242,6 +243,11 @@ class LLMEngine:
         if params.output_kind in ("delta", "delta_tokens"):
             self._cursors[request_id] = DeltaCursor(params)
         self.scheduler.add(req)
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        return params.bad_words_token_ids(
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        )
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -298,8 +304,7 @@ class LLMEngine:
         if plan.is_empty:
             return outputs + self._collect_aborted()
         self.scheduler.advance(plan)
-        sampled = self.runner.execute(plan)
-        return outputs + self._update(plan, sampled) + self._collect_aborted()
+        return outputs + self._finish(self.runner.launch(plan)) + self._collect_aborted()
 
     def _decide_drafting(self) -> None:
         """The drafting policy's choice for the step about to be scheduled; the period since
@@ -364,10 +369,20 @@ class LLMEngine:
             return "after_plain_step" if drafting else None  # (anchors needed on the host)
         if not drafting:
             return "drafting_off"
+        if any(r.sampling_params.reads_outputs for r in self.scheduler.running):
+            return "logits_shaping"  # (its outputs are read on the host: sample/logits_shaping.py)
         return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
-        return self._update(step.plan, self.runner.collect(step))
+        sampled = self.runner.collect(step)
+        self._record_prompt_logprobs(step)
+        return self._update(step.plan, sampled)
+
+    def _record_prompt_logprobs(self, step: InFlightStep) -> None:
+        """Each scored prompt token's entry into its request (by index: a prefill recomputed
+        after preemption writes the same entries again)."""
+        for req, index, entry in self.runner.prompt_logprobs(step):
+            req.prompt_logprobs[index] = entry
 
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)

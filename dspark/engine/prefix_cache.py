@@ -87,7 +87,11 @@ class PrefixCache:
     def match(self, req: Request) -> list[int]:
         """The cached pages holding req's longest cached prefix, leaving its last token (at
         least) to compute: tokens [0 .. 37] with page_size 16 may hit pages 0 and 1 (32 tokens);
-        tokens [0 .. 31] only page 0, so that token 31 is computed and samples token 32."""
+        tokens [0 .. 31] only page 0, so that token 31 is computed and samples token 32.
+        None for a request that wants prompt_logprobs (as vLLM): its prompt must be scored,
+        which only its own prefill does."""
+        if req.prompt_logprobs is not None:
+            return []
         limit = (req.num_tokens - 1) // self.page_size
         return self.allocator.lookup(self.page_hashes(req, limit))
 

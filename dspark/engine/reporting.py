@@ -60,7 +60,8 @@ def request_output(req: Request, detok: Detokenizer, has_spec: bool) -> RequestO
         stop_reason=req.stop_reason,
     )
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                         req.is_finished, request_metrics(req, has_spec))  # fmt: skip
+                         req.is_finished, request_metrics(req, has_spec),
+                         req.prompt_logprobs)  # fmt: skip
 
 
 def request_metrics(req: Request, has_spec: bool) -> dict[str, float]:

@@ -47,6 +47,7 @@ from dspark.engine.burst import burst_threshold
 from dspark.engine.kv_cache import PageAllocator
 from dspark.engine.prefix_cache import PrefixCache
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from dspark.sample.logits_shaping import has_multi_token_bad_words
 from dspark.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple, pages_for
 
 
@@ -248,9 +249,11 @@ class Scheduler:
         )
 
     def is_windowed(self, req: Request) -> bool:
-        """Does req get a window when it decodes (drafting on, not opted out, past min_tokens)?"""
+        """Does req get a window when it decodes (drafting on, not opted out, past min_tokens,
+        no bad word of several tokens: sample/logits_shaping.py)?"""
         sp = req.sampling_params
-        return self.drafting and sp.use_speculation and req.num_output_tokens >= sp.min_tokens
+        return (self.drafting and sp.use_speculation and req.num_output_tokens >= sp.min_tokens
+                and not has_multi_token_bad_words(req))  # fmt: skip
 
     def num_draft(self, req: Request, budget: int, num_tokens: int | None = None) -> int:
         """Fixed-K speculation: how many drafts a decoding request verifies (0: no window).

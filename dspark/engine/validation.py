@@ -15,6 +15,16 @@ def check_request(
     """Raise TypeError or ValueError if the prompt or its parameters cannot run here."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if params.n != 1:
+        raise ValueError(
+            f"n must be 1 for one engine request, got {params.n}: LLM.generate runs n requests "
+            f"(the server expands n into choices itself)"
+        )
+    if params.prompt_logprobs is not None and params.output_kind in ("delta", "delta_tokens"):
+        raise ValueError(
+            f"prompt_logprobs comes with a RequestOutput (output_kind 'cumulative' or "
+            f"'final_only'), not with output_kind {params.output_kind!r}"
+        )
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("prompt is empty: give at least one token")
@@ -24,6 +34,11 @@ def check_request(
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids has {bad[0]!r}, outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias has token {bad[0]!r}, outside the vocabulary [0, {vocab_size})"
+        )
     if n >= max_model_len:
         raise ValueError(
             f"prompt has {n} tokens but max_model_len is {max_model_len}: "

@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from dspark.models.llama import LlamaForCausalLM
-from dspark.request import PENDING_TOKEN, TokenLogprobs
+from dspark.request import PENDING_TOKEN, Request, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device, to_host
 from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows
@@ -35,6 +36,7 @@ from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.sampled_decode_graphs import SampledDecodeGraphs, sampled_decode_graphs_enabled
 from dspark.runner.spec_runner import SpecRunner
 from dspark.runner.staging import Staged, StepStager
+from dspark.sample.logits_shaping import apply_shaping
 from dspark.sample.sampler import SamplingTensors, sample, takes_fused_path, top_logprobs
 from dspark.sample.sampling_rows import SamplingRows
 from dspark.spec.spec_decoder import SpecDecoder
@@ -245,10 +247,44 @@ class ModelRunner:
             step.logprobs = to_host(lp)
         if spec_out is not None:
             self.spec_runner.queue_results(step, plan, layout, window_rows, spec_out)
+        if staged.prompt_scored:
+            self._queue_prompt_logprobs(step, staged, logits)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
         return step
+
+    def _queue_prompt_logprobs(
+        self, step: InFlightStep, staged: Staged, logits: torch.Tensor
+    ) -> None:
+        """prompt_logprobs: the raw-model logprob of each scored token's next prompt token and
+        the top alternatives, from the logits rows after the sampled ones
+        (staging._prompt_scored), queued to the host."""
+        m = len(staged.prompt_next_ids)
+        scored = logits[staged.layout.num_logits - m : staged.layout.num_logits]  # [m, V]
+        most = max(staged.reqs[i].sampling_params.prompt_logprobs for i, _, _ in
+                   staged.prompt_scored)  # fmt: skip
+        next_ids = host_to_device(list(staged.prompt_next_ids), torch.int64, self.device)
+        step.prompt_scored = staged.prompt_scored
+        step.prompt_logprobs = to_host(top_logprobs(scored.float(), next_ids, most))
+
+    def prompt_logprobs(self, step: InFlightStep) -> list[tuple[Request, int, dict[int, float]]]:
+        """After `collect(step)`: (request, prompt index, {token: logprob}) per scored prompt
+        token, the token itself first, then its position's top alternatives."""
+        if step.prompt_logprobs is None:
+            return []
+        chosen, top_ids, top_values = (x.tolist() for x in step.prompt_logprobs)
+        entries, j = [], 0
+        for i, p0, count in step.prompt_scored:
+            req = step.plan.rows[i].request
+            k = req.sampling_params.prompt_logprobs
+            for p in range(p0, p0 + count):
+                entry = {req.token_ids[p + 1]: chosen[j]}
+                for token, value in zip(top_ids[j][:k], top_values[j][:k], strict=True):
+                    entry.setdefault(token, value)
+                entries.append((req, p + 1, entry))
+                j += 1
+        return entries
 
     def _plain_logits(
         self, plan: StepPlan, logits: torch.Tensor, staged: Staged
@@ -278,7 +314,11 @@ class ModelRunner:
     def can_feed(plan: StepPlan, previous: InFlightStep) -> bool:
         """May `plan` launch before `previous` is collected? A pending token may only be the
         one input of a decode row, fed from `previous` (a preempted request re-admitted at once
-        would need its pending token on the host)."""
+        would need its pending token on the host). Nor may a request whose penalties or bad
+        words read its outputs (sample/logits_shaping.py builds them on the host)."""
+        if any(r.request.sampling_params.reads_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
+               for r in plan.rows):  # fmt: skip
+            return False
         if plan.is_decode:
             pending = [r.request.serial for r in plan.rows
                        if r.request.token_ids[r.start] == PENDING_TOKEN]  # fmt: skip
@@ -367,8 +407,16 @@ class ModelRunner:
         stopping, none with top-k or top-p: runner/sampled_decode_graphs.py)."""
         rows, ends, params = staged.sampled_rows, staged.sampled_ends, self.sampling_rows
         banned = params.banned(rows, ends, staged.reqs)
+        shaping = params.shaping(rows, ends, staged.reqs, self.device)
         graphs = self.sampled_graphs
-        if sampling is None:
+        if shaping is not None:  # (PyTorch: no kernel or graph takes the shaping tensors)
+            self.stats["pytorch_sampling_steps_logits_shaping"] += 1
+            shaped = apply_shaping(self._ban_stop_tokens(logits, banned), shaping)
+            if sampling is None:
+                tokens = shaped.argmax(dim=-1)
+            else:
+                tokens = sample(shaped, replace(sampling, min_p=shaping.min_p))
+        elif sampling is None:
             tokens = self._ban_stop_tokens(logits, banned).argmax(dim=-1)  # no parameters
         elif graphs and decode_graph and not banned[0] and takes_fused_path(sampling):
             tokens = graphs.replay(decode_graph, rows.size)

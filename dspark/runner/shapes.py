@@ -11,7 +11,9 @@ functions return). The shapes, each captured for every size G of the ladder:
                                                                         (runner/spec_graphs.py)
     mixed windows (G, P) G windows laid out K + 1 wide, then a tail as above
 
-A step pads to the smallest captured G that holds its rows (and P that holds its tail):
+A step of windows whose requests shape their logits (`shapes_logits`) fits none, nor does a
+step that scores prompt tokens for prompt_logprobs (`prompt_scored`). A step pads to
+the smallest captured G that holds its rows (and P that holds its tail):
 
     sizes [1, 2, 4, 8]: 3 rows -> G 4;  8 rows -> G 8;  9 rows -> None ("batch_too_large")
     tails (256, 512): 200 tail tokens in 3 rows -> P 256; 300 in 3 -> 512; 200 in 6 -> 512
@@ -76,6 +78,8 @@ def leading_windows(
         return None, None  # (all windows, or no window: not a mixed step)
     tail = rows[n:]
     tail_tokens = sum(r.num_tokens for r in tail)
+    if shapes_logits(plan):
+        return None, "logits_shaping"
     if n == 0 or any(r.num_draft or r.empty_window for r in tail):
         return None, "windows_not_first"
     if len(tail) > max_tail_rows(max_tail_tokens):
@@ -85,6 +89,14 @@ def leading_windows(
     if n * (1 + num_verify) + tail_tokens > capacity:
         return None, "token_buffers"
     return n, None
+
+
+def shapes_logits(plan: StepPlan) -> bool:
+    """Does a request of the step shape its logits (penalties, min_p, logit_bias, bad words:
+    sample/logits_shaping.py)? A step of windows that does runs eagerly: the captured steps
+    sample from fixed buffers that hold no shaping tensors. (A plain row samples after the
+    forward, outside any graph, so decode graphs still serve it.)"""
+    return any(r.request.sampling_params.shapes_logits for r in plan.rows)
 
 
 def mixed_decode_shape(
@@ -111,3 +123,24 @@ def mixed_decode_shape(
     if any(PENDING_TOKEN in r.request.token_ids[r.start : r.end] for r in tail):
         return None, "pending_in_tail"
     return (n, size, tail_tokens), None
+
+
+def prompt_scored(plan: StepPlan) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
+    """prompt_logprobs: the chunks' tokens whose logits score the next prompt token, as
+    (plan row, first position, count), and those next tokens. The last prompt token's logits
+    sample the first output instead (its logprobs are the output's).
+
+      prompt [7, 8, 9, 5] in chunks [0, 2) and [2, 4): (row, 0, 2) scores 8, 9 in the first
+      step, (row, 2, 1) scores 5 in the second (position 3's logits sample the first output)
+
+    A step with any runs eagerly (its extra logits rows fit no captured shape).
+    """
+    scored, next_ids = [], []
+    for i, row in enumerate(plan.rows):
+        req = row.request
+        last = min(row.end, req.num_prompt_tokens - 1)  # scored positions p < last
+        if req.prompt_logprobs is None or row.num_draft or row.start >= last:
+            continue
+        scored.append((i, row.start, last - row.start))
+        next_ids += req.token_ids[row.start + 1 : last + 1]
+    return tuple(scored), tuple(next_ids)

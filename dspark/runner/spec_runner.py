@@ -50,8 +50,15 @@ from dspark.runner.mixed_layout import (
     prepare_capture,
 )
 from dspark.runner.persistent_batch import NOT_FOUND, index_of
-from dspark.runner.shapes import leading_windows, padded_size, tail_size, window_width
+from dspark.runner.shapes import (
+    leading_windows,
+    padded_size,
+    shapes_logits,
+    tail_size,
+    window_width,
+)
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
+from dspark.sample.logits_shaping import build_shaping
 from dspark.sample.sampler import top_logprobs
 from dspark.spec.ragged import TrimmedCell
 from dspark.spec.spec_buffers import SamplingMode, WindowRow
@@ -158,6 +165,9 @@ class SpecRunner:
         if window_width is None:
             self.stats["eager_spec_steps_not_all_windows"] += 1
             return None
+        if shapes_logits(plan):
+            self.stats["eager_spec_steps_logits_shaping"] += 1
+            return None
         if any(r.num_draft < self.spec.num_verify for r in plan.rows):
             self.stats["spec_graph_steps_with_short_windows"] += 1
         size = padded_size(self.graphs.sizes, len(plan.rows))
@@ -206,6 +216,15 @@ class SpecRunner:
             fields = (anchor, start, num_draft, cu[i], i, sp.temperature, top_k, sp.top_p, req.seed)
             rows.append(new_tuple(WindowRow, fields))
         mode = SamplingMode.of(rows, vocab_size)
+        shaping = None
+        if shapes_logits(plan):  # (eager: graph_size and mixed_windows saw to it)
+            assert graph_size is None, "a captured step does not shape logits"
+            # window token j predicts the token after draft j: outputs up to the anchor, then
+            # drafts 1..j (sample/logits_shaping.py)
+            reqs = [plan_rows[i].request for i in window_rows]
+            ends = [plan_rows[i].start + 1 for i in window_rows]
+            shaping = build_shaping(reqs, ends, vocab_size, self.device)
+            self.stats["spec_steps_logits_shaping"] += 1
         width, table = layout.window_width, self.buffers.np("block_table")
         trimmed = self._trimmed_tokens(plan, layout, rows, graph_size)
         if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
@@ -224,11 +243,12 @@ class SpecRunner:
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
             target, cell = self._trimmed_step(len(rows), trimmed)
-            return self.spec.step(len(rows), mode, target, None, cell)
+            return self.spec.step(len(rows), mode, target, None, cell, shaping)
         b, dev = self.buffers, self.device
         if layout.tail_rows:  # a mixed layout: windows in rows 0..R-1, their logits first
             target = self._target_step(layout, b.block_table)
-            return self.spec.step(len(rows), mode, target, slice(0, layout.num_window_logits))
+            return self.spec.step(len(rows), mode, target, slice(0, layout.num_window_logits),
+                                  shaping=shaping)  # fmt: skip
         all_windows = window_rows == list(range(layout.num_rows))
         block_table = b.block_table
         window_index = None
@@ -240,7 +260,8 @@ class SpecRunner:
                     logit_rows += range(row0, row0 + r.num_tokens)
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
-        return self.spec.step(len(rows), mode, self._target_step(layout, block_table), window_index)
+        target = self._target_step(layout, block_table)
+        return self.spec.step(len(rows), mode, target, window_index, shaping=shaping)
 
     def _trimmed_tokens(
         self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None

@@ -29,7 +29,7 @@ from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.runner.mixed_layout import graph_tail_rows, stage_tail, write_tail_pads
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
-from dspark.runner.shapes import decode_size, mixed_decode_shape
+from dspark.runner.shapes import decode_size, mixed_decode_shape, prompt_scored
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.spec_decoder import SpecDecoder
 from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID, StepPlan
@@ -47,6 +47,10 @@ class Staged(NamedTuple):
     is_decode: bool = False  # every row one token that samples
     window_rows: tuple[int, ...] = ()  # plan rows verified as windows (empty windows too)
     graph_tail: int = 0  # a mixed step's captured tail size P (graph_size is its G)
+    # prompt_logprobs: the logits rows after the sampled ones that score prompt tokens, one
+    # (plan row, first position, count) per chunk, and each scored token's next prompt token
+    prompt_scored: tuple[tuple[int, int, int], ...] = ()
+    prompt_next_ids: tuple[int, ...] = ()
 
 
 class StepStager:
@@ -85,6 +89,9 @@ class StepStager:
         serials = self.batch.sync(reqs)
         if plan.is_decode:
             return self._stage_decode(plan, reqs, serials)
+        if prompt_scored(plan)[0]:  # (its extra logits rows: no captured shape has them)
+            self.stats["eager_steps_prompt_logprobs"] += 1
+            return self._stage_rows(plan, reqs, serials)
         if self.spec_runner is not None:
             width = self.spec_runner.window_width(plan)
             if width is not None:
@@ -350,6 +357,10 @@ class StepStager:
             cu.append(cu[-1] + end - start)
             seq_lens.append(end)
         num_fed = self._stage_feed(np.array(fed_dst, dtype=np.int64), serials[fed_rows])
+        scored, next_ids = prompt_scored(plan)
+        if scored:  # (after the sampled rows' logits, which keep their indices)
+            logits_idx += [cu[i] + p - plan.rows[i].start for i, p0, m in scored
+                           for p in range(p0, p0 + m)]  # fmt: skip
         t, num_rows, n = cu[-1], len(plan.rows), len(logits_idx)
         b.np("input_ids")[:t] = ids
         b.np("positions")[:t] = positions
@@ -357,9 +368,9 @@ class StepStager:
         b.np("cu_num_tokens")[: num_rows + 1] = cu
         b.np("seq_lens")[:num_rows] = seq_lens
         b.np("logits_indices")[:n] = logits_idx
-        graph_size = self._graph_size(plan, plan.is_decode)
+        graph_size = None if scored else self._graph_size(plan, plan.is_decode)
         width = 1
-        if (
+        if not scored and (
             graph_size is None
             and self.spec_runner is not None
             and any(r.num_draft for r in plan.rows)
@@ -377,7 +388,8 @@ class StepStager:
         layout = StepLayout(t, num_rows, n, tuple(cu), tuple(seq_lens), num_fed=num_fed,
                             window_width=window_width)  # fmt: skip
         sampled = np.array(sampled_rows, dtype=np.int64), np.array(sampled_ends, dtype=np.int64)
-        return Staged(layout, graph_size, reqs, serials, *sampled, window_rows=tuple(window_rows))
+        return Staged(layout, graph_size, reqs, serials, *sampled, window_rows=tuple(window_rows),
+                      prompt_scored=scored, prompt_next_ids=next_ids)  # fmt: skip
 
     def _graph_size(self, plan: StepPlan, is_decode: bool) -> int | None:
         """The captured size a pure-decode step pads to, or None (eager, reason counted)."""

@@ -23,6 +23,7 @@ import torch
 
 from dspark import envs
 from dspark.kernels.inverse_cdf import inverse_cdf  # (re-exported: the draws use it)
+from dspark.sample.logits_shaping import apply_min_p
 from dspark.sample.random import STREAM_SAMPLE, uniform
 
 
@@ -41,6 +42,9 @@ class SamplingTensors:
     # every row's top-k is at most this (host-known, set by eager steps only): top-k and top-p
     # then run on the rows' `max_top_k` largest logits instead of sorting the vocabulary
     max_top_k: int | None = None
+    # [N] float32, each row's min_p (0: none); None when no row has one
+    # (sample/logits_shaping.py: applied after temperature, before top-k and top-p)
+    min_p: torch.Tensor | None = None
 
 
 TOPK_PATH_MAX = 1024  # the largest max_top_k taken by the top-k path (beyond it: the sort)
@@ -50,8 +54,9 @@ FUSED_SAMPLE = not envs.ENVS.reference_ops  # (module docstring)
 
 def takes_fused_path(st: SamplingTensors) -> bool:
     """Does `sample` draw these rows with the two-launch kernel (on CUDA): some row samples,
-    none has top-k or top-p?"""
-    return FUSED_SAMPLE and not (st.all_greedy or st.any_top_k or st.any_top_p)
+    none has top-k, top-p or min_p?"""
+    return FUSED_SAMPLE and not (st.all_greedy or st.any_top_k or st.any_top_p or
+                                 st.min_p is not None)  # fmt: skip
 
 
 def apply_top_k_top_p(
@@ -88,12 +93,15 @@ def apply_top_k_top_p(
 
 
 def sampling_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """The exact distribution each row samples from [N, V] (after temperature/top-k/top-p).
+    """The exact distribution each row samples from [N, V] (after temperature, min_p, top-k and
+    top-p; `logits` already shaped by sample/logits_shaping.py where a row asks for it).
 
     Greedy rows get their temperature treated as 1 here; callers take argmax for them.
     """
     temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     logits = logits / temperature[:, None]
+    if st.min_p is not None:
+        logits = apply_min_p(logits, st.min_p)
     if st.any_top_k or st.any_top_p:
         logits = apply_top_k_top_p(
             logits, st.top_k if st.any_top_k else None, st.top_p if st.any_top_p else None,

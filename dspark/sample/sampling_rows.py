@@ -12,6 +12,7 @@ import torch
 
 from dspark.device_buffers import staging_pair
 from dspark.request import Request
+from dspark.sample.logits_shaping import LogitsShaping, build_shaping
 from dspark.sample.sampler import SamplingTensors
 
 CPU = torch.device("cpu")
@@ -29,8 +30,11 @@ class SamplingRows:
         # stop (num_prompt_tokens + min_tokens; 0 without min_tokens)
         self.min_tokens_end = np.zeros(max_rows, dtype=np.int64)
         self.logprobs = np.full(max_rows, NO_LOGPROBS, dtype=np.int64)
+        # the row's request shapes its logits (penalties, min_p, logit_bias, bad words): the
+        # step builds sample/logits_shaping.py's tensors for it and samples in PyTorch
+        self.shapes_logits = np.zeros(max_rows, dtype=bool)
         self._fields = (self.temperature, self.top_k, self.top_p, self.seed,
-                        self.min_tokens_end, self.logprobs)  # fmt: skip
+                        self.min_tokens_end, self.logprobs, self.shapes_logits)  # fmt: skip
         # a step's sampled rows' parameters, one field a row (stage): pinned host buffers and
         # their device twins, two copies a step (one buffer each on the CPU)
         self._floats, self._floats_dev = staging_pair((2, max_rows), torch.float32, device)
@@ -45,6 +49,7 @@ class SamplingRows:
         self.seed[row] = req.seed
         self.min_tokens_end[row] = req.num_prompt_tokens + sp.min_tokens if sp.min_tokens else 0
         self.logprobs[row] = NO_LOGPROBS if sp.logprobs is None else sp.logprobs
+        self.shapes_logits[row] = sp.shapes_logits
 
     def move(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Rows dst <- rows src (each side read before any is written, as numpy does)."""
@@ -97,6 +102,15 @@ class SamplingRows:
         f, i = self._floats_dev, self._ints_dev
         return dict(temperature=f[0, :n], top_k=i[0, :n], top_p=f[1, :n], seeds=i[1, :n],
                     positions=i[2, :n])  # fmt: skip
+
+    def shaping(
+        self, rows: np.ndarray, ends: np.ndarray, reqs: list[Request], device: torch.device
+    ) -> LogitsShaping | None:
+        """The logits shaping of `rows` (sampling the token at index ends[j] of its request),
+        or None when none of them shapes its logits."""
+        if not self.shapes_logits[rows].any():
+            return None
+        return build_shaping([reqs[int(r)] for r in rows], ends.tolist(), self.vocab_size, device)
 
     def all_greedy(self, rows: np.ndarray) -> bool:
         return not self.temperature[rows].any()

@@ -2,12 +2,12 @@
 
 Field names are OpenAI's (and vLLM's for the extensions: top_k, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_ids,
-repetition_penalty, min_p) plus dspark's use_speculation. Every bound is declared on the field,
-so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it is a 400
-naming the field. Unknown fields are ignored, as OpenAI and vLLM do. Options the engine does
-not implement (penalties, min_p, logit_bias, echo, tools, tool_choice, ...) are accepted at
-their neutral value and refused otherwise with a clear message, never silently dropped; a chat
-message reaches the template with all its fields.
+repetition_penalty, min_p, bad_words) plus dspark's use_speculation. Every bound is declared on
+the field, so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it
+is a 400 naming the field. Unknown fields are ignored, as OpenAI and vLLM do. Options the engine
+does not implement (prompt_logprobs, echo with logprobs, suffix, tools, tool_choice, ...) are
+accepted at their neutral value and refused otherwise with a clear message, never silently
+dropped; a chat message reaches the template with all its fields.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ MAX_N = 8  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
 MAX_STOP = 16  # stop strings, and stop token ids
 MAX_LOGPROBS = 20  # the engine's limit on top alternatives per token
+MAX_LOGIT_BIAS = 300  # token biases per request (OpenAI's limit)
 MAX_MESSAGES = 1024
 MAX_INT32 = 2**31 - 1  # counts past this are never meant (the engine's lengths are far smaller)
 
@@ -61,7 +62,14 @@ class _Request(BaseModel):
     # vLLM's extensions that clients send (declared, so that a value is refused, not dropped)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    logit_bias: dict[str, float] | None = None
+    # token id (a JSON key: a string) -> bias, OpenAI's range
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                  Field(max_length=MAX_LOGIT_BIAS)]
+        | None
+    ) = None  # fmt: skip
+    bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
     # dspark: per-request opt-out of speculation; vLLM: the token ids beside the text
     use_speculation: bool = True
@@ -69,12 +77,11 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement (400 naming the field)."""
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0), ("min_p", 0.0)):  # fmt: skip
-            if getattr(self, name) != neutral:
-                raise bad_request(f"{name} is not supported; use {neutral:g}", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.prompt_logprobs is not None:
+            raise bad_request(
+                "prompt_logprobs is not supported by the server (offline LLM.generate only)",
+                "prompt_logprobs",
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
@@ -87,6 +94,12 @@ class _Request(BaseModel):
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
+                min_p=self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=self.logit_bias,
+                bad_words=self.bad_words,
                 seed=seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -100,7 +113,7 @@ class _Request(BaseModel):
                 output_kind="delta" if self.stream else "final_only",
             )
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), _field_named(str(e))) from None
 
 
 class CompletionRequest(_Request):
@@ -120,9 +133,10 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
+        if self.echo and self.logprobs is not None:
             raise bad_request(
-                "echo is not supported (the engine returns no prompt logprobs)", "echo"
+                "echo with logprobs is not supported (the server returns no prompt logprobs)",
+                "echo",
             )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
@@ -237,3 +251,10 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a SamplingParams error names first ("logit_bias of token 3 must be
+    ..." -> "logit_bias"), for the error's param."""
+    name = message.split(" ", 1)[0]
+    return name if name in _Request.model_fields else None

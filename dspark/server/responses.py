@@ -89,14 +89,25 @@ class CompletionFormat(_Format):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, tokenizer: Tokenizer, return_token_ids: bool, num_logprobs: int | None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        return_token_ids: bool,
+        num_logprobs: int | None,
+        echo_texts: list[str] | None = None,  # echo: each prompt's text (choice i: i // n)
+        n: int = 1,
+    ):
         super().__init__(tokenizer, return_token_ids, num_logprobs)
         self._offsets: dict[int, int] = {}  # choice -> characters of the tokens already sent
+        self.echo_texts, self.n = echo_texts, n
 
-    def choice(self, index: int, delta: Delta) -> dict:
+    def choice(self, index: int, delta: Delta, is_first: bool = True) -> dict:
+        """A whole choice, or a chunk's; echo puts the prompt's text before the choice's first
+        text, as vLLM does (choice index of prompt i, sample j: i * n + j)."""
+        echo = self.echo_texts[index // self.n] if self.echo_texts and is_first else ""
         body = {
             "index": index,
-            "text": delta.text,
+            "text": echo + delta.text,
             "logprobs": self._logprobs(index, delta),
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
@@ -104,7 +115,7 @@ class CompletionFormat(_Format):
         return self._ids(body, delta.token_ids)
 
     def delta_choice(self, index: int, delta: Delta, is_first: bool = False) -> dict:
-        return self.choice(index, delta)  # a completions chunk has a choice's shape
+        return self.choice(index, delta, is_first)  # a completions chunk has a choice's shape
 
     def text_delta_json(self, index: int, text: str) -> str:
         """to_json(delta_choice(index, Delta(text, [], None, None))) without the dict: a

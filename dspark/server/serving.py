@@ -84,7 +84,11 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
         else:
             prompts.append((list(prompt), None))
     subs = _fan_out(body, request_id, prompts, body.max_tokens, body.logprobs)
-    fmt = CompletionFormat(tokenizer, body.return_token_ids, body.logprobs)
+    echo = None
+    if body.echo:  # (a token-id prompt echoes as its text)
+        echo = [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
+                for ids, text in prompts]  # fmt: skip
+    fmt = CompletionFormat(tokenizer, body.return_token_ids, body.logprobs, echo, body.n)
     return _prepared(body, request_id, subs, sum(len(ids) for ids, _ in prompts), fmt)
 
 

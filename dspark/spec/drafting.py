@@ -12,7 +12,9 @@ A batch of greedy rows on the triton backend draws each slot in one launch
 GPU: no float32 copy of [R, K, V]); elsewhere a slot is PyTorch's six. A sampled batch without
 top-k or top-p draws each slot in three launches (kernels/markov_sample_triton.py) instead of
 about 22: on the H200 the sampled speculative step cost 0.64-0.79x the PyTorch slot's
-(DSPARK_REFERENCE_OPS keeps the PyTorch slot).
+(DSPARK_REFERENCE_OPS keeps the PyTorch slot). A block whose rows shape their logits (penalties,
+min_p, logit_bias, bad words) takes the PyTorch slot: the kernels read the LM head's logits as
+they are.
 
 Randomness: the draft at position t (= anchor_pos + 1 + k) uses STREAM_DRAFT at t, a pure
 function of (seed, position), like every other random number in the engine. A draft is drawn by
@@ -28,6 +30,7 @@ import torch
 
 from dspark import envs
 from dspark.models.dspark_drafter import DSparkDrafter
+from dspark.sample.logits_shaping import LogitsShaping, apply_shaping
 from dspark.sample.random import STREAM_DRAFT, uniform
 from dspark.sample.sampler import SamplingTensors, inverse_cdf, sampling_probs
 
@@ -48,14 +51,15 @@ def draft_block(
     anchors: torch.Tensor,  # [R] int64
     anchor_positions: torch.Tensor,  # [R] int64
     st: SamplingTensors,  # per-row parameters (positions field unused here)
+    shaping: LogitsShaping | None = None,  # penalties, bias, bans per row (logits_shaping.py)
 ) -> DraftBlock:
     R, K, _ = hidden.shape
     tokens = torch.empty(R, K, dtype=torch.int64, device=hidden.device)
-    fused = drafter.use_triton and _kernel_takes(drafter.config.markov_rank)
+    fused = shaping is None and drafter.use_triton and _kernel_takes(drafter.config.markov_rank)
     if st.all_greedy and fused:
         _draft_greedy_fused(drafter, drafter.target.lm_head(hidden), anchors, tokens)
         probs = None
-    elif fused and FUSED_SAMPLED and not (st.any_top_k or st.any_top_p):
+    elif fused and FUSED_SAMPLED and not (st.any_top_k or st.any_top_p or st.min_p is not None):
         probs = _draft_sampled_fused(
             drafter, drafter.target.lm_head(hidden), anchors, anchor_positions, st, tokens
         )
@@ -65,8 +69,13 @@ def draft_block(
         probs = None if st.all_greedy else torch.empty_like(base)
         prev = anchors
         is_greedy = st.temperature == 0
+        # slot k is shaped with the outputs and drafts 1..k-1: the prefix verification judges
+        # it under (sample/logits_shaping.py)
+        draft_counts = None if shaping is None else torch.zeros_like(base[:, 0])  # [R, V]
         for k in range(K):
             logits = base[:, k] + drafter.markov_bias(prev)  # [R, V]
+            if shaping is not None:
+                logits = apply_shaping(logits, shaping, draft_counts=draft_counts)
             if st.all_greedy:
                 tokens[:, k] = logits.argmax(dim=-1)
             else:
@@ -75,6 +84,8 @@ def draft_block(
                 tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), inverse_cdf(p, u))
                 probs[:, k] = p
             prev = tokens[:, k]
+            if draft_counts is not None:
+                draft_counts.scatter_add_(1, prev[:, None], torch.ones_like(draft_counts[:, :1]))
     conf = None
     if drafter.confidence is not None:  # slot k from h[k] and x[k-1]: [anchor, x1 .. x(K-1)]
         prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, K]

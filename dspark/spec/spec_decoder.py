@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.policy.survival import survival
+from dspark.sample.logits_shaping import LogitsShaping, apply_shaping, window_draft_counts
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.spec.drafting import DraftBlock, draft_block
 from dspark.spec.ragged import TrimmedCell, compact_windows
@@ -130,15 +131,19 @@ class SpecDecoder:
         target: TargetStep,
         window_index: torch.Tensor | slice | None,  # logit rows of the window tokens; None: all
         trimmed: TrimmedCell | None = None,  # run as this trimmed cell (all rows full width)
+        shaping: LogitsShaping | None = None,  # per window row (eager steps only)
     ) -> SpecStepOutput:
         """Draft, run the target, feed the drafter's context, verify: device work only, so
-        the same code runs eagerly and inside a captured graph."""
+        the same code runs eagerly and inside a captured graph (without `shaping`)."""
         st = self.buffers.sampling(num_rows, mode)
-        block = self.draft(num_rows, st, target.input_ids, target.block_table[:num_rows])
+        if shaping is not None and shaping.min_p is not None:
+            st = replace(st, min_p=shaping.min_p)
+        block = self.draft(num_rows, st, target.input_ids, target.block_table[:num_rows],
+                           shaping)  # fmt: skip
         verify_len = cu = None
         if trimmed is not None:
             verify_len, cu = self.trim(num_rows, st, block, trimmed)
-        return self.finish(num_rows, st, block, target, window_index, verify_len, cu)
+        return self.finish(num_rows, st, block, target, window_index, verify_len, cu, shaping)
 
     def finish(
         self,
@@ -149,12 +154,13 @@ class SpecDecoder:
         window_index: torch.Tensor | slice | None,
         verify_len: torch.Tensor | None = None,  # [R] chosen after drafting (None: staged)
         cu: torch.Tensor | None = None,  # [R + 1] their windows' starts, with verify_len
+        shaping: LogitsShaping | None = None,
     ) -> SpecStepOutput:
         """Steps 2-4 after drafting (and after any choice of verify lengths)."""
         out = target.run()
         self.append_context(out.features, target.positions, target.slot_mapping)
         window_logits = out.logits if window_index is None else out.logits[window_index]
-        verified = self.verify(window_logits, num_rows, st, block, verify_len, cu)
+        verified = self.verify(window_logits, num_rows, st, block, verify_len, cu, shaping)
         return SpecStepOutput(
             out.logits, window_logits, verified.tokens, verified.num_accepted,
             block.confidence_logits, verify_len,
@@ -190,6 +196,7 @@ class SpecDecoder:
         st: SamplingTensors,
         input_ids: torch.Tensor,  # the target's input ids: drafts are scattered in
         block_table: torch.Tensor,  # [R, W] the window rows' pages
+        shaping: LogitsShaping | None = None,
     ) -> DraftBlock:
         b, R = self.buffers, num_rows
         anchors = b.anchors[:R]
@@ -197,7 +204,7 @@ class SpecDecoder:
             anchors, b.block_positions[: R * self.draft_len], b.block_metadata(R, block_table),
             self.kv_caches,
         )  # fmt: skip
-        block = draft_block(self.drafter, hidden, anchors, b.anchor_pos[:R], st)
+        block = draft_block(self.drafter, hidden, anchors, b.anchor_pos[:R], st, shaping)
         # slot k < verify_len goes to its window token; the others rewrite the anchor itself
         slots = torch.arange(self.draft_len, device=self.device)
         keep = slots[None, :] < b.verify_len[:R, None]  # [R, K]
@@ -225,21 +232,27 @@ class SpecDecoder:
         block: DraftBlock,
         verify_len: torch.Tensor | None = None,  # [R] (None: the staged ones)
         cu: torch.Tensor | None = None,  # [R + 1] window starts in window_logits, with it
+        shaping: LogitsShaping | None = None,  # per window row
     ) -> VerifyOutput:
         b, R, dev = self.buffers, num_rows, self.device
         if verify_len is None:
             verify_len = b.verify_len[:R]
             cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
             cu[1:] = b.window_len[:R].cumsum(0)
-        if st.all_greedy:
-            return verify_greedy(window_logits, block.tokens, verify_len, cu)
         # owner row of each window token (shape-static: no host sync, capturable)
         token = torch.arange(window_logits.shape[0], device=dev)
         owner = torch.searchsorted(cu[1:], token, right=True).clamp(max=R - 1)
+        if shaping is not None:  # token j of a window: outputs and drafts 1..j (the drafter's)
+            offset = (token - cu[owner]).clamp(min=0)  # [Tw] 0 the anchor, j draft j
+            drafts = window_draft_counts(block.tokens, owner, offset, window_logits.shape[-1])
+            window_logits = apply_shaping(window_logits.float(), shaping, owner, drafts)
+        if st.all_greedy:
+            return verify_greedy(window_logits, block.tokens, verify_len, cu)
         per_token = SamplingTensors(
             temperature=st.temperature[owner], top_k=st.top_k[owner], top_p=st.top_p[owner],
             seeds=st.seeds[owner], positions=st.positions[owner], all_greedy=st.all_greedy,
             any_top_k=st.any_top_k, any_top_p=st.any_top_p,
+            min_p=None if st.min_p is None else st.min_p[owner],
         )  # fmt: skip
         return verify(
             VerifyInput(

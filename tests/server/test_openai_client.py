@@ -121,6 +121,48 @@ def test_n_choices_and_several_prompts(server):
     assert out.choices[0].text != out.choices[1].text  # choice j samples with seed + j
 
 
+def test_sampling_parameters_shape_the_output(live):
+    """logit_bias and bad_words reach the engine: greedy with a bias of 100 on one token emits
+    only it; banning that token as a bad word removes it (plain and speculative servers
+    alike; every field's mapping: tests/server/test_protocol_sampling.py)."""
+    client = _client(live)
+    tok = live.tokenizer
+    token = tok.encode(" the", add_special_tokens=False)
+    assert len(token) == 1
+    greedy = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    biased = client.completions.create(**greedy, logit_bias={str(token[0]): 100})
+    assert biased.choices[0].text == " the" * 6
+    banned = client.completions.create(
+        **{**greedy, "extra_body": {**greedy["extra_body"], "bad_words": ["the"]}},
+        logit_bias={str(token[0]): 100},
+    )  # fmt: skip
+    assert " the" not in banned.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logit_bias={str(token[0]): 100}, n=2,
+    )  # fmt: skip
+    assert [c.message.content for c in chat.choices] == [" the" * 4] * 2
+
+
+def test_echo_puts_the_prompt_before_each_choice(server):
+    """Whole and streamed, text and token-id prompts, n = 2: choice i * n + j starts with
+    prompt i's text, then what the same request without echo answers."""
+    client = _client(server)
+    ids = server.tokenizer.encode("Goodbye", add_special_tokens=False)
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, n=2)
+    for prompt, texts in ((["Hello", "Once"], ["Hello", "Once"]), ([ids], ["Goodbye"])):
+        plain = client.completions.create(prompt=prompt, **kwargs)
+        echoed = client.completions.create(prompt=prompt, echo=True, **kwargs)
+        expected = [texts[c.index // 2] + c.text for c in plain.choices]
+        assert [c.text for c in echoed.choices] == expected
+        streamed = [""] * len(expected)
+        for chunk in client.completions.create(prompt=prompt, echo=True, stream=True, **kwargs):
+            for c in chunk.choices:
+                streamed[c.index] += c.text
+        assert streamed == expected
+
+
 def test_logprobs(server):
     client = _client(server)
     out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0,
@@ -161,15 +203,18 @@ def test_errors_the_client_sees(server):
         client.completions.create(model=MODEL, prompt="x", max_tokens=500)
     with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal"):
         client.completions.create(model=MODEL, prompt="x", n=9)
-    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
-        client.completions.create(model=MODEL, prompt="x", presence_penalty=0.5)
-    # vLLM's sampling extensions, sent as extra fields: refused, never silently dropped
-    for name, value, neutral in (("min_p", 0.1, "0"), ("repetition_penalty", 1.1, "1")):
-        with pytest.raises(openai.BadRequestError, match=f"{name} is not supported; use {neutral}"):
+    with pytest.raises(openai.BadRequestError, match="presence_penalty: Input should be less"):
+        client.completions.create(model=MODEL, prompt="x", presence_penalty=2.5)
+    # vLLM's sampling extensions, sent as extra fields: bounds are 400s naming the field
+    for name, value in (("min_p", 1.5), ("repetition_penalty", 0.0), ("bad_words", [""]),
+                        ("logit_bias", {"5": 101}), ("prompt_logprobs", 2)):  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=name) as e:
             client.completions.create(model=MODEL, prompt="x", extra_body={name: value})
-        neutral_body = {name: float(neutral)}
-        assert client.completions.create(model=MODEL, prompt="x", max_tokens=2,
-                                         extra_body=neutral_body).choices  # fmt: skip
+        assert e.value.body["param"].startswith(name), e.value.body
+    with pytest.raises(openai.BadRequestError, match="logit_bias has token 49152, outside"):
+        client.completions.create(model=MODEL, prompt="x", logit_bias={"49152": 1})
+    with pytest.raises(openai.BadRequestError, match="logit_bias key 'x' is not a token id"):
+        client.completions.create(model=MODEL, prompt="x", logit_bias={"x": 1})
     with pytest.raises(openai.BadRequestError, match="stop: List should have at most 16"):
         client.completions.create(model=MODEL, prompt="x", stop=[str(i) for i in range(17)])
     with pytest.raises(openai.BadRequestError, match="logprobs: Input should be less than"):
@@ -208,7 +253,7 @@ def test_validation_errors_are_400_in_the_envelope(server):
         _post(server, {"prompt": "x", "top_p": 0}),
         _post(server, {"prompt": [49151, 10**6]}),  # outside the vocabulary: the engine's check
         _post(server, {"prompt": "x", "stream_options": {"include_usage": True}}),  # no stream
-        _post(server, {"prompt": "x", "echo": True}),
+        _post(server, {"prompt": "x", "echo": True, "logprobs": 1}),
         _post(server, content=b'{"prompt": "\\ud800"}'),  # a lone surrogate
     ):
         assert response.status_code == 400, response.text

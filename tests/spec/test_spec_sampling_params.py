@@ -1,0 +1,133 @@
+"""Penalties, min_p, logit_bias and bad words under speculation: the emitted tokens keep the
+shaped target's law (window position j shaped by the outputs and drafts 1..j, in the drafter
+and the verifier alike), and greedy output equals plain greedy decoding token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from tests.helpers import assert_matches_distribution
+from tests.test_sampling_params_shaping import (
+    PROMPT,
+    SHAPED,
+    VOCAB,
+    assert_raw_prompt_logprobs,
+    exact_pair_probs,
+)
+from tests.tiny_models import make_tiny_drafter
+
+K = 4
+NUM_SAMPLES = 6000
+
+
+@pytest.fixture(scope="module")
+def vocab_drafter(tiny_vocab_dir, tmp_path_factory):
+    return make_tiny_drafter(tiny_vocab_dir, tmp_path_factory.mktemp("drafter12"), taps=(0,))
+
+
+def _spec_llm(target, drafter, **kw) -> LLM:
+    return LLM(str(target), dtype="float32", device="cpu", speculative_config={
+               "model": str(drafter), "num_speculative_tokens": K}, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SHAPED))
+def test_speculation_keeps_the_shaped_pair_distribution(tiny_vocab_dir, vocab_drafter, name):
+    """Tokens 2 and 3 of 6,000 seeded requests (temperature 0.9): token 1 comes from the
+    prefill, then a window of one draft (max_tokens 3) verifies token 2 and may emit token 3
+    as its bonus, shaped with the draft among the outputs. Chi-square at the 0.1% level
+    against the exact law (tests/helpers.assert_matches_distribution)."""
+    llm = _spec_llm(tiny_vocab_dir, vocab_drafter, num_kv_pages=4096)
+    base = dict(temperature=0.9, max_tokens=3, ignore_eos=True)
+    params = [SamplingParams(seed=s, **base, **SHAPED[name]) for s in range(NUM_SAMPLES)]
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+    m = llm.engine.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0, m
+    assert llm.engine.runner.stats["spec_steps_logits_shaping"] > 0
+    pairs = torch.tensor([o.outputs[0].token_ids[1] * VOCAB + o.outputs[0].token_ids[2]
+                          for o in outs])  # fmt: skip
+    counts = torch.bincount(pairs, minlength=VOCAB * VOCAB).double()
+    exact = exact_pair_probs(llm.engine.model, PROMPT, SamplingParams(**base, **SHAPED[name]))
+    assert_matches_distribution(counts, exact * NUM_SAMPLES)
+
+
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5]]
+GREEDY_SHAPED = {
+    "penalties": [
+        dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3),
+        dict(frequency_penalty=1.5),
+        dict(repetition_penalty=0.7, logit_bias={4: 1.5, 9: -2.0}),
+        dict(bad_words=["e", "c d"]),  # a two-token word: its request verifies no drafts
+        {},
+    ],
+    # no shaping reads the outputs: steps of windows still launch ahead (continuations)
+    "static": [
+        dict(logit_bias={4: 5.0}),
+        dict(bad_words=["g"]),
+        dict(min_p=0.3, logit_bias={2: -100}),
+        dict(logit_bias={8: -100, 7: 3.0}),
+        {},
+    ],  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("shaped", list(GREEDY_SHAPED))
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_with_shaping_equals_plain_decoding(
+    tiny_vocab_dir, vocab_drafter, async_scheduling, shaped
+):
+    """Five requests of different shaping batched together (and one plain), 24 to 40 tokens:
+    the windows' K drafts are judged with the drafts before them counted, so a window that
+    miscounted would emit another argmax than plain decoding does."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True, **shaping)
+        for i, shaping in enumerate(GREEDY_SHAPED[shaped])
+    ]
+    kw = dict(num_kv_pages=256, max_num_seqs=8, max_model_len=64,
+              async_scheduling=async_scheduling)  # fmt: skip
+    plain_llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", **kw)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(PROMPTS, params, use_tqdm=False)]
+    unshaped = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True)
+                for p in params]  # fmt: skip
+    reference = plain_llm.generate(PROMPTS, unshaped, use_tqdm=False)
+    assert sum(o.outputs[0].token_ids != t for o, t in zip(reference, plain, strict=True)) >= 3, (
+        "the shaping should change most outputs"
+    )
+    llm = _spec_llm(tiny_vocab_dir, vocab_drafter, **kw)
+    llm.engine.runner.spec_runner.uniform_windows = True  # (as with graphs: K + 1 wide windows)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == plain
+    m = llm.engine.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0, m
+    stats = llm.engine.runner.stats
+    assert stats["spec_steps_logits_shaping"] > 0
+    if shaped == "static" and async_scheduling:  # (eager steps of continuation windows)
+        assert stats["continuation_windows"] > 0, stats
+
+
+def test_prompt_logprobs_beside_windows(tiny_vocab_dir, vocab_drafter):
+    """A long prompt prefilled in chunks of at most 8 tokens while another request drafts:
+    its prompt logprobs are the raw model's, and the drafting request's greedy text is plain
+    decoding's."""
+    kw = dict(num_kv_pages=128, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64)
+    prompt = [2, 3, 4, 3, 9, 9, 5, 7, 2, 6, 11, 10, 4, 4, 8, 3, 2, 7, 6, 5]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3)]  # fmt: skip
+    llm = _spec_llm(tiny_vocab_dir, vocab_drafter, **kw)
+    # the long prompt arrives once the first request drafts
+    llm.engine.add_request("a", PROMPT, params[0])
+    for _ in range(3):
+        llm.engine.step()
+    llm.engine.add_request("b", prompt, params[1])
+    outs = {}
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert_raw_prompt_logprobs(llm.engine.model, prompt, outs["b"].prompt_logprobs, 3)
+    plain = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", **kw)
+    expected = plain.generate([PROMPT], params[0], use_tqdm=False)[0].outputs[0].token_ids
+    assert outs["a"].outputs[0].token_ids == expected
+    assert llm.engine.get_metrics()["num_drafts"] > 0
+    assert llm.engine.runner.stats["eager_steps_prompt_logprobs"] > 0

@@ -32,13 +32,14 @@ from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
 from dspark.server.engine_process import report_profile
-from dspark.server.errors import APIError, error_responses, install_error_handlers
+from dspark.server.errors import APIError, bad_request, error_responses, install_error_handlers
 from dspark.server.event_stream import EventStreamResponse
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from dspark.server.request_trace import SCOPE_KEY, StampMiddleware, tracer_from_env
 from dspark.server.serving import (
     Prepared,
+    base_request_id,
     full_response,
     prepare_chat,
     prepare_completion,
@@ -142,9 +143,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def run(prep_fn, body, request: Request):
         arrival = time.monotonic()  # (vLLM's arrival time: the latency metrics start here)
         state.check_model(body.model)
+        base_id = base_request_id(request.headers.get("x-request-id"))
         try:
             loop.check_serving()
-            prep: Prepared = prep_fn(body, loop.info.tokenizer)
+            prep: Prepared = prep_fn(body, loop.info.tokenizer, base_id)
+            if loop.is_routed(prep.subs[0].request_id):
+                raise bad_request(
+                    f"the X-Request-Id {base_id!r} is the id of a request still running; "
+                    "send a unique one", "X-Request-Id",
+                )  # fmt: skip
             trace = None
             if state.tracer is not None and prep.stream:
                 trace = {"id": prep.request_id, "pid": os.getpid(),
@@ -156,12 +163,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             if e.status == 503 and not loop.count_rejected(reason := e.code or "unavailable"):
                 state.metrics.rejected_here[reason] += 1
             raise
-        model = state.config.served_model_name
+        model, id_header = state.config.served_model_name, {"X-Request-Id": base_id}
         if prep.stream:
             events = stream_response(prep, stream, model, trace, state.tracer)
-            return EventStreamResponse(events, stream.close, SSE_HEADERS)
+            return EventStreamResponse(events, stream.close, SSE_HEADERS | id_header)
         result = await full_response(prep, stream, request, model)
-        return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
+        if result is None:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(result, headers=id_header)
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):

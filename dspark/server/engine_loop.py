@@ -390,6 +390,10 @@ class EngineLoop:
             raise bad_request(str(e)) from None
         return stream
 
+    def is_routed(self, request_id: str) -> bool:
+        """Whether an engine request of this id is in flight from this process."""
+        return request_id in self._routes
+
     def count_rejected(self, reason: str) -> bool:
         """Count a 503 with the engine's request metrics (so every API process's /metrics
         shows it); False when no engine can take it (loading, stopping, dead)."""

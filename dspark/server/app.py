@@ -2,6 +2,8 @@
 
     POST /v1/completions        POST /v1/chat/completions    (API key checked, if one is set:
     GET  /v1/models                                            auth.py, before the body is read)
+    POST /tokenize              POST /detokenize             (likewise; at the root, as vLLM's:
+                                                               tokenize.py)
     GET  /health                200 serving, 503 loading / stopping / dead (with the reason)
     GET  /metrics               Prometheus text (metrics.py; the key checked if asked for)
     GET  /version
@@ -45,6 +47,7 @@ from dspark.server.serving import (
     prepare_completion,
     stream_response,
 )
+from dspark.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # /openapi.json for the generation routes: a JSON body, or with "stream": true server-sent events
@@ -191,6 +194,18 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             "max_model_len": info.max_model_len if info is not None else None,
         }
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
+    async def tokenize_route(body: TokenizeRequest):
+        state.check_model(body.model)
+        loop.check_serving()
+        return tokenize(body, loop.info.tokenizer, loop.info.max_model_len)
+
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
+    async def detokenize_route(body: DetokenizeRequest):
+        state.check_model(body.model)
+        loop.check_serving()
+        return detokenize(body, loop.info.tokenizer)
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:

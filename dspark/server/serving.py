@@ -84,9 +84,7 @@ def base_request_id(header: str | None) -> str:
     vLLM's; its engine requests add the choice's index."""
     if header is None:
         return uuid.uuid4().hex
-    if not 1 <= len(header) <= MAX_REQUEST_ID_CHARS or not all(
-        "!" <= c <= "~" for c in header
-    ):
+    if not 1 <= len(header) <= MAX_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in header):
         raise bad_request(
             f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
             f"characters without spaces, got {header[:MAX_REQUEST_ID_CHARS]!r}",

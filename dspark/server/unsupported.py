@@ -42,14 +42,12 @@ UNSUPPORTED: dict[str, str] = {
     "special tokens are decoded as the tokenizer joins them",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported; "
     "use return_token_ids",
-    "priority": "request priorities are not supported (the scheduler is first come, first "
-    "served)",
+    "priority": "request priorities are not supported (the scheduler is first come, first served)",
     "request_id": "request_id is not a body field here; send the X-Request-Id header",
     "cache_salt": "cache_salt is not supported",
     "kv_transfer_params": "KV transfer (disaggregated serving) is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
-    "add_special_tokens": "add_special_tokens is not supported on this route (/tokenize "
-    "takes it)",
+    "add_special_tokens": "add_special_tokens is not supported on this route (/tokenize takes it)",
     "continue_final_message": "continue_final_message is not supported yet",
     "documents": "documents (retrieval templates) are not supported",
     "chat_template": "a per-request chat_template is not supported; the model's own is used",
@@ -60,6 +58,8 @@ UNSUPPORTED: dict[str, str] = {
     "include_reasoning": "reasoning options are not supported",
     "thinking_token_budget": "reasoning options are not supported",
     "parallel_tool_calls": "tools are not supported yet",
+    "tools": "tools are not supported yet",
+    "tool_choice": "tools are not supported yet",
     "functions": "functions (OpenAI's deprecated tools) are not supported",
     "function_call": "function_call (OpenAI's deprecated tool_choice) is not supported",
     "audio": "audio output is not supported",

@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import dspark
@@ -133,6 +134,13 @@ def build_app(
             ApiKeyMiddleware, api_key=config.api_key,
             protect_metrics=config.require_api_key_for_metrics,
         )  # fmt: skip
+    # outside the key's check: a browser's preflight (OPTIONS) carries no key, and a 401
+    # needs the CORS headers for the page to read it
+    app.add_middleware(
+        CORSMiddleware, allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+    )  # fmt: skip
     if state.tracer is not None:  # (added last: the outermost, called first)
         app.add_middleware(StampMiddleware)
     _add_generation_routes(app, state)

@@ -163,8 +163,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="HTTP server processes sharing the port, each with its own pipe to the one engine "
         f"process (default {ServerConfig.api_server_count}); more keep up with more streams",
     )
-    for flag, example in (("--allowed-origins", "https://app.example"),
-                          ("--allowed-methods", "POST"), ("--allowed-headers", "Authorization")):
+    for flag, example in (
+        ("--allowed-origins", "https://app.example"),
+        ("--allowed-methods", "POST"),
+        ("--allowed-headers", "Authorization"),
+    ):
         p.add_argument(
             flag, type=json.loads, default=None,
             help=f'CORS: a JSON list, e.g. \'["{example}"]\' (default ["*"])',

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -270,11 +271,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if server_config.api_server_count > 1:
         from dspark.server.api_servers import serve_with_workers
 
-        serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
-        return 0
-    app = build_app(server_config, engine_factory(engine_config))
-    GracefulServer(
-        app, server_config.shutdown_timeout_s, host=server_config.host,
-        port=server_config.port, **uvicorn_options,
-    ).run()  # fmt: skip
+        failure = serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
+    else:
+        app = build_app(server_config, engine_factory(engine_config))
+        server = GracefulServer(
+            app, server_config.shutdown_timeout_s, host=server_config.host,
+            port=server_config.port, **uvicorn_options,
+        )  # fmt: skip
+        server.run()
+        failure = server.load_failure
+    if failure is not None:  # (the server stopped itself: nothing can be served)
+        print(f"dspark: error: the model could not be loaded: {failure}", file=sys.stderr)
+        return 1
     return 0

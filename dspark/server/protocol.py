@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.server.errors import bad_request
-from dspark.server.unsupported import refuse_unsupported
+from dspark.server.unsupported import StrictRequest
 
 MAX_N = 8  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -40,11 +40,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(StrictRequest):
     """Sampling fields shared by both routes."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    route: ClassVar[str]
 
     model: str | None = None  # None: the served model
     n: int = Field(1, ge=1, le=MAX_N)
@@ -73,15 +72,6 @@ class _Request(BaseModel):
     # dspark: per-request opt-out of speculation; vLLM: the token ids beside the text
     use_speculation: bool = True
     return_token_ids: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_undeclared(cls, data: Any) -> Any:
-        """Fields the route lacks are refused by name before any is validated (the 400 says
-        "not supported yet", not pydantic's "extra inputs are not permitted")."""
-        if isinstance(data, dict):
-            return refuse_unsupported(data, cls.model_fields, cls.route)
-        return data
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement (400 naming the field)."""

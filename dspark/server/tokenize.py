@@ -16,29 +16,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from dspark.models.tokenizer import Tokenizer
 from dspark.server.errors import bad_request
 from dspark.server.protocol import MAX_INT32, MAX_MESSAGES, ChatMessage
-from dspark.server.unsupported import refuse_unsupported
+from dspark.server.unsupported import StrictRequest
 
 
-class _Strict(BaseModel):
-    """Undeclared fields refused by name (unsupported.py), as on the generation routes."""
-
-    model_config = ConfigDict(extra="forbid")
-    route: ClassVar[str]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_undeclared(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return refuse_unsupported(data, cls.model_fields, cls.route)
-        return data
-
-
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictRequest):
     """Exactly one of `prompt` (text) and `messages` (a chat, rendered by its template)."""
 
     route: ClassVar[str] = "/tokenize"
@@ -60,7 +46,7 @@ class TokenizeRequest(_Strict):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictRequest):
     route: ClassVar[str] = "/detokenize"
 
     model: str | None = None

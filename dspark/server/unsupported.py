@@ -13,7 +13,9 @@ one is declaring it in protocol.py.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from dspark.server.errors import APIError
 
@@ -109,3 +111,19 @@ def refuse_unsupported(data: dict, declared: Iterable[str], route: str) -> dict:
             message = f"{name}: unknown field of {route}; its fields are {fields}"
             raise APIError(400, message, str(name), "unknown_field")
     return kept
+
+
+class StrictRequest(BaseModel):
+    """A route's body: a field it does not declare is refused by name before any is validated
+    (the 400 says "not supported yet" or lists the fields, not pydantic's "extra inputs are
+    not permitted"; extra="forbid" tells /openapi.json the same)."""
+
+    model_config = ConfigDict(extra="forbid")
+    route: ClassVar[str]  # for the message: "/v1/completions"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_undeclared(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return refuse_unsupported(data, cls.model_fields, cls.route)
+        return data

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from dspark.config import DTYPE_CHOICES
+from dspark.version import __version__
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -187,6 +188,7 @@ def _compare_to_reference(table, llm, path: str | None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"dspark {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("prompt")

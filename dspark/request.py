@@ -78,7 +78,14 @@ class Request:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # vLLM's request timestamps (monotonic clock), read by the server's latency histograms:
+    # first admitted by the scheduler (queue time ends, prefill starts), first and latest step
+    # that gave it tokens, and the gap before each step that gave it tokens after the first
+    # (vLLM's inter-token latencies: one per step, however many tokens it accepted)
+    scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
     finished_time: float | None = None
     serial: int = field(default_factory=lambda: next(_serials), init=False)
 

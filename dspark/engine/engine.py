@@ -394,6 +394,9 @@ class LLMEngine:
         for req, first, count in emitted:
             if req.first_token_time is None:
                 req.first_token_time = now
+            else:
+                req.inter_token_latencies.append(now - req.last_token_time)
+            req.last_token_time = now
             hit = detokenizers[req.request_id].add_tokens(req.token_ids[first : first + count])
             if hit is not None:
                 del req.token_ids[first + hit.num_tokens :]  # after the stop (placeholders too)

@@ -71,8 +71,9 @@ def request_metrics(req: Request, has_spec: bool) -> dict[str, float]:
         metrics["num_drafts"] = req.num_drafts
         metrics["num_draft_tokens"] = req.num_draft_tokens
         metrics["num_accepted_tokens"] = req.num_accepted_tokens
-    if req.first_token_time is not None:
-        metrics["first_token_time"] = req.first_token_time
-    if req.finished_time is not None:
-        metrics["finished_time"] = req.finished_time
+    for name in ("scheduled_time", "first_token_time", "last_token_time", "finished_time"):
+        if (value := getattr(req, name)) is not None:
+            metrics[name] = value
+    if req.is_finished:  # (once, in the final output)
+        metrics["inter_token_latencies"] = req.inter_token_latencies
     return metrics

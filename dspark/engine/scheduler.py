@@ -209,6 +209,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:  # (a preempted request's queue time ended before)
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             row = ScheduledRow.of(req, n)
             rows.append(row)

@@ -50,9 +50,12 @@ class Tokenizer:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The template's token ids; `chat_template_kwargs` are the template's own variables
-        (Qwen3's `enable_thinking`), as vLLM passes them."""
+        (Qwen3's `enable_thinking`), as vLLM passes them. The template already writes any
+        BOS/system tokens it wants, so the tokenizer adds none unless `add_special_tokens`
+        (vLLM's /tokenize option)."""
         if not self._tok.chat_template:
             raise ValueError("this checkpoint has no chat template; use generate() with raw text")
         text = self._tok.apply_chat_template(
@@ -61,8 +64,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **(chat_template_kwargs or {}),
         )
-        # The template already writes any BOS/system tokens it wants.
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def token_to_text(self, token_ids: list[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(token_ids)

@@ -45,8 +45,11 @@ logger = logging.getLogger(__name__)
 WORKER_STOP_MARGIN_S = 5.0
 
 
-def serve_with_workers(config: ServerConfig, engine_factory: Callable, uvicorn_options: dict):
-    """Run the main server here and config.api_server_count - 1 workers, until stopped."""
+def serve_with_workers(
+    config: ServerConfig, engine_factory: Callable, uvicorn_options: dict
+) -> str | None:
+    """Run the main server here and config.api_server_count - 1 workers, until stopped;
+    returns why the engine failed to load, if it did (the server stops then)."""
     import uvicorn
 
     from dspark.server.app import build_app
@@ -76,8 +79,10 @@ def serve_with_workers(config: ServerConfig, engine_factory: Callable, uvicorn_o
                     before_stop=stop_workers)  # fmt: skip
     logger.info("serving with %d API processes (this one and %d workers)",
                 config.api_server_count, len(workers))  # fmt: skip
+    server = GracefulServer(app, config.shutdown_timeout_s, **uvicorn_options)
     try:
-        GracefulServer(app, config.shutdown_timeout_s, **uvicorn_options).run(sockets=[sock])
+        server.run(sockets=[sock])
+        return server.load_failure
     finally:
         _stop_workers(workers, stop_timeout_s)  # (already stopped, unless start-up failed)
 

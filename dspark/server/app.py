@@ -2,6 +2,8 @@
 
     POST /v1/completions        POST /v1/chat/completions    (API key checked, if one is set:
     GET  /v1/models                                            auth.py, before the body is read)
+    POST /tokenize              POST /detokenize             (likewise; at the root, as vLLM's:
+                                                               tokenize.py)
     GET  /health                200 serving, 503 loading / stopping / dead (with the reason)
     GET  /metrics               Prometheus text (metrics.py; the key checked if asked for)
     GET  /version
@@ -23,6 +25,7 @@ from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import dspark
@@ -32,18 +35,20 @@ from dspark.server.body_limit import BodyLimitMiddleware
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, EngineState
 from dspark.server.engine_process import report_profile
-from dspark.server.errors import APIError, error_responses, install_error_handlers
+from dspark.server.errors import APIError, bad_request, error_responses, install_error_handlers
 from dspark.server.event_stream import EventStreamResponse
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from dspark.server.request_trace import SCOPE_KEY, StampMiddleware, tracer_from_env
 from dspark.server.serving import (
     Prepared,
+    base_request_id,
     full_response,
     prepare_chat,
     prepare_completion,
     stream_response,
 )
+from dspark.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # /openapi.json for the generation routes: a JSON body, or with "stream": true server-sent events
@@ -129,6 +134,13 @@ def build_app(
             ApiKeyMiddleware, api_key=config.api_key,
             protect_metrics=config.require_api_key_for_metrics,
         )  # fmt: skip
+    # outside the key's check: a browser's preflight (OPTIONS) carries no key, and a 401
+    # needs the CORS headers for the page to read it
+    app.add_middleware(
+        CORSMiddleware, allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+    )  # fmt: skip
     if state.tracer is not None:  # (added last: the outermost, called first)
         app.add_middleware(StampMiddleware)
     _add_generation_routes(app, state)
@@ -142,9 +154,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def run(prep_fn, body, request: Request):
         arrival = time.monotonic()  # (vLLM's arrival time: the latency metrics start here)
         state.check_model(body.model)
+        base_id = base_request_id(request.headers.get("x-request-id"))
         try:
             loop.check_serving()
-            prep: Prepared = prep_fn(body, loop.info.tokenizer)
+            prep: Prepared = prep_fn(body, loop.info.tokenizer, base_id)
+            if loop.is_routed(prep.subs[0].request_id):
+                raise bad_request(
+                    f"the X-Request-Id {base_id!r} is the id of a request still running; "
+                    "send a unique one", "X-Request-Id",
+                )  # fmt: skip
             trace = None
             if state.tracer is not None and prep.stream:
                 trace = {"id": prep.request_id, "pid": os.getpid(),
@@ -156,12 +174,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             if e.status == 503 and not loop.count_rejected(reason := e.code or "unavailable"):
                 state.metrics.rejected_here[reason] += 1
             raise
-        model = state.config.served_model_name
+        model, id_header = state.config.served_model_name, {"X-Request-Id": base_id}
         if prep.stream:
             events = stream_response(prep, stream, model, trace, state.tracer)
-            return EventStreamResponse(events, stream.close, SSE_HEADERS)
+            return EventStreamResponse(events, stream.close, SSE_HEADERS | id_header)
         result = await full_response(prep, stream, request, model)
-        return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
+        if result is None:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(result, headers=id_header)
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
@@ -182,6 +202,18 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             "max_model_len": info.max_model_len if info is not None else None,
         }
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
+    async def tokenize_route(body: TokenizeRequest):
+        state.check_model(body.model)
+        loop.check_serving()
+        return tokenize(body, loop.info.tokenizer, loop.info.max_model_len)
+
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
+    async def detokenize_route(body: DetokenizeRequest):
+        state.check_model(body.model)
+        loop.check_serving()
+        return detokenize(body, loop.info.tokenizer)
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:

@@ -1,11 +1,11 @@
 """The API key's check, before anything reads the request's body.
 
 Pure ASGI middleware (as body_limit.py): a request to a protected route (every `/v1/` route,
-and `/metrics` with ServerConfig.require_api_key_for_metrics) without the key is answered 401
-at once, so a client without the key learns that, not what is wrong with its JSON, and the
-server parses nothing for it. The header is `Authorization: Bearer KEY`, the scheme
-case-insensitive (RFC 7235, section 2.1); a 401 carries `WWW-Authenticate: Bearer` (RFC 6750,
-section 3). The key is compared in constant time.
+/tokenize and /detokenize, and `/metrics` with ServerConfig.require_api_key_for_metrics)
+without the key is answered 401 at once, so a client without the key learns that, not what
+is wrong with its JSON, and the server parses nothing for it. The header is
+`Authorization: Bearer KEY`, the scheme case-insensitive (RFC 7235, section 2.1); a 401
+carries `WWW-Authenticate: Bearer` (RFC 6750, section 3). The key is compared in constant time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class ApiKeyMiddleware:
     def __init__(self, app, api_key: str, protect_metrics: bool) -> None:
         self.app = app
         self.key = api_key.encode()
-        self.protected = ("/v1/", "/metrics") if protect_metrics else ("/v1/",)
+        protected = ("/v1/", "/tokenize", "/detokenize")
+        self.protected = (*protected, "/metrics") if protect_metrics else protected
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self._is_protected(scope["path"]):

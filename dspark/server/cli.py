@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,13 @@ SERVER_OPTIONS: dict[str, Any] = {
     "stream_budget": ServerConfig.stream_budget,
     "stream_detokenize": ServerConfig.stream_detokenize,
     "api_server_count": ServerConfig.api_server_count,
+    "allowed_origins": list(ServerConfig.allowed_origins),
+    "allowed_methods": list(ServerConfig.allowed_methods),
+    "allowed_headers": list(ServerConfig.allowed_headers),
+    "allow_credentials": ServerConfig.allow_credentials,
     "disable_access_log": False,
 }
+CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -158,6 +164,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="HTTP server processes sharing the port, each with its own pipe to the one engine "
         f"process (default {ServerConfig.api_server_count}); more keep up with more streams",
     )
+    for flag, example in (
+        ("--allowed-origins", "https://app.example"),
+        ("--allowed-methods", "POST"),
+        ("--allowed-headers", "Authorization"),
+    ):
+        p.add_argument(
+            flag, type=json.loads, default=None,
+            help=f'CORS: a JSON list, e.g. \'["{example}"]\' (default ["*"])',
+        )  # fmt: skip
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        default=None,
+        help="CORS: allow cookies and Authorization headers from the allowed origins",
+    )
     p.add_argument("--disable-access-log", action="store_true", default=None)
     p.set_defaults(func=cmd_serve)
     return p
@@ -185,7 +206,9 @@ OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_toke
                 "max_queued_requests": int, "max_queued_tokens": int, "max_request_bytes": int,
                 "shutdown_timeout_s": float, "stream_budget": float, "api_server_count": int,
                 "disable_access_log": bool, "require_api_key_for_metrics": bool,
-                "enable_prefix_caching": bool}  # fmt: skip
+                "enable_prefix_caching": bool, "allow_credentials": bool,
+                "allowed_origins": list, "allowed_methods": list,
+                "allowed_headers": list}  # fmt: skip
 
 
 def _from_file(name: str, value: Any) -> Any:
@@ -217,10 +240,14 @@ def build_configs(options: dict[str, Any]):
 
     engine = EngineConfig(**{k: options[k] for k in ENGINE_OPTIONS})
     server_keys = [k for k in SERVER_OPTIONS if k != "disable_access_log"]
+    for name in CORS_LISTS:
+        if not isinstance(options[name], list):
+            raise ValueError(f"{name} must be a JSON list of strings, got {options[name]!r}")
     server = ServerConfig(
         **(
             {k: options[k] for k in server_keys}
             | {"served_model_name": options["served_model_name"] or options["model"]}
+            | {name: tuple(options[name]) for name in CORS_LISTS}
         )
     )
     return engine, server
@@ -244,11 +271,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if server_config.api_server_count > 1:
         from dspark.server.api_servers import serve_with_workers
 
-        serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
-        return 0
-    app = build_app(server_config, engine_factory(engine_config))
-    GracefulServer(
-        app, server_config.shutdown_timeout_s, host=server_config.host,
-        port=server_config.port, **uvicorn_options,
-    ).run()  # fmt: skip
+        failure = serve_with_workers(server_config, engine_factory(engine_config), uvicorn_options)
+    else:
+        app = build_app(server_config, engine_factory(engine_config))
+        server = GracefulServer(
+            app, server_config.shutdown_timeout_s, host=server_config.host,
+            port=server_config.port, **uvicorn_options,
+        )  # fmt: skip
+        server.run()
+        failure = server.load_failure
+    if failure is not None:  # (the server stopped itself: nothing can be served)
+        print(f"dspark: error: the model could not be loaded: {failure}", file=sys.stderr)
+        return 1
     return 0

@@ -35,8 +35,18 @@ class ServerConfig:
     # HTTP processes sharing the port, each with its own pipe to the one engine process
     # (vLLM's --api-server-count): one event loop saturates at a few hundred streams
     api_server_count: int = 1
+    # CORS (FastAPI's CORSMiddleware), vLLM's flags and defaults: any origin, method and header,
+    # no credentials. Browsers' preflight requests are answered before the API key is checked
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name} must be a list of non-empty strings, got {value!r}")
         checks = [
             (0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),

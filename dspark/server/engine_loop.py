@@ -106,6 +106,7 @@ class EngineLoop:
         self.max_queued_tokens = max_queued_tokens
         self.state = EngineState.LOADING
         self.failure: str | None = None  # why the engine died
+        self.load_failure: str | None = None  # why it died before it ever served, if it did
         self.info: EngineInfo | None = None  # sent by the engine once built
         self.stats = EngineStats()
         self.process: multiprocessing.process.BaseProcess | None = None
@@ -390,6 +391,10 @@ class EngineLoop:
             raise bad_request(str(e)) from None
         return stream
 
+    def is_routed(self, request_id: str) -> bool:
+        """Whether an engine request of this id is in flight from this process."""
+        return request_id in self._routes
+
     def count_rejected(self, reason: str) -> bool:
         """Count a 503 with the engine's request metrics (so every API process's /metrics
         shows it); False when no engine can take it (loading, stopping, dead)."""
@@ -439,6 +444,8 @@ class EngineLoop:
     def _die(self, reason: str) -> None:
         logger.error("the engine is dead: %s", reason)
         self.failure = reason
+        if self.state == EngineState.LOADING:
+            self.load_failure = reason
         self.state = EngineState.DEAD
         # nothing runs, waits or holds a page any more; the request counters stay
         self.stats = replace(self.stats, num_running=0, num_waiting=0, num_waiting_tokens=0,

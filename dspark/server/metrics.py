@@ -2,7 +2,9 @@
 
 Three sources, each rendered by one function:
 - request figures recorded as each request finishes (`RequestMetrics.record`): token counters,
-  finished requests by reason, TTFT / TPOT / end-to-end histograms, and the 503s answered. The
+  finished requests by reason, vLLM's latency histograms (`LATENCY_HISTOGRAMS`: time to first
+  token, inter-token latency, time per output token, end to end, queue, prefill, decode and
+  inference time), and the 503s answered. The
   engine process records them, where every request of every API process ends, and sends a
   snapshot with its stats, so each API process's page is the whole server's;
 - the engine's state after its last step (`EngineStats`): running and waiting requests, KV use,
@@ -24,12 +26,74 @@ from dataclasses import dataclass
 from dspark.outputs import FinalInfo
 from dspark.server.wire import EngineState, EngineStats
 
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LatencyHistogram:
+    """One of vLLM's request latency histograms: its name, buckets and help text."""
+
+    name: str
+    buckets: tuple[float, ...]
+    help: str
+
+
+# Each finished request's phases, from its timestamps (the engine's, monotonic, in its final
+# output's metrics), as vLLM splits them:
+#
+#   arrival   added      scheduled          first token           last token   finished
+#     |---------|------------|---------------------|--------------------|
+#               <-- queue --><----- prefill -------><------ decode ------>
+#     <------------- time to first token ---------->
+#                            <------------------ inference -------------->
+#     <---------------------------------- end to end -------------------------------->
+#
+# request_time_per_output_token is decode / (output tokens - 1), one sample per request; the
+# inter-token latencies are one sample per step that gave the request tokens after its first.
+LATENCY_HISTOGRAMS = (
+    LatencyHistogram("vllm:time_to_first_token_seconds", TTFT_BUCKETS,
+                     "Arrival to the first token."),
+    LatencyHistogram("vllm:inter_token_latency_seconds", TOKEN_GAP_BUCKETS,
+                     "Time between consecutive steps that gave a request tokens."),
+    LatencyHistogram("vllm:request_time_per_output_token_seconds", TOKEN_GAP_BUCKETS,
+                     "Per request, decode time over output tokens after the first."),
+    LatencyHistogram("vllm:e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS,
+                     "Arrival to finish."),
+    LatencyHistogram("vllm:request_queue_time_seconds", REQUEST_LATENCY_BUCKETS,
+                     "Time waiting in the engine's queue, added to first scheduled."),
+    LatencyHistogram("vllm:request_prefill_time_seconds", REQUEST_LATENCY_BUCKETS,
+                     "First scheduled to the first token."),
+    LatencyHistogram("vllm:request_decode_time_seconds", REQUEST_LATENCY_BUCKETS,
+                     "First token to the last token."),
+    LatencyHistogram("vllm:request_inference_time_seconds", REQUEST_LATENCY_BUCKETS,
+                     "First scheduled to the last token."),
+)  # fmt: skip
+
+
+def _phases(final: FinalInfo) -> dict[str, list[float]]:
+    """A finished request's samples per histogram name (a phase it never reached has none)."""
+    m, num_output = final.metrics, final.num_output_tokens
+    arrival, added, scheduled = m["arrival_time"], m.get("added_time"), m.get("scheduled_time")
+    first, last, end = m.get("first_token_time"), m.get("last_token_time"), m.get("finished_time")
+    spans = {
+        "vllm:time_to_first_token_seconds": (arrival, first),
+        "vllm:e2e_request_latency_seconds": (arrival, end),
+        "vllm:request_queue_time_seconds": (added, scheduled),
+        "vllm:request_prefill_time_seconds": (scheduled, first),
+        "vllm:request_decode_time_seconds": (first, last),
+        "vllm:request_inference_time_seconds": (scheduled, last),
+    }
+    samples = {name: [b - a] for name, (a, b) in spans.items() if a is not None and b is not None}
+    if first is not None and last is not None and num_output > 1:
+        samples["vllm:request_time_per_output_token_seconds"] = [(last - first) / (num_output - 1)]
+    samples["vllm:inter_token_latency_seconds"] = list(m.get("inter_token_latencies", ()))
+    return samples
 
 
 @dataclass(frozen=True)
@@ -109,28 +173,21 @@ class RequestMetrics:
         self.generation_tokens = 0
         self.finished = Counter()  # finish reason -> requests
         self.rejected = Counter()  # reason -> HTTP requests refused with 503
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+        self.latencies = {h.name: Histogram(h.buckets) for h in LATENCY_HISTOGRAMS}
 
     def record(self, final: FinalInfo) -> None:
         """A request's end (its final output's FinalInfo)."""
-        num_output = final.num_output_tokens
         self.prompt_tokens += final.num_prompt_tokens
-        self.generation_tokens += num_output
+        self.generation_tokens += final.num_output_tokens
         self.finished[final.finish_reason] += 1
-        m = final.metrics
-        first, end, start = m.get("first_token_time"), m.get("finished_time"), m["arrival_time"]
-        if first is not None:
-            self.ttft.observe(first - start)
-            if end is not None and num_output > 1:
-                self.tpot.observe((end - first) / (num_output - 1))
-        if end is not None:
-            self.e2e.observe(end - start)
+        for name, values in _phases(final).items():
+            histogram = self.latencies[name]
+            for value in values:
+                histogram.observe(value)
 
     def snapshot(self) -> tuple:
         """Plain values, to cross the pipe (pickled in C: no objects of ours)."""
-        hists = tuple((tuple(h.counts), h.sum) for h in (self.ttft, self.tpot, self.e2e))
+        hists = tuple((tuple(h.counts), h.sum) for h in self.latencies.values())
         return (self.prompt_tokens, self.generation_tokens, dict(self.finished),
                 dict(self.rejected), hists)  # fmt: skip
 
@@ -142,8 +199,7 @@ class RequestMetrics:
         prompt, generation, finished, rejected, hists = snapshot
         metrics.prompt_tokens, metrics.generation_tokens = prompt, generation
         metrics.finished, metrics.rejected = Counter(finished), Counter(rejected)
-        for histogram, (counts, total) in zip((metrics.ttft, metrics.tpot, metrics.e2e), hists,
-                                              strict=True):  # fmt: skip
+        for histogram, (counts, total) in zip(metrics.latencies.values(), hists, strict=True):
             histogram.counts, histogram.sum = list(counts), total
         return metrics
 
@@ -183,13 +239,9 @@ def _request_families(m: RequestMetrics, lb: dict[str, str]) -> list[str]:
                 "HTTP requests refused with 503, by reason.",
                 [_sample("dspark:requests_rejected_total", {**lb, "reason": r}, n)
                  for r, n in sorted(m.rejected.items())]),
-        _family("vllm:time_to_first_token_seconds", "histogram", "Time to first token.",
-                m.ttft.samples("vllm:time_to_first_token_seconds", lb)),
-        _family("vllm:time_per_output_token_seconds", "histogram",
-                "Mean time per output token after the first, per request.",
-                m.tpot.samples("vllm:time_per_output_token_seconds", lb)),
-        _family("vllm:e2e_request_latency_seconds", "histogram", "Arrival to finish.",
-                m.e2e.samples("vllm:e2e_request_latency_seconds", lb)),
+    ] + [
+        _family(h.name, "histogram", h.help, m.latencies[h.name].samples(h.name, lb))
+        for h in LATENCY_HISTOGRAMS
     ]  # fmt: skip
 
 

@@ -4,20 +4,24 @@ Field names are OpenAI's (and vLLM's for the extensions: top_k, min_tokens, igno
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_ids,
 repetition_penalty, min_p, bad_words) plus dspark's use_speculation. Every bound is declared on
 the field, so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it
-is a 400 naming the field. Unknown fields are ignored, as OpenAI and vLLM do. Options the engine
-does not implement (prompt_logprobs, echo with logprobs, suffix, tools, tool_choice, ...) are
-accepted at their neutral value and refused otherwise with a clear message, never silently
-dropped; a chat message reaches the template with all its fields.
+is a 400 naming the field. A field the route does not declare is refused with a 400 naming it
+(unsupported.py: vLLM's fields the engine lacks, such as guided_json, say so; other names list
+the route's fields), where vLLM and OpenAI ignore it: an ignored `guided_json` answers 200 with
+unconstrained text. Declared options the engine does not implement (prompt_logprobs, echo with
+logprobs, suffix, tools, tool_choice, ...) are accepted at their neutral value and refused
+otherwise with a clear message, never silently dropped; a chat message reaches the template
+with all its fields.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.server.errors import bad_request
+from dspark.server.unsupported import StrictRequest
 
 MAX_N = 8  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -32,13 +36,15 @@ NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # (vLLM's continuous_usage_stats: not supported)
+
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(StrictRequest):
     """Sampling fields shared by both routes."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None  # None: the served model
     n: int = Field(1, ge=1, le=MAX_N)
@@ -118,6 +124,8 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     """POST /v1/completions."""
+
+    route: ClassVar[str] = "/v1/completions"
 
     prompt: (
         NonEmptyText
@@ -213,6 +221,8 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
+    route: ClassVar[str] = "/v1/chat/completions"
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # None: until the context is full
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -230,11 +240,12 @@ class ChatCompletionRequest(_Request):
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request(
-                f"response_format {self.response_format.type!r} is not supported; only 'text'",
+                f"response_format {self.response_format.type!r}: structured output is not "
+                "supported yet; only 'text'",
                 "response_format",
             )
         if self.tools:
-            raise bad_request("tools are not supported", "tools")
+            raise bad_request("tools are not supported yet", "tools")
         if self.tool_choice is not None:  # (OpenAI refuses it without tools too)
             raise bad_request(
                 "tool_choice is only allowed with tools, which are not supported; omit it",

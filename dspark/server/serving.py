@@ -74,9 +74,28 @@ def _fan_out(
     ]
 
 
-def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepared:
+MAX_REQUEST_ID_CHARS = 128
+
+
+def base_request_id(header: str | None) -> str:
+    """The request's id: the client's X-Request-Id if it sent one (printable ASCII without
+    spaces, at most MAX_REQUEST_ID_CHARS, so it can be logged and echoed as it came), else a
+    fresh one. The response's "id" is it behind the object's prefix (cmpl-, chatcmpl-), as
+    vLLM's; its engine requests add the choice's index."""
+    if header is None:
+        return uuid.uuid4().hex
+    if not 1 <= len(header) <= MAX_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in header):
+        raise bad_request(
+            f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
+            f"characters without spaces, got {header[:MAX_REQUEST_ID_CHARS]!r}",
+            "X-Request-Id",
+        )
+    return header
+
+
+def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, base_id: str) -> Prepared:
     body.check_supported()
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = f"cmpl-{base_id}"
     prompts = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
@@ -92,9 +111,9 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
     return _prepared(body, request_id, subs, sum(len(ids) for ids, _ in prompts), fmt)
 
 
-def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
+def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, base_id: str) -> Prepared:
     body.check_supported()
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"chatcmpl-{base_id}"
     try:
         ids = tokenizer.apply_chat_template(
             body.conversation(), body.add_generation_prompt, body.chat_template_kwargs

@@ -13,6 +13,10 @@ So the deadline the user sets (`--shutdown-timeout-s`) is the engine's, not uvic
 
 An aborted request ends as any other: a whole response is the envelope with finish_reason
 "abort", a stream sends its final chunk and `[DONE]`.
+
+A model that cannot load stops the server too (`load_failure`, and `dspark serve` exits
+non-zero): a server that stays up answering 503 for ever looks alive to a process supervisor
+and hides the error in its log, where an exit lets the supervisor report and restart it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ class GracefulServer(uvicorn.Server):
         super().__init__(uvicorn.Config(app, **options))
         self.engine_loop = app.state.server.engine_loop
         self.shutdown_timeout_s = shutdown_timeout_s
+
+    @property
+    def load_failure(self) -> str | None:
+        """Why the engine failed to load, if it did."""
+        return self.engine_loop.load_failure
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.load_failure is not None:
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.engine_loop.drain(self.shutdown_timeout_s)

@@ -34,7 +34,7 @@ def tool_tokenizer(smollm_hf_tokenizer) -> Tokenizer:
 
 def _rendered(tokenizer: Tokenizer, messages: list[dict]) -> str:
     body = ChatCompletionRequest(messages=messages, add_generation_prompt=False)
-    ids = prepare_chat(body, tokenizer).subs[0].prompt_ids
+    ids = prepare_chat(body, tokenizer, "test").subs[0].prompt_ids
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
@@ -60,7 +60,7 @@ def test_tool_choice_without_tools_is_refused_naming_it(tool_tokenizer, tool_cho
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}],
                                  tool_choice=tool_choice)  # fmt: skip
     with pytest.raises(APIError) as refused:
-        prepare_chat(body, tool_tokenizer)
+        prepare_chat(body, tool_tokenizer, "test")
     assert refused.value.status == 400 and refused.value.param == "tool_choice"
     assert "tool_choice" in refused.value.message and "tools" in refused.value.message
 

@@ -60,7 +60,10 @@ def test_server_metrics_record_finished_requests():
     """Recorded in the engine process, sent as a snapshot, rendered by an API process (with
     the 503s it answered itself added to the engine's count)."""
     requests = RequestMetrics()
-    times = {"arrival_time": 10.0, "first_token_time": 10.5, "finished_time": 11.5}
+    # arrival 10, added 10.25, scheduled 10.375, tokens at 10.5 (the first), 11.0 and 11.5
+    times = {"arrival_time": 10.0, "added_time": 10.25, "scheduled_time": 10.375,
+             "first_token_time": 10.5, "last_token_time": 11.5, "finished_time": 11.5,
+             "inter_token_latencies": [0.5, 0.5]}  # fmt: skip
     requests.record(FinalInfo("length", None, 2, 3, None, times))
     requests.rejected["queue_full"] += 2
     metrics = ServerMetrics('a "quoted" name')
@@ -72,8 +75,22 @@ def test_server_metrics_record_finished_requests():
     assert f"vllm:prompt_tokens_total{{{labels}}} 2.0" in text
     assert f"vllm:generation_tokens_total{{{labels}}} 3.0" in text
     assert f'vllm:request_success_total{{{labels},finished_reason="length"}} 1.0' in text
-    assert f"vllm:time_to_first_token_seconds_sum{{{labels}}} 0.5" in text
-    assert f"vllm:time_per_output_token_seconds_sum{{{labels}}} 0.5" in text  # 1 s / 2 gaps
+    expected_sums = {
+        "time_to_first_token": 0.5,  # arrival -> first token
+        "request_queue_time": 0.125,  # added -> scheduled
+        "request_prefill_time": 0.125,  # scheduled -> first token
+        "request_decode_time": 1.0,  # first -> last token
+        "request_inference_time": 1.125,  # scheduled -> last token
+        "e2e_request_latency": 1.5,
+        "request_time_per_output_token": 0.5,  # 1 s of decode / 2 tokens after the first
+        "inter_token_latency": 1.0,  # two gaps of 0.5 s
+    }
+    for name, total in expected_sums.items():
+        assert f"vllm:{name}_seconds_sum{{{labels}}} {total!r}" in text, name
+    assert f"vllm:inter_token_latency_seconds_count{{{labels}}} 2.0" in text
+    assert f'vllm:inter_token_latency_seconds_bucket{{{labels},le="0.5"}} 2.0' in text
+    assert f'vllm:inter_token_latency_seconds_bucket{{{labels},le="0.4"}} 0.0' in text
+    assert "vllm:time_per_output_token_seconds" not in text  # (vLLM's old name of the ITL)
     assert f"vllm:kv_cache_usage_perc{{{labels}}} 0.25" in text
     assert f'dspark:requests_rejected_total{{{labels},reason="queue_full"}} 2.0' in text
     assert f'dspark:requests_rejected_total{{{labels},reason="loading"}} 1.0' in text

@@ -83,3 +83,24 @@ def test_prefix_caching_is_on_by_default_and_switched_by_flag_or_file(tmp_path):
     generate = build_parser().parse_args(["generate", "hi", "--no-enable-prefix-caching"])
     assert generate.enable_prefix_caching is False
     assert build_parser().parse_args(["generate", "hi"]).enable_prefix_caching is True
+
+
+def test_cors_options_flow_from_flags_or_file_with_vllms_defaults(tmp_path):
+    _, server = build_configs(_options(tmp_path, "model: m\n"))
+    assert server.allowed_origins == server.allowed_methods == server.allowed_headers == ("*",)
+    assert server.allow_credentials is False
+    options = _options(
+        tmp_path,
+        "allowed-origins: [https://a.example, https://b.example]\nallow_credentials: true\n"
+        "allowed-methods: [GET]\n",
+        "--allowed-methods", '["POST", "OPTIONS"]',
+    )  # fmt: skip
+    _, server = build_configs(options)
+    assert server.allowed_origins == ("https://a.example", "https://b.example")
+    assert server.allowed_methods == ("POST", "OPTIONS") and server.allow_credentials is True
+    with pytest.raises(ValueError, match="allowed_origins: expected list, got 'https://a'"):
+        _options(tmp_path, "allowed-origins: https://a\n")
+    with pytest.raises(ValueError, match="allowed_headers must be a JSON list of strings"):
+        build_configs(_options(tmp_path, "model: m\n", "--allowed-headers", '"X-Key"'))
+    with pytest.raises(ValueError, match="allowed_origins must be a list of non-empty strings"):
+        build_configs(_options(tmp_path, "allowed-origins: ['']\n"))

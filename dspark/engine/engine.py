@@ -63,6 +63,7 @@ from dspark.engine.spec_setup import (
     resolve_drafter,
     verified_positions,
 )
+from dspark.engine.startup_profile import measure_at_startup
 from dspark.engine.stats_log import StatsLogger
 from dspark.engine.validation import check_request
 from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
@@ -154,10 +155,6 @@ class LLMEngine:
         )
         self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)
-        self.policy, self.scheduling_status = build_policy(
-            config, self.spec, self.runner.spec_runner, drafter_dir, self.cost_fingerprint
-        )
-        self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)  # (DSPARK_POLICY_TRACE)
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids
@@ -172,6 +169,13 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
         self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
+        # last: a start-up profile (engine/startup_profile.py) steps this engine, undecided
+        self.policy, self.policy_trace = None, None
+        self.policy, self.scheduling_status = build_policy(
+            config, self.spec, spec_runner, drafter_dir, self.cost_fingerprint,
+            measure=lambda: measure_at_startup(self),
+        )  # fmt: skip
+        self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)  # (DSPARK_POLICY_TRACE)
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -191,6 +195,15 @@ class LLMEngine:
             self.spec.num_verify, str(self.dtype).removeprefix("torch."),
             graphs.sizes if graphs else [], self.config.page_size, spec_runner.trimmed_widths,
         )  # fmt: skip
+
+    def forget_profile_steps(self) -> None:
+        """Zero the counters a start-up profile's steps moved, so metrics start with the
+        user's first request (the profile's requests are gone: cost_profile.drain)."""
+        if self.spec is not None:
+            self.spec.reset_metrics()
+        self.runner.stats.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset_counters()
 
     def get_metrics(self) -> dict:
         """Speculative counters with vLLM's definitions (engine/spec_metrics.py)."""

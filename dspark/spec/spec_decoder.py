@@ -98,6 +98,13 @@ class SpecDecoder:
         self._temperatures_np = {g: t.double().numpy() for g, t in
                                  self.survival_temperatures.items()}  # fmt: skip
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
+        self.reset_metrics()
+        # called once per verified step with (verify_len, num_accepted, raw confidence logits
+        # [R, K] on the host), live windows in plan order: calibration records through this
+        self.observers: list[Callable[[list[int], list[int], torch.Tensor | None], None]] = []
+
+    def reset_metrics(self) -> None:
+        """vLLM's counters from zero (at construction, and after a start-up profile)."""
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len
         self.verify_len_counts = [0] * (self.num_verify + 1)  # windows by verify_len
@@ -105,9 +112,6 @@ class SpecDecoder:
         # position was predicted (summed) next to how often it was realised (drafts 1..k kept)
         self.predicted_survival = [0.0] * self.num_verify
         self.realised_survival = [0] * self.num_verify
-        # called once per verified step with (verify_len, num_accepted, raw confidence logits
-        # [R, K] on the host), live windows in plan order: calibration records through this
-        self.observers: list[Callable[[list[int], list[int], torch.Tensor | None], None]] = []
 
     def stage(
         self,

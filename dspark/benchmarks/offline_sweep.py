@@ -33,6 +33,7 @@ from dspark.benchmarks.report import (
     write_results,
 )
 from dspark.config import EngineConfig
+from dspark.engine.engine import LLMEngine
 from dspark.models.loader import resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -191,22 +192,30 @@ def metadata(
         "sources": list(config.sources),
         "seed": config.seed,
         "prompt_split": config.prompt_split,
+        # drafts kept by a profile, not the target (spec/synthetic.py); None: real acceptance
+        "synthetic": _synthetic_record(config),
         "engine": None,
         "dspark": None,
         "hf": None,
     }
 
 
+def _synthetic_record(config: BenchConfig) -> dict | None:
+    synthetic = config.synthetic()
+    if synthetic is None:
+        return None
+    k = max(len(synthetic.rates), 1)  # (each arm's metrics record it at that arm's K)
+    return synthetic.record(k)
+
+
 def build_llms(config: BenchConfig, results: dict) -> dict:
     """One LLM per arm, same engine kwargs but its own speculative_config; results["engine"]
     records the kwargs they share (with --arms each arm's speculative_config is in its entry)."""
-    from dspark.llm import LLM
-
     kwargs = engine_kwargs(config)
     llms = {}
     for name, arm in config.arm_configs().items():
         spec, engine = split_arm(arm)
-        llms[name] = LLM(**kwargs | engine | {"speculative_config": spec})
+        llms[name] = _arm_llm(kwargs | engine | {"speculative_config": spec}, config)
     max_model_len = min(llm.engine.max_model_len for llm in llms.values())
     check_lengths(config, max_model_len)
     shared = {k: v for k, v in kwargs.items() if k not in ("model", "dtype", "device")}
@@ -214,6 +223,17 @@ def build_llms(config: BenchConfig, results: dict) -> dict:
         del shared["speculative_config"]
     results["engine"] = shared | {"max_model_len": max_model_len}
     return llms
+
+
+def _arm_llm(kwargs: dict, config: BenchConfig):
+    """An arm's LLM; under --synthetic-acceptance over an engine built with it (LLM refuses
+    the mode: its text is not the model's)."""
+    from dspark.llm import LLM
+
+    synthetic = config.synthetic()
+    if synthetic is None:
+        return LLM(**kwargs)
+    return LLM.from_engine(LLMEngine(EngineConfig(**kwargs), synthetic=synthetic))
 
 
 def run_hf(config: BenchConfig, tokenizer: Tokenizer, batches: dict, dtype, device) -> dict:

@@ -126,13 +126,21 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def synthetic_banner(results: dict) -> str:
+    """The line above every table of a synthetic-acceptance run."""
+    synthetic = results["synthetic"]
+    return (f"SYNTHETIC acceptance {synthetic['profile']} (rates {synthetic['rates']}, expected "
+            f"tau {synthetic['expected_tau']:.2f}, seed {synthetic['seed']}): real forwards, "
+            "acceptance by the profile")  # fmt: skip
+
+
 def format_table(results: dict) -> str:
     """C | dspark tok/s | HF tok/s | ratio | TTFT p50/p99 ms | TPOT p50/p99 ms (dspark's)."""
     dspark = {lv["concurrency"]: lv for lv in measured_levels(results["dspark"])}
     hf_all = {lv["concurrency"]: lv for lv in (results["hf"] or {}).get("levels", [])}
     header = f"{'C':>5} {'dspark tok/s':>13} {'HF tok/s':>10} {'ratio':>6} "
     header += f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17}"
-    lines = [header]
+    lines = [synthetic_banner(results), header] if results.get("synthetic") else [header]
     for row in results["ratios"]:
         c = row["concurrency"]
         hf = hf_all.get(c)
@@ -154,6 +162,8 @@ def format_arms_table(results: dict) -> str:
     headers = [f"{name} tok/s" for name in names] + [f"{name}/{first}" for name in names[1:]]
     widths = [max(len(h), 8) for h in headers]
     lines = [f"{'C':>5} " + " ".join(f"{h:>{w}}" for h, w in zip(headers, widths, strict=True))]
+    if results.get("synthetic"):
+        lines.insert(0, synthetic_banner(results))
     for row in results["arm_ratios"]:
         cells = [_fmt(row["output_tokens_per_s"][name], ".1f") for name in names]
         cells += [_fmt(row["vs_first"][name], ".2f") for name in names[1:]]

@@ -79,14 +79,18 @@ from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.config import tail_sizes
+from dspark.spec.synthetic import SyntheticAcceptance
 from dspark.step_plan import InFlightStep
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, synthetic: SyntheticAcceptance | None = None) -> None:
+        """`synthetic`: a benchmark's synthetic acceptance (spec/synthetic.py), passed only by
+        `dspark bench` / `dspark profile`; never a setting (its output is not the model's)."""
         self.config = config
+        self.synthetic = synthetic
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         source = resolve_model(config.model, config.revision)
@@ -118,7 +122,7 @@ class LLMEngine:
             self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
         self.spec = build_spec(
             config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
-            drafter_dir, target_hash, backend,
+            drafter_dir, target_hash, backend, synthetic,
         )  # fmt: skip
         if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
             logger.warning("CUDA graphs need the triton attention backend: running eagerly")
@@ -207,8 +211,11 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         """Speculative counters with vLLM's definitions (engine/spec_metrics.py)."""
-        return spec_metrics(self.spec, self.policy, self.scheduler, self.runner.stats,
-                            self.scheduling_status)  # fmt: skip
+        metrics = spec_metrics(self.spec, self.policy, self.scheduler, self.runner.stats,
+                               self.scheduling_status)  # fmt: skip
+        if self.synthetic is not None and self.spec is not None:  # (never unmarked)
+            metrics["synthetic"] = self.synthetic.record(self.spec.num_verify)
+        return metrics
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from dspark.policy.policy import DraftingPolicy
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
 from dspark.spec.spec_decoder import SpecDecoder
+from dspark.spec.synthetic import SyntheticAcceptance
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def build_spec(
     path: Path | None,
     target_hash: str | None,
     backend: str,
+    synthetic: SyntheticAcceptance | None = None,  # a benchmark's (spec/synthetic.py)
 ) -> SpecDecoder | None:
     """The speculative decoder over the drafter at `path` (None without one), K checked
     against its draft_len and its confidence calibration loaded."""
@@ -103,7 +105,13 @@ def build_spec(
     spec = SpecDecoder(drafter, kv, config.page_size, device, num_verify=k,
                        max_rows=config.max_num_seqs,
                        confidence_temperatures=temperatures,
-                       greedy_confidence_temperatures=greedy_temperatures)  # fmt: skip
+                       greedy_confidence_temperatures=greedy_temperatures,
+                       synthetic=synthetic)  # fmt: skip
+    if synthetic is not None:
+        logger.warning("speculation: SYNTHETIC acceptance %s (expected tau %.2f at K = %d): "
+                       "drafts are kept by the profile, not the target; the output is not the "
+                       "model's (a benchmark mode)", synthetic.name or list(synthetic.rates),
+                       synthetic.expected_tau(k), k)  # fmt: skip
     logger.info("speculation: DSpark drafter %s%s, K = %d verified of %d drafted%s", path,
                 "" if spec_config.model else " (shipped for this target)", k, draft_len,
                 ", STS-calibrated confidence" if temperatures else "")  # fmt: skip

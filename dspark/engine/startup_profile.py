@@ -78,7 +78,10 @@ def profile_at_startup(engine: LLMEngine, batches: list[int]) -> Path | None:
                        "every step drafts the full block (fixed K)", why)  # fmt: skip
         engine.runner.stats["startup_profile_not_written"] += 1
         return None
-    table = replace(table, measured={"at_startup": True, "seconds": round(seconds, 1)})
+    measured = {"at_startup": True, "seconds": round(seconds, 1)}
+    if engine.synthetic is not None:  # (a benchmark's engine: real forwards, marked)
+        measured["synthetic"] = engine.synthetic.record(engine.spec.num_verify)
+    table = replace(table, measured=measured)
     path = user_tables_dir() / table_file_name(table.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(table.to_json())

@@ -28,6 +28,7 @@ from dspark.benchmarks.report import (
     arm_ratios,
     environment,
     format_arms_table,
+    format_overhead_table,
     format_table,
     ratios,
     write_results,
@@ -156,6 +157,8 @@ def run_offline_bench(
     print(format_table(results))
     if len(results.get("arms") or {}) > 1:
         print(format_arms_table(results))
+    if (overhead := format_overhead_table(results)) is not None:
+        print(overhead)
     return results
 
 

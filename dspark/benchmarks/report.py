@@ -134,6 +134,30 @@ def synthetic_banner(results: dict) -> str:
             "acceptance by the profile")  # fmt: skip
 
 
+def format_overhead_table(results: dict) -> str | None:
+    """Per arm with a drafting policy and level: its host time per step (decide, observe, the
+    trace line, total, microseconds) and the total's share of the level's wall time; None
+    when no arm has a policy."""
+    sweeps = results.get("arms") or {"dspark": results.get("dspark") or {}}
+    lines = []
+    for name, sweep in sweeps.items():
+        for level in sweep.get("levels", []):
+            o = level.get("scheduling_overhead")
+            if o is None:
+                continue
+            share = None if o["share_of_wall"] is None else 100 * o["share_of_wall"]
+            lines.append(
+                f"{name:>12} {level['concurrency']:>5} {o['decide_us_per_step']:>9.1f} "
+                f"{o['observe_us_per_step']:>10.1f} {o['trace_us_per_step']:>8.1f} "
+                f"{o['total_us_per_step']:>8.1f} {_fmt(share, '.2f'):>8}"
+            )
+    if not lines:
+        return None
+    header = f"{'arm':>12} {'C':>5} {'decide us':>9} {'observe us':>10} {'trace us':>8} "
+    header += f"{'total us':>8} {'% wall':>8}"
+    return "\n".join(["scheduling overhead per step", header, *lines])
+
+
 def format_table(results: dict) -> str:
     """C | dspark tok/s | HF tok/s | ratio | TTFT p50/p99 ms | TPOT p50/p99 ms (dspark's)."""
     dspark = {lv["concurrency"]: lv for lv in measured_levels(results["dspark"])}

@@ -334,12 +334,18 @@ class LLMEngine:
         # (a step with waiting or prefilling requests is not the steady cell the table prices:
         # it is, and that is what realised costs are for; an idle engine teaches nothing)
         counted = self._step_periods.decided(decision, now, bool(running))
+        traced = time.perf_counter()
         if self.policy_trace is not None:  # (before record_step: the prices it decided by)
             self.policy_trace.decided(decision, running, self.scheduler, self.runner.stats,
                                       counted, now)  # fmt: skip
+        recorded = time.perf_counter()
         if counted is not None:  # (the period is the previous decision's step)
             self.policy.record_step(*counted, arrivals=self._last_arrivals)
         self._last_arrivals = self.scheduler.has_arrivals()  # (priced apart: realised_costs.py)
+        host = self.policy.host_time  # the scheduling overhead, per step in the bench
+        host["decide_s"] += (traced - now) + (time.perf_counter() - recorded)
+        host["trace_s"] += recorded - traced
+        host["decisions"] += 1
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

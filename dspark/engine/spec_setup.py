@@ -8,6 +8,7 @@ layers and one position per row, and there is neither decoder nor policy.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -161,8 +162,20 @@ def build_policy(
         return policy, f"fixed K: cost table {path} refused ({reason})"
     logger.info("speculation: drafting decided per step from cost table %s (G %s)",
                 path, policy.sizes)  # fmt: skip
-    spec_runner.confidence_sinks.append(policy.observe)
+    spec_runner.confidence_sinks.append(_timed_observe(policy))
     return policy, f"drafting policy, cost table {path}"
+
+
+def _timed_observe(policy: DraftingPolicy) -> Callable[..., None]:
+    """policy.observe, its host time counted in policy.host_time["observe_s"] (the bench
+    reports scheduling overhead per step)."""
+
+    def observe(*args, **kwargs) -> None:
+        start = time.perf_counter()
+        policy.observe(*args, **kwargs)
+        policy.host_time["observe_s"] += time.perf_counter() - start
+
+    return observe
 
 
 def drafts_async(config: EngineConfig, spec_runner: SpecRunner | None) -> bool:

@@ -87,6 +87,9 @@ def test_the_start_up_table_is_saved_used_and_found_by_the_next_start(
     out = first.generate([[2, 3, 4]], SamplingParams(temperature=0, max_tokens=8),
                          use_tqdm=False)  # fmt: skip
     assert len(out[0].outputs[0].token_ids) == 8
+    # the policy's host time, by call, for the bench's scheduling overhead
+    host = first.get_metrics()["scheduling_host_time"]
+    assert host["decisions"] >= 8 and host["decide_s"] > 0 and host["observe_s"] > 0
     # the next start finds the table without measuring
     second = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
     assert as_if_captured == [[1, 2]]

@@ -32,6 +32,10 @@ LLMEngine = Any
 
 logger = logging.getLogger(__name__)
 
+# timed steps, untimed warm-up steps and rounds per cell: `dspark profile`'s defaults, the
+# measurement the shipped tables were made with (engine/cost_profile.py says why two rounds)
+STEPS, WARMUP, ROUNDS = 8, 3, 2
+
 
 def startup_profile_blocker(engine: LLMEngine) -> str | None:
     """Why this engine does not measure a cost table at start-up (None: it does)."""
@@ -65,11 +69,12 @@ def profile_at_startup(engine: LLMEngine, batches: list[int]) -> Path | None:
     runner.stats["startup_profile_not_written"]) when the table is flat."""
     start = time.perf_counter()
     with tqdm(
-        total=num_cells(engine, batches),
+        total=num_cells(engine, batches, ROUNDS),
         desc="measuring the cost table (profile_at_startup)",
         unit="cell",
     ) as bar:
-        table = measure_cost_table(engine, batches, on_cell=bar.update)
+        table = measure_cost_table(engine, batches, STEPS, WARMUP, rounds=ROUNDS,
+                                   on_cell=bar.update)  # fmt: skip
     seconds = time.perf_counter() - start
     engine.forget_profile_steps()
     why = flatness_reason(table)

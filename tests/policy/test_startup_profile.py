@@ -39,6 +39,9 @@ def as_if_captured(monkeypatch):
 
     monkeypatch.setattr(startup_profile, "startup_profile_blocker", lambda engine: None)
     monkeypatch.setattr(startup_profile, "startup_batches", batches)
+    # (fewer steps and rounds than a GPU's: the CPU's steps are slow)
+    for name, value in (("STEPS", 5), ("WARMUP", 1), ("ROUNDS", 1)):
+        monkeypatch.setattr(startup_profile, name, value)
     # (the tiny model's cells may lie within 5% of each other: a flat table is not saved)
     monkeypatch.setattr(startup_profile, "flatness_reason", lambda table: None)
     return measured
@@ -89,7 +92,8 @@ def test_the_start_up_table_is_saved_used_and_found_by_the_next_start(
     assert len(out[0].outputs[0].token_ids) == 8
     # the policy's host time, by call, for the bench's scheduling overhead
     host = first.get_metrics()["scheduling_host_time"]
-    assert host["decisions"] >= 8 and host["decide_s"] > 0 and host["observe_s"] > 0
+    assert host["decisions"] >= 8 and host["decide_s"] > 0
+    assert ("observe_s" in host) == (first.get_metrics().get("num_drafts", 0) > 0)
     # the next start finds the table without measuring
     second = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
     assert as_if_captured == [[1, 2]]

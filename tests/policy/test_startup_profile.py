@@ -15,6 +15,8 @@ from dspark.engine import startup_profile
 from dspark.policy.cost_table import parse_table, table_file_name
 from tests.tiny_models import make_tiny_drafter
 
+pytestmark = pytest.mark.start_up_profile
+
 KW = dict(dtype="float32", device="cpu", num_kv_pages=256, max_num_seqs=2, max_model_len=256)
 
 

@@ -481,11 +481,14 @@ def test_a_synthetic_bench_keeps_drafts_by_the_profile_and_says_so(tiny_llama_di
                       "--speculative-config", json.dumps(spec))  # fmt: skip
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("SYNTHETIC acceptance rates (rates [1.0], expected tau 2.00")
+    assert printed.startswith("SYNTHETIC acceptance rates (rates [1.0], seed 0; expected tau by "
+                              "K 1: 2.00, 2: 3.00, 3: 4.00")  # fmt: skip
     results = json.loads(out.read_text())
-    assert results["synthetic"] == {"profile": "rates", "rates": [1.0], "seed": 0,
-                                    "expected_tau": 2.0}  # fmt: skip
+    assert results["synthetic"]["rates"] == [1.0]
+    assert results["synthetic"]["expected_tau_by_k"]["2"] == 3.0
     (level,) = results["dspark"]["levels"]
+    # each level says so too, at the arm's K
+    assert level["speculation"]["synthetic"]["expected_tau"] == 3.0
     # every window keeps both drafts but a request's last, shortened near max_tokens
     assert level["speculation"]["mean_acceptance_length"] > 2.5
 

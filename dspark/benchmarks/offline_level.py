@@ -154,6 +154,8 @@ def _spec_delta(before: dict, after: dict) -> dict:
             ]
         d["num_survival_windows"] = windows
     d["scheduling"] = after.get("scheduling")  # policy or fixed K, and why
+    if "synthetic" in after:  # drafts kept by a profile, not the target (spec/synthetic.py)
+        d["synthetic"] = after["synthetic"]
     # the policy's state at the end of the level: its survival corrections and each cell's
     # realised / table step-time ratio ("G=64 V=512 greedy": 1.4)
     for key in ("survival_correction", "survival_persistence", "realised_cost_ratios"):

@@ -204,11 +204,9 @@ def metadata(
 
 
 def _synthetic_record(config: BenchConfig) -> dict | None:
+    """The mode's summary (each arm's levels record it at the arm's K, in "speculation")."""
     synthetic = config.synthetic()
-    if synthetic is None:
-        return None
-    k = max(len(synthetic.rates), 1)  # (each arm's metrics record it at that arm's K)
-    return synthetic.record(k)
+    return None if synthetic is None else synthetic.summary()
 
 
 def build_llms(config: BenchConfig, results: dict) -> dict:

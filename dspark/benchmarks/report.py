@@ -129,9 +129,10 @@ def _fmt(value: float | None, spec: str) -> str:
 def synthetic_banner(results: dict) -> str:
     """The line above every table of a synthetic-acceptance run."""
     synthetic = results["synthetic"]
-    return (f"SYNTHETIC acceptance {synthetic['profile']} (rates {synthetic['rates']}, expected "
-            f"tau {synthetic['expected_tau']:.2f}, seed {synthetic['seed']}): real forwards, "
-            "acceptance by the profile")  # fmt: skip
+    taus = ", ".join(f"{k}: {t:.2f}" for k, t in synthetic["expected_tau_by_k"].items())
+    return (f"SYNTHETIC acceptance {synthetic['profile']} (rates {synthetic['rates']}, seed "
+            f"{synthetic['seed']}; expected tau by K {taus}): real forwards, acceptance by the "
+            "profile")  # fmt: skip
 
 
 def format_overhead_table(results: dict) -> str | None:

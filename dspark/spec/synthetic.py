@@ -54,6 +54,8 @@ SYNTHETIC_REFUSED = (
     "--synthetic-acceptance`): its drafts are kept by a profile, not the target, so its text "
     "is not the model's; LLM, dspark generate and dspark serve refuse it"
 )
+# the largest K a result's summary gives the expected tau for (the released drafters' block)
+MAX_SUMMARY_K = 8
 # rates are clipped this far inside (0, 1) where they become confidence logits (finite)
 LOGIT_EPS = 1e-6
 
@@ -91,9 +93,20 @@ class SyntheticAcceptance:
         return 1.0 + sum(self.survival(k))
 
     def record(self, k: int) -> dict:
-        """What a result written under this mode says about it."""
+        """What an engine's metrics under this mode say about it, at its K."""
         return {"profile": self.name or "rates", "rates": self.rates_for(k), "seed": self.seed,
                 "expected_tau": round(self.expected_tau(k), 4)}  # fmt: skip
+
+    def summary(self) -> dict:
+        """What a result file says about the mode before K is known (each arm has its own):
+        the rates as given and the expected tau at each K up to MAX_SUMMARY_K."""
+        taus = {str(k): round(self.expected_tau(k), 4) for k in range(1, MAX_SUMMARY_K + 1)}
+        return {
+            "profile": self.name or "rates",
+            "rates": list(self.rates),
+            "seed": self.seed,
+            "expected_tau_by_k": taus,
+        }
 
     def device_rates(self, k: int, device: torch.device) -> torch.Tensor:
         """c_1 .. c_k on the device, made once (a captured step cannot copy from the host)."""

@@ -115,3 +115,19 @@ def test_a_flat_start_up_table_is_not_saved_and_counted(
     assert llm.engine.runner.stats["startup_profile_not_written"] == 1
     assert list((tmp_path / "cache" / "cost_tables").glob("*.json")) == []
     assert json.dumps(llm.get_metrics())  # (metrics still serialise)
+
+
+@pytest.mark.gpu
+def test_a_captured_engine_measures_its_table_at_start_up(tiny_vocab_dir, drafter, tmp_path,
+                                                          set_envs, monkeypatch):  # fmt: skip
+    """The rule on CUDA: graphs captured, no table: measured over the graph ladder, saved."""
+    set_envs(cache_dir=tmp_path / "cache")
+    # (a tiny model's cells may lie within 5% of each other: a flat table is not saved)
+    monkeypatch.setattr(startup_profile, "flatness_reason", lambda table: None)
+    kw = dict(KW, device="cuda", max_num_seqs=4)
+    llm = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **kw)
+    fingerprint = llm.engine.cost_fingerprint()
+    path = tmp_path / "cache" / "cost_tables" / table_file_name(fingerprint)
+    table = parse_table(path.read_text())
+    assert sorted(table.cells) == fingerprint["graph_sizes"]
+    assert llm.get_metrics()["scheduling"] == f"drafting policy, cost table {path}"

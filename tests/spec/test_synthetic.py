@@ -147,10 +147,36 @@ def test_bench_results_say_synthetic(tmp_path):
     config = BenchConfig(model="default", synthetic_acceptance="qwen3-8b-mtbench")
     record = metadata(config, torch.device("cpu"), torch.float32, "dspark bench", {})
     assert record["synthetic"]["profile"] == "qwen3-8b-mtbench"
-    assert record["synthetic"]["expected_tau"] == pytest.approx(3.72, abs=0.01)
+    assert record["synthetic"]["expected_tau_by_k"]["7"] == pytest.approx(3.72, abs=0.01)
+    assert record["synthetic"]["expected_tau_by_k"]["1"] == pytest.approx(1.83)
     json.dumps(record)
     assert synthetic_banner(record).startswith("SYNTHETIC acceptance qwen3-8b-mtbench")
     assert metadata(BenchConfig(model="default"), torch.device("cpu"), torch.float32, "", {})[
         "synthetic"] is None  # fmt: skip
     with pytest.raises(ValueError, match="comma-separated conditional rates"):
         BenchConfig(synthetic_acceptance="1.2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_captured_steps_keep_drafts_by_the_profile(tiny_vocab_dir, drafter, temperature):
+    """On the GPU the draws run inside the captured speculative steps (no eager fallback), and
+    over many windows the mean acceptance length is the profile's tau within 0.15."""
+    spec = {"model": str(drafter), "num_speculative_tokens": K}
+    kw = dict(KW, device="cuda", max_num_seqs=8, max_model_len=256)
+    synthetic = SyntheticAcceptance((0.8, 0.5, 0.9))
+    llm = LLM.from_engine(LLMEngine(EngineConfig(model=str(tiny_vocab_dir),
+                                                 speculative_config=spec, **kw),
+                                    synthetic=synthetic))  # fmt: skip
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=150, ignore_eos=True)
+              for i in range(8)]  # fmt: skip
+    llm.generate([[2 + i, 3, 4] for i in range(8)], params, use_tqdm=False)
+    metrics = llm.get_metrics()
+    assert metrics["steps"]["spec_graph_steps"] > 0 and not metrics["fallbacks"], metrics
+    tau = metrics["mean_acceptance_length"]
+    assert tau == pytest.approx(synthetic.expected_tau(K), abs=0.15)
+    # the confidences the host reads are the profile's survival
+    windows = metrics.get("num_survival_windows", 0)
+    if windows:
+        predicted = [p / windows for p in metrics["predicted_survival_per_pos"]]
+        assert predicted == pytest.approx(synthetic.survival(K), abs=1e-3)

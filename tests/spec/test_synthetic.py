@@ -180,3 +180,20 @@ def test_captured_steps_keep_drafts_by_the_profile(tiny_vocab_dir, drafter, temp
     if windows:
         predicted = [p / windows for p in metrics["predicted_survival_per_pos"]]
         assert predicted == pytest.approx(synthetic.survival(K), abs=1e-3)
+
+
+def test_a_profile_under_synthetic_acceptance_says_so(tiny_vocab_dir, drafter, tmp_path,
+                                                      monkeypatch):  # fmt: skip
+    import dspark.policy.cost_table as cost_table
+
+    monkeypatch.setattr(cost_table, "flatness_reason", lambda table: None)  # (a tiny model)
+    out = tmp_path / "table.json"
+    rc = cli_main(["profile", "--model", str(tiny_vocab_dir), "--device", "cpu", "--dtype",
+                   "float32", "--max-model-len", "256", "--max-num-seqs", "2", "--batch", "1,2",
+                   "--steps", "5", "--warmup", "1", "--rounds", "1", "--greedy-only",
+                   "--synthetic-acceptance", "smollm2", "--out", str(out), "--speculative-config",
+                   json.dumps({"model": str(drafter), "num_speculative_tokens": K})])  # fmt: skip
+    assert rc == 0
+    measured = json.loads(out.read_text())["measured"]
+    assert measured["synthetic"]["profile"] == "smollm2"
+    assert measured["synthetic"]["rates"] == [0.77, 0.78, 0.74]

@@ -1,4 +1,5 @@
-"""Qwen3-8B's shapes with random weights, no download: what serving the real target costs.
+"""Qwen3-8B's (or -14B's) shapes with random weights, no download: what serving the real
+target costs.
 
     python bench/real_target_shapes.py --out /tmp/real_shapes            # on an H100, ~15 min
     python bench/real_target_shapes.py --out /tmp/rs --shapes tiny --device cpu   # dry run
@@ -18,8 +19,10 @@ process so peaks and start-up are clean:
   drafting       bench/spec_step_profile.py at K = 7: the drafting part's time against the
                  target forward's, per batch size
 
-Random weights accept nothing: these are costs, never acceptance. Results go to OUT/*.json and
-one summary table on stdout.
+Random weights accept nothing: these are costs, never acceptance (`dspark bench
+--synthetic-acceptance` over OUT/target and OUT/drafter measures scheduling at a given
+acceptance: dspark/spec/synthetic.py). `--skip startup,throughput,drafting` only writes the
+checkpoints. Results go to OUT/*.json and one summary table on stdout.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                taps=[1, 9, 17, 25, 33], draft_layers=5, shard_gb=4.0),
+    # Qwen/Qwen3-14B's config.json; its drafter's taps spaced as the 8B's are over 40 layers
+    # (assumed: the released 14B drafter's own config was not at hand)
+    "14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                taps=[1, 10, 19, 28, 37], draft_layers=5, shard_gb=4.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
                  taps=[1, 2], draft_layers=2, shard_gb=0.0002),

@@ -106,19 +106,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from dspark.benchmarks.gpu_state import describe, held_down, read_gpu_state
     from dspark.benchmarks.profile import format_table, profile_cost_table
+    from dspark.config import EngineConfig
+    from dspark.engine.engine import LLMEngine
     from dspark.llm import LLM
     from dspark.policy.cost_table import flatness_reason, table_file_name, user_tables_dir
+    from dspark.spec.synthetic import SyntheticAcceptance
 
     spec = dict(args.speculative_config or {"method": "dspark"})
     if "cost_table" in spec:
         raise ValueError("dspark profile measures a new table: leave cost_table out")
     spec["scheduling"] = False  # the profiler pins each cell (a shipped table must not decide)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else None
-    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs if batches is None else max(batches),
-              kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec,
-              enable_prefix_caching=args.enable_prefix_caching)  # fmt: skip
+    config = EngineConfig(args.model, revision=args.revision, dtype=args.dtype,
+                          device=args.device, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs if batches is None else max(batches),
+                          kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec,
+                          enable_prefix_caching=args.enable_prefix_caching)  # fmt: skip
+    synthetic = None
+    if args.synthetic_acceptance is not None:  # (step costs of real forwards, marked)
+        synthetic = SyntheticAcceptance.parse(args.synthetic_acceptance, args.synthetic_seed)
+    llm = LLM.from_engine(LLMEngine(config, synthetic=synthetic))
     if batches is None:  # the captured ladder (on the CPU: powers of two to max_num_seqs)
         graphs = llm.engine.runner.spec_runner.graphs
         batches = (
@@ -140,6 +147,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         table = replace(table, measured={"gpu_state_before": before, "gpu_state_after": after})
+    if synthetic is not None:
+        record = synthetic.record(llm.engine.spec.num_verify)
+        table = replace(table, measured={**(table.measured or {}), "synthetic": record})
     print(format_table(table, llm.engine.spec.num_verify))
     _compare_to_reference(table, llm, args.compare_to)
     why = flatness_reason(table)
@@ -208,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--compare-to", default=None,
                       help="a table to compare the new one with (default: the table an "
                       "engine like this one uses, if any)")  # fmt: skip
+    from dspark.benchmarks.offline import add_synthetic_args
+
+    add_synthetic_args(prof)
     prof.add_argument("--out", help="where to write the table (default: the user's tables, "
                       "cost_tables/ under $DSPARK_CACHE_DIR or ~/.cache/dspark, where engines "
                       "with its fingerprint find it)")  # fmt: skip

@@ -18,8 +18,10 @@ from dspark.engine.collector import steady_collector
 from dspark.engine.engine import LLMEngine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import MAX_SEED, SamplingParams
+from dspark.spec.synthetic import SYNTHETIC_REFUSED
 
 logger = logging.getLogger(__name__)
+
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -32,8 +34,17 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", dtype: str = "auto", **kwargs: Any) -> None:
+        if "synthetic_acceptance" in kwargs:
+            raise ValueError(SYNTHETIC_REFUSED)
         self._engine: LLMEngine | None = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over an engine built elsewhere (the benchmarks build theirs)."""
+        llm = cls.__new__(cls)
+        llm._engine, llm._ids = engine, itertools.count()
+        return llm
 
     @property
     def engine(self) -> LLMEngine:

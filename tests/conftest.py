@@ -17,6 +17,17 @@ from tests.tiny_models import make_tiny_llama, make_tiny_vocab_model  # noqa: E4
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _no_start_up_profile(request, monkeypatch):
+    """Engines built by tests measure no cost table at start-up (on a GPU, a minute per engine
+    and a table left in the user's cache); tests marked start_up_profile keep the rule."""
+    if request.node.get_closest_marker("start_up_profile") is None:
+        from dspark.engine import startup_profile
+
+        monkeypatch.setattr(startup_profile, "startup_profile_blocker",
+                            lambda engine: "tests measure none")  # fmt: skip
+
+
 def _has_default_model() -> bool:
     from dspark.models.loader import default_model_path
 

@@ -469,3 +469,52 @@ def test_a_levels_speculation_is_the_metrics_delta_with_the_policys_end_state():
     assert _spec_delta(before, after)["async_spec_steps"] == {
         "launched_ahead": 7, "not_ahead": {"drafting_off": 1}
     }  # fmt: skip
+
+
+def test_a_synthetic_bench_keeps_drafts_by_the_profile_and_says_so(tiny_llama_dir, tmp_path,
+                                                                   capsys):  # fmt: skip
+    drafter = make_tiny_drafter(tiny_llama_dir, tmp_path / "drafter", taps=(0, 1))
+    out = tmp_path / "synthetic.json"
+    spec = {"model": str(drafter), "num_speculative_tokens": 2}
+    args = _cpu_bench(tiny_llama_dir, out, "--concurrency", "2", "--output-len", "13",
+                      "--max-prompt-len", "48", "--synthetic-acceptance", "1.0",
+                      "--speculative-config", json.dumps(spec))  # fmt: skip
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("SYNTHETIC acceptance rates (rates [1.0], seed 0; expected tau by "
+                              "K 1: 2.00, 2: 3.00, 3: 4.00")  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["synthetic"]["rates"] == [1.0]
+    assert results["synthetic"]["expected_tau_by_k"]["2"] == 3.0
+    (level,) = results["dspark"]["levels"]
+    # each level says so too, at the arm's K
+    assert level["speculation"]["synthetic"]["expected_tau"] == 3.0
+    # every window keeps both drafts but a request's last, shortened near max_tokens
+    assert level["speculation"]["mean_acceptance_length"] > 2.5
+
+
+def test_scheduling_overhead_is_the_policys_host_time_per_step():
+    from dspark.benchmarks.offline_level import scheduling_overhead
+    from dspark.benchmarks.report import format_overhead_table
+
+    before = {"scheduling_host_time": {"decide_s": 1.0, "observe_s": 0.5, "decisions": 100}}
+    after = {"scheduling_host_time": {"decide_s": 1.06, "observe_s": 0.54, "trace_s": 0.0,
+                                      "decisions": 2100}}  # fmt: skip
+    o = scheduling_overhead(before, after, wall_s=50.0)  # the docstring's example
+    assert o["steps"] == 2000
+    assert o["decide_us_per_step"] == pytest.approx(30.0)
+    assert o["observe_us_per_step"] == pytest.approx(20.0)
+    assert o["total_us_per_step"] == pytest.approx(50.0)
+    assert o["share_of_wall"] == pytest.approx(0.002)
+    assert scheduling_overhead({}, {"num_drafts": 3}, 1.0) is None  # no policy
+    assert scheduling_overhead(after, after, 1.0) is None  # no step at this level
+    results = {
+        "arms": {
+            "plain": {"levels": [{"concurrency": 4}]},
+            "policy": {"levels": [{"concurrency": 4, "scheduling_overhead": o}]},
+        }
+    }
+    table = format_overhead_table(results)
+    assert table.splitlines()[0] == "scheduling overhead per step"
+    assert table.splitlines()[2].split() == ["policy", "4", "30.0", "20.0", "0.0", "50.0", "0.20"]
+    assert format_overhead_table({"dspark": {"levels": [{"concurrency": 1}]}}) is None

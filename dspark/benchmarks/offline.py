@@ -28,6 +28,7 @@ from dspark.benchmarks.offline_config import BenchConfig, parse_arms, parse_conc
 from dspark.benchmarks.offline_sweep import run_offline_bench
 from dspark.benchmarks.prompts import PROMPT_SPLITS, SOURCES, parse_sources
 from dspark.config import DTYPE_CHOICES
+from dspark.spec.synthetic import PROFILES
 
 DEFAULT_CONCURRENCY = "1,4,16,64,256,512"
 
@@ -110,6 +111,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hf-only", action="store_true", help="run only the transformers peer")
     p.add_argument("--hf-max-concurrency", type=int, default=64)
     p.add_argument("--hf-cache", default="static", choices=CACHE_IMPLEMENTATIONS)
+    add_synthetic_args(p)
     p.add_argument("--out", type=Path, default=Path("bench_results.json"))
     p.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
     p.add_argument("--no-plot", action="store_true")
@@ -121,6 +123,18 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_bench)
     return p
+
+
+def add_synthetic_args(p: argparse.ArgumentParser) -> None:
+    """--synthetic-acceptance and its seed (`dspark bench` and `dspark profile` only)."""
+    p.add_argument(
+        "--synthetic-acceptance",
+        default=None,
+        help=f"keep drafts by this profile, not the target: one of {sorted(PROFILES)} or "
+        "comma-separated conditional rates per position (e.g. 0.9,0.8,0.7); the forwards and "
+        "layouts are real, the text is not; every result is marked synthetic",
+    )
+    p.add_argument("--synthetic-seed", type=int, default=0, help="seed of the synthetic draws")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -152,6 +166,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf_cache=args.hf_cache,
         out=args.out,
         plot=plot,
+        synthetic_acceptance=args.synthetic_acceptance,
+        synthetic_seed=args.synthetic_seed,
     )
 
 

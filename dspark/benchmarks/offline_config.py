@@ -17,6 +17,7 @@ from pathlib import Path
 from dspark.benchmarks.hf_peer import CACHE_IMPLEMENTATIONS
 from dspark.benchmarks.prompts import SOURCES
 from dspark.spec.config import SpecConfig
+from dspark.spec.synthetic import SyntheticAcceptance
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class BenchConfig:
     hf_cache: str = "static"
     out: Path = Path("bench_results.json")
     plot: Path | None = None  # None: no plot
+    # drafts kept by this profile, not the target (spec/synthetic.py: a named profile or
+    # comma-separated conditional rates); every result says so. None: real acceptance
+    synthetic_acceptance: str | None = None
+    synthetic_seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("output_len", "max_prompt_len", "repeats", "hf_max_concurrency", "waves",
@@ -98,6 +103,11 @@ class BenchConfig:
                 f"--min-requests {self.min_requests} runs a closed loop at the levels below it, "
                 "the HF peer static batches of C: run the peer without it"
             )
+        if self.synthetic_acceptance is not None:
+            SyntheticAcceptance.parse(self.synthetic_acceptance)  # (a bad profile fails here)
+            if self.use_hf:
+                raise ValueError("--synthetic-acceptance applies to dspark's arms: run the HF "
+                                 "peer without it")  # fmt: skip
         if self.arms is not None and not self.use_dspark:
             raise ValueError("--arms are dspark engines: they cannot run with --hf-only")
 
@@ -109,6 +119,12 @@ class BenchConfig:
     def max_output_len(self) -> int:
         """The longest a request's output can be (output_lengths)."""
         return math.ceil(self.output_len * (1 + self.output_len_spread))
+
+    def synthetic(self) -> SyntheticAcceptance | None:
+        """The synthetic acceptance the arms run under, None for real acceptance."""
+        if self.synthetic_acceptance is None:
+            return None
+        return SyntheticAcceptance.parse(self.synthetic_acceptance, self.synthetic_seed)
 
     def arm_configs(self) -> dict[str, dict | None]:
         """Name -> speculative_config; without --arms one arm, "dspark", --speculative-config's."""

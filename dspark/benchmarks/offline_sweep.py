@@ -28,11 +28,13 @@ from dspark.benchmarks.report import (
     arm_ratios,
     environment,
     format_arms_table,
+    format_overhead_table,
     format_table,
     ratios,
     write_results,
 )
 from dspark.config import EngineConfig
+from dspark.engine.engine import LLMEngine
 from dspark.models.loader import resolve_model
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -155,6 +157,8 @@ def run_offline_bench(
     print(format_table(results))
     if len(results.get("arms") or {}) > 1:
         print(format_arms_table(results))
+    if (overhead := format_overhead_table(results)) is not None:
+        print(overhead)
     return results
 
 
@@ -191,22 +195,28 @@ def metadata(
         "sources": list(config.sources),
         "seed": config.seed,
         "prompt_split": config.prompt_split,
+        # drafts kept by a profile, not the target (spec/synthetic.py); None: real acceptance
+        "synthetic": _synthetic_record(config),
         "engine": None,
         "dspark": None,
         "hf": None,
     }
 
 
+def _synthetic_record(config: BenchConfig) -> dict | None:
+    """The mode's summary (each arm's levels record it at the arm's K, in "speculation")."""
+    synthetic = config.synthetic()
+    return None if synthetic is None else synthetic.summary()
+
+
 def build_llms(config: BenchConfig, results: dict) -> dict:
     """One LLM per arm, same engine kwargs but its own speculative_config; results["engine"]
     records the kwargs they share (with --arms each arm's speculative_config is in its entry)."""
-    from dspark.llm import LLM
-
     kwargs = engine_kwargs(config)
     llms = {}
     for name, arm in config.arm_configs().items():
         spec, engine = split_arm(arm)
-        llms[name] = LLM(**kwargs | engine | {"speculative_config": spec})
+        llms[name] = _arm_llm(kwargs | engine | {"speculative_config": spec}, config)
     max_model_len = min(llm.engine.max_model_len for llm in llms.values())
     check_lengths(config, max_model_len)
     shared = {k: v for k, v in kwargs.items() if k not in ("model", "dtype", "device")}
@@ -214,6 +224,17 @@ def build_llms(config: BenchConfig, results: dict) -> dict:
         del shared["speculative_config"]
     results["engine"] = shared | {"max_model_len": max_model_len}
     return llms
+
+
+def _arm_llm(kwargs: dict, config: BenchConfig):
+    """An arm's LLM; under --synthetic-acceptance over an engine built with it (LLM refuses
+    the mode: its text is not the model's)."""
+    from dspark.llm import LLM
+
+    synthetic = config.synthetic()
+    if synthetic is None:
+        return LLM(**kwargs)
+    return LLM.from_engine(LLMEngine(EngineConfig(**kwargs), synthetic=synthetic))
 
 
 def run_hf(config: BenchConfig, tokenizer: Tokenizer, batches: dict, dtype, device) -> dict:

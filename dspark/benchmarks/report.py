@@ -126,13 +126,46 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def synthetic_banner(results: dict) -> str:
+    """The line above every table of a synthetic-acceptance run."""
+    synthetic = results["synthetic"]
+    taus = ", ".join(f"{k}: {t:.2f}" for k, t in synthetic["expected_tau_by_k"].items())
+    return (f"SYNTHETIC acceptance {synthetic['profile']} (rates {synthetic['rates']}, seed "
+            f"{synthetic['seed']}; expected tau by K {taus}): real forwards, acceptance by the "
+            "profile")  # fmt: skip
+
+
+def format_overhead_table(results: dict) -> str | None:
+    """Per arm with a drafting policy and level: its host time per step (decide, observe, the
+    trace line, total, microseconds) and the total's share of the level's wall time; None
+    when no arm has a policy."""
+    sweeps = results.get("arms") or {"dspark": results.get("dspark") or {}}
+    lines = []
+    for name, sweep in sweeps.items():
+        for level in sweep.get("levels", []):
+            o = level.get("scheduling_overhead")
+            if o is None:
+                continue
+            share = None if o["share_of_wall"] is None else 100 * o["share_of_wall"]
+            lines.append(
+                f"{name:>12} {level['concurrency']:>5} {o['decide_us_per_step']:>9.1f} "
+                f"{o['observe_us_per_step']:>10.1f} {o['trace_us_per_step']:>8.1f} "
+                f"{o['total_us_per_step']:>8.1f} {_fmt(share, '.2f'):>8}"
+            )
+    if not lines:
+        return None
+    header = f"{'arm':>12} {'C':>5} {'decide us':>9} {'observe us':>10} {'trace us':>8} "
+    header += f"{'total us':>8} {'% wall':>8}"
+    return "\n".join(["scheduling overhead per step", header, *lines])
+
+
 def format_table(results: dict) -> str:
     """C | dspark tok/s | HF tok/s | ratio | TTFT p50/p99 ms | TPOT p50/p99 ms (dspark's)."""
     dspark = {lv["concurrency"]: lv for lv in measured_levels(results["dspark"])}
     hf_all = {lv["concurrency"]: lv for lv in (results["hf"] or {}).get("levels", [])}
     header = f"{'C':>5} {'dspark tok/s':>13} {'HF tok/s':>10} {'ratio':>6} "
     header += f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17}"
-    lines = [header]
+    lines = [synthetic_banner(results), header] if results.get("synthetic") else [header]
     for row in results["ratios"]:
         c = row["concurrency"]
         hf = hf_all.get(c)
@@ -154,6 +187,8 @@ def format_arms_table(results: dict) -> str:
     headers = [f"{name} tok/s" for name in names] + [f"{name}/{first}" for name in names[1:]]
     widths = [max(len(h), 8) for h in headers]
     lines = [f"{'C':>5} " + " ".join(f"{h:>{w}}" for h, w in zip(headers, widths, strict=True))]
+    if results.get("synthetic"):
+        lines.insert(0, synthetic_banner(results))
     for row in results["arm_ratios"]:
         cells = [_fmt(row["output_tokens_per_s"][name], ".1f") for name in names]
         cells += [_fmt(row["vs_first"][name], ".2f") for name in names[1:]]

@@ -63,6 +63,7 @@ from dspark.engine.spec_setup import (
     resolve_drafter,
     verified_positions,
 )
+from dspark.engine.startup_profile import measure_at_startup
 from dspark.engine.stats_log import StatsLogger
 from dspark.engine.validation import check_request
 from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
@@ -78,14 +79,18 @@ from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.config import tail_sizes
+from dspark.spec.synthetic import SyntheticAcceptance
 from dspark.step_plan import InFlightStep
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, synthetic: SyntheticAcceptance | None = None) -> None:
+        """`synthetic`: a benchmark's synthetic acceptance (spec/synthetic.py), passed only by
+        `dspark bench` / `dspark profile`; never a setting (its output is not the model's)."""
         self.config = config
+        self.synthetic = synthetic
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         source = resolve_model(config.model, config.revision)
@@ -117,7 +122,7 @@ class LLMEngine:
             self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
         self.spec = build_spec(
             config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
-            drafter_dir, target_hash, backend,
+            drafter_dir, target_hash, backend, synthetic,
         )  # fmt: skip
         if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
             logger.warning("CUDA graphs need the triton attention backend: running eagerly")
@@ -154,10 +159,6 @@ class LLMEngine:
         )
         self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
         self.stats_log = StatsLogger(config.log_stats_interval_s)
-        self.policy, self.scheduling_status = build_policy(
-            config, self.spec, self.runner.spec_runner, drafter_dir, self.cost_fingerprint
-        )
-        self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)  # (DSPARK_POLICY_TRACE)
         self.eos_token_id = (
             model_config.eos_token_ids[0]
             if model_config.eos_token_ids
@@ -172,6 +173,13 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
         self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
+        # last: a start-up profile (engine/startup_profile.py) steps this engine, undecided
+        self.policy, self.policy_trace = None, None
+        self.policy, self.scheduling_status = build_policy(
+            config, self.spec, spec_runner, drafter_dir, self.cost_fingerprint,
+            measure=lambda: measure_at_startup(self),
+        )  # fmt: skip
+        self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)  # (DSPARK_POLICY_TRACE)
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -192,10 +200,22 @@ class LLMEngine:
             graphs.sizes if graphs else [], self.config.page_size, spec_runner.trimmed_widths,
         )  # fmt: skip
 
+    def forget_profile_steps(self) -> None:
+        """Zero the counters a start-up profile's steps moved, so metrics start with the
+        user's first request (the profile's requests are gone: cost_profile.drain)."""
+        if self.spec is not None:
+            self.spec.reset_metrics()
+        self.runner.stats.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset_counters()
+
     def get_metrics(self) -> dict:
         """Speculative counters with vLLM's definitions (engine/spec_metrics.py)."""
-        return spec_metrics(self.spec, self.policy, self.scheduler, self.runner.stats,
-                            self.scheduling_status)  # fmt: skip
+        metrics = spec_metrics(self.spec, self.policy, self.scheduler, self.runner.stats,
+                               self.scheduling_status)  # fmt: skip
+        if self.synthetic is not None and self.spec is not None:  # (never unmarked)
+            metrics["synthetic"] = self.synthetic.record(self.spec.num_verify)
+        return metrics
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -320,12 +340,18 @@ class LLMEngine:
         # (a step with waiting or prefilling requests is not the steady cell the table prices:
         # it is, and that is what realised costs are for; an idle engine teaches nothing)
         counted = self._step_periods.decided(decision, now, bool(running))
+        traced = time.perf_counter()
         if self.policy_trace is not None:  # (before record_step: the prices it decided by)
             self.policy_trace.decided(decision, running, self.scheduler, self.runner.stats,
                                       counted, now)  # fmt: skip
+        recorded = time.perf_counter()
         if counted is not None:  # (the period is the previous decision's step)
             self.policy.record_step(*counted, arrivals=self._last_arrivals)
         self._last_arrivals = self.scheduler.has_arrivals()  # (priced apart: realised_costs.py)
+        host = self.policy.host_time  # the scheduling overhead, per step in the bench
+        host["decide_s"] += (traced - now) + (time.perf_counter() - recorded)
+        host["trace_s"] += recorded - traced
+        host["decisions"] += 1
 
     def _step_async(self, drafting: bool) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (see the module docstring)."""

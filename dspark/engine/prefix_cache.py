@@ -71,6 +71,10 @@ class PrefixCache:
         self.num_queries = 0  # tokens of admitted requests looked up (vLLM's prefix_cache_queries)
         self.num_hits = 0  # of those, tokens found in cached pages (vLLM's prefix_cache_hits)
 
+    def reset_counters(self) -> None:
+        """The hit counters from zero (after a start-up profile, whose prompts hit)."""
+        self.num_queries = self.num_hits = 0
+
     def page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
         """req's chain over its first num_pages pages, fewer where a page is partial or holds
         a token still on the device; kept on the request (its known tokens never change while

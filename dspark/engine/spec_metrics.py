@@ -40,6 +40,8 @@ def spec_metrics(
         m["survival_correction"] = policy.estimates.correction  # realised / predicted drafts
         m["survival_persistence"] = policy.estimates.persistence  # 1: own estimates in full
         m["realised_cost_ratios"] = policy.realised_costs.as_dict()  # realised / table, a cell
+        # the host's scheduling overhead: seconds in decide, observe, the trace; decisions
+        m["scheduling_host_time"] = dict(policy.host_time)
         if policy.counters["decision_no_table"]:
             fallbacks["no_cost_table"] = policy.counters["decision_no_table"]
     m["fallbacks"] = fallbacks

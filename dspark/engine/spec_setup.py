@@ -8,6 +8,7 @@ layers and one position per row, and there is neither decoder nor policy.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from dspark.policy.policy import DraftingPolicy
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.calibration import CALIBRATION_FILE, load_calibration
 from dspark.spec.spec_decoder import SpecDecoder
+from dspark.spec.synthetic import SyntheticAcceptance
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ def build_spec(
     path: Path | None,
     target_hash: str | None,
     backend: str,
+    synthetic: SyntheticAcceptance | None = None,  # a benchmark's (spec/synthetic.py)
 ) -> SpecDecoder | None:
     """The speculative decoder over the drafter at `path` (None without one), K checked
     against its draft_len and its confidence calibration loaded."""
@@ -103,7 +106,13 @@ def build_spec(
     spec = SpecDecoder(drafter, kv, config.page_size, device, num_verify=k,
                        max_rows=config.max_num_seqs,
                        confidence_temperatures=temperatures,
-                       greedy_confidence_temperatures=greedy_temperatures)  # fmt: skip
+                       greedy_confidence_temperatures=greedy_temperatures,
+                       synthetic=synthetic)  # fmt: skip
+    if synthetic is not None:
+        logger.warning("speculation: SYNTHETIC acceptance %s (expected tau %.2f at K = %d): "
+                       "drafts are kept by the profile, not the target; the output is not the "
+                       "model's (a benchmark mode)", synthetic.name or list(synthetic.rates),
+                       synthetic.expected_tau(k), k)  # fmt: skip
     logger.info("speculation: DSpark drafter %s%s, K = %d verified of %d drafted%s", path,
                 "" if spec_config.model else " (shipped for this target)", k, draft_len,
                 ", STS-calibrated confidence" if temperatures else "")  # fmt: skip
@@ -116,9 +125,12 @@ def build_policy(
     spec_runner: SpecRunner | None,
     drafter_dir: Path | None,
     fingerprint: Callable[[], dict],  # the live engine's (LLMEngine.cost_fingerprint)
+    # the start-up profile: the table's path, or None and why none was measured
+    measure: Callable[[], tuple[Path | None, str]] = lambda: (None, "not asked"),
 ) -> tuple[DraftingPolicy | None, str]:
     """The drafting policy when speculation has a cost table and a confidence head, and how
-    the engine decides drafting (for get_metrics() and the bench's arms); a table that does
+    the engine decides drafting (for get_metrics() and the bench's arms). With no table for
+    this engine, `measure` (engine/startup_profile.py) may measure one. A table that does
     not authenticate fails closed to drafting every step (fixed K), with the reason logged
     and counted."""
     spec_config = config.spec()
@@ -126,6 +138,9 @@ def build_policy(
         return None, "fixed K: scheduling off"
     path = spec_config.cost_table or matching_cost_table(drafter_dir, fingerprint)
     if path is None:
+        path, why_not = measure()
+    if path is None:
+        warn_no_cost_table(drafter_dir, fingerprint(), why_not)
         return None, "fixed K: no cost table for this engine's fingerprint"
     if not spec.drafter.config.use_confidence:
         reason = "the drafter has no confidence head"
@@ -147,8 +162,20 @@ def build_policy(
         return policy, f"fixed K: cost table {path} refused ({reason})"
     logger.info("speculation: drafting decided per step from cost table %s (G %s)",
                 path, policy.sizes)  # fmt: skip
-    spec_runner.confidence_sinks.append(policy.observe)
+    spec_runner.confidence_sinks.append(_timed_observe(policy))
     return policy, f"drafting policy, cost table {path}"
+
+
+def _timed_observe(policy: DraftingPolicy) -> Callable[..., None]:
+    """policy.observe, its host time counted in policy.host_time["observe_s"] (the bench
+    reports scheduling overhead per step)."""
+
+    def observe(*args, **kwargs) -> None:
+        start = time.perf_counter()
+        policy.observe(*args, **kwargs)
+        policy.host_time["observe_s"] += time.perf_counter() - start
+
+    return observe
 
 
 def drafts_async(config: EngineConfig, spec_runner: SpecRunner | None) -> bool:
@@ -168,20 +195,29 @@ def probe_steps(config: EngineConfig, spec_runner: SpecRunner) -> int:
 def matching_cost_table(drafter_dir: Path, fingerprint: Callable[[], dict]) -> Path | None:
     """A table measured on an engine like this one (its fingerprint equal to the live one):
     first those shipped in the drafter's cost_tables/, then the user's own (`dspark profile`
-    writes there by default: cost_table.user_tables_dir). None: every step drafts (fixed K),
-    and a warning says how to measure a table: a GPU other than the ones the drafter ships
-    tables for would otherwise draft at every load, which at high load costs throughput (on an
-    H100 at 256 requests, fixed K = 7 ran 0.62-0.72x plain decoding)."""
-    directories = (drafter_dir / COST_TABLES_DIR, user_tables_dir())
-    tables = [path for d in directories for path in sorted(d.glob("*.json"))]
+    and the start-up profile write there: cost_table.user_tables_dir). None: there is none."""
     live = fingerprint()
-    for path in tables:
+    for path in _table_files(drafter_dir):
         if load_cost_table(path, live)[0] is not None:
             return path
-    logger.warning("speculation: no cost table for this engine (%d in %s and %s, none with "
-                   "its fingerprint, GPU %s): every step drafts the full block (fixed K), which "
-                   "at high load is slower than plain decoding; `dspark profile` (with this "
-                   "model and speculative_config) measures one in about a minute and saves it "
-                   "where the engine finds it", len(tables), *directories,
-                   live.get("gpu"))  # fmt: skip
     return None
+
+
+def _table_files(drafter_dir: Path) -> list[Path]:
+    directories = (drafter_dir / COST_TABLES_DIR, user_tables_dir())
+    return [path for d in directories for path in sorted(d.glob("*.json"))]
+
+
+def warn_no_cost_table(drafter_dir: Path, live: dict, why_not_measured: str) -> None:
+    """Say that every step drafts (fixed K) and how to measure a table: a GPU other than the
+    ones the drafter ships tables for would otherwise draft at every load, which at high load
+    costs throughput (on an H100 at 256 requests, fixed K = 7 ran 0.62-0.72x plain decoding:
+    docs/PERFORMANCE.md)."""
+    directories = (drafter_dir / COST_TABLES_DIR, user_tables_dir())
+    tables = _table_files(drafter_dir)
+    logger.warning("speculation: no cost table for this engine (%d in %s and %s, none with "
+                   "its fingerprint, GPU %s; none measured at start-up: %s): every step drafts "
+                   "the full block (fixed K), which at high load is slower than plain decoding; "
+                   "`dspark profile` (with this model and speculative_config) measures one in "
+                   "about a minute and saves it where the engine finds it", len(tables),
+                   *directories, live.get("gpu"), why_not_measured)  # fmt: skip

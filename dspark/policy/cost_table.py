@@ -5,7 +5,7 @@ A cell is (G, V): a step of G rows (the graph batch size) verifying V target tok
 V = G is plain decoding (no drafting), V = G * (K + 1) the full block (fixed K); ragged cells
 lie between. Each value is the median whole-step time (draft + verify + sampling + host work).
 
-  {"fingerprint": {"gpu": "NVIDIA H200", "device_count": 1, "torch": "2.11.0", ...},
+  {"fingerprint": {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", ...},
    "cells": {"1": {"1": 0.00104, "8": 0.00151},            G = 1: plain, full block (K = 7)
              "16": {"16": 0.00099, "64": 0.00141, "128": 0.00183}},
    "sampled_cells": {"1": {"1": 0.00109, "8": 0.00178}, ...}}        optional, same shape
@@ -37,9 +37,19 @@ from pathlib import Path
 from dspark import envs
 from dspark.version import __version__
 
+# What a step's time depends on, and nothing else (a key more would refuse tables that price
+# this engine right, and a fresh start would measure again for nothing):
+#   gpu, torch, triton      the kernels that run and the GPU they run on
+#   target_hash, drafter_hash, draft_len, dtype    the work of a step: the two networks, K
+#   graph_sizes, trimmed_widths   the captured shapes, hence each G's padding and its cells
+#   page_size               the attention kernels' tiling of the KV
+#   engine_version          the engine's own code: the host work inside every whole step
+# Not in it: how many GPUs the host has (the engine runs on one), the KV size or
+# max_model_len (a cell's context is the profile's fixed prompt), mixed_prefill_tokens (no
+# cell carries prefill). A table's extra keys (tables from before a key left) are ignored.
 FINGERPRINT_KEYS = (
-    "gpu", "device_count", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
-    "dtype", "graph_sizes", "page_size", "engine_version", "trimmed_widths",
+    "gpu", "torch", "triton", "target_hash", "drafter_hash", "draft_len", "dtype",
+    "graph_sizes", "page_size", "engine_version", "trimmed_widths",
 )  # fmt: skip
 # keys a table may lack, with the value that absence means (tables written before the key)
 FINGERPRINT_DEFAULTS = {"trimmed_widths": []}
@@ -110,7 +120,7 @@ def make_fingerprint(
     page_size: int,
     trimmed_widths: tuple[int, ...] = (),
 ) -> dict:
-    """The live fingerprint: what a table's measurements depend on."""
+    """The live fingerprint: what a table's measurements depend on (FINGERPRINT_KEYS)."""
     import torch
 
     try:
@@ -122,7 +132,6 @@ def make_fingerprint(
     cuda = device.type == "cuda"
     return {
         "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "device_count": torch.cuda.device_count() if cuda else 0,
         "torch": torch.__version__,
         "triton": triton_version,
         "target_hash": target_hash,

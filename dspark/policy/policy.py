@@ -129,6 +129,9 @@ class DraftingPolicy:
         self.drafting = True
         self._steps_in_mode = 0
         self.counters: Counter[str] = Counter()
+        # the host's scheduling overhead, timed by its callers (the engine, the confidence
+        # sink): seconds in decide (with record_step), observe and the trace, and decisions
+        self.host_time: Counter[str] = Counter()
         self.last_row_totals: tuple[list[float], list[int]] | None = None  # of the last decide()
 
     def observe(

@@ -34,6 +34,7 @@ MASK32 = 0xFFFFFFFF
 STREAM_SAMPLE = 0  # the target's token at this position (plain decoding, bonus, recovered)
 STREAM_DRAFT = 1  # the drafter's token at this position
 STREAM_ACCEPT = 2  # the acceptance coin of the draft at this position
+STREAM_SYNTHETIC = 3  # a benchmark's synthetic acceptance coin (spec/synthetic.py)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def _check_kernel(kernel, device: torch.device) -> None:
     """Raise unless the kernel's bits equal _uniform_torch's on a few fixed inputs."""
     seeds = torch.tensor([0, 1, -1, 2**40 + 3, -(2**62)], device=device)
     positions = torch.tensor([0, 7, 2**33 + 1, 5, 123456789], device=device)
-    for stream in (STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT):
+    for stream in (STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT, STREAM_SYNTHETIC):
         if not torch.equal(kernel(seeds, positions, stream, 3),
                            _uniform_torch(seeds, positions, stream, 3)):  # fmt: skip
             raise RuntimeError(f"its bits differ from PyTorch's on {device} (stream {stream})")

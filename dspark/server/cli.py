@@ -20,6 +20,7 @@ from typing import Any
 
 from dspark.config import DTYPE_CHOICES
 from dspark.server.config import DEFAULT_HOST, DEFAULT_PORT, STREAM_DETOKENIZE, ServerConfig
+from dspark.spec.synthetic import SYNTHETIC_REFUSED
 
 # Served, a step's token budget bounds how long every running stream waits for a token while a
 # long prompt is prefilled: each step carries every decode row and one chunk of the prompt, and
@@ -192,6 +193,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__}")
     options = {str(k).replace("-", "_"): v for k, v in data.items()}
+    if "synthetic_acceptance" in options:
+        raise ValueError(f"{path}: {SYNTHETIC_REFUSED}")
     known = ENGINE_OPTIONS | SERVER_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:

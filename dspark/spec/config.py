@@ -1,19 +1,22 @@
 """`speculative_config`: one object, as in vLLM.
 
     {"method": "dspark", "model": PATH, "num_speculative_tokens": K, "cost_table": PATH,
-     "scheduling": true, "trimmed_widths": [], "mixed_prefill_tokens": [256, 512]}
+     "scheduling": true, "profile_at_startup": true, "trimmed_widths": [],
+     "mixed_prefill_tokens": [256, 512]}
 
 K may be smaller than the checkpoint's draft_len (the block is still drafted in full; only K
 positions are verified) but never larger. Without "model" the engine takes the drafter this
 package ships for the loaded target (dspark.drafters), and says so when there is none.
 
 Scheduling (the per-step choice to draft, dspark/policy/) needs a cost table measured on this
-engine by `dspark profile`: "cost_table" names one; without it the engine uses a table in the
-drafter's cost_tables/ directory whose fingerprint matches the live engine, if any. With no
-table, or "scheduling": false, every step drafts and verifies the full block (fixed K). How the
-policy prices and chooses (survival estimates, realised step costs, hysteresis and dwell) has
-no user settings: its constants are dspark/policy/tuning.py's (docs/SPECULATION.md, the
-policy).
+engine: "cost_table" names one; without it the engine uses a table whose fingerprint matches
+the live engine, in the drafter's cost_tables/ directory, then in the user's cache (where
+`dspark profile` writes); with none, an engine whose steps run in CUDA graphs measures one at
+start-up and saves it there ("profile_at_startup": false skips that; engine/startup_profile.py).
+With no table, or "scheduling": false, every step drafts and verifies the full block (fixed K).
+How the policy prices and chooses (survival estimates, realised step costs, hysteresis and
+dwell) has no user settings: its constants are dspark/policy/tuning.py's (docs/SPECULATION.md,
+the policy).
 "trimmed_widths" lists the trimmed cells the engine can run besides the full block: for each w
 (2 <= w <= K) and each graph size G, the cell (G, w G), a step of G windows verifying w G target
 tokens in all, each row's share chosen on the device from its fresh survivals (spec/ragged.py).
@@ -42,7 +45,7 @@ METHODS = ("dspark",)
 # the tail sizes of captured mixed drafting steps ("mixed_prefill_tokens"; the docstring)
 DEFAULT_TAIL_SIZES = (256, 512)
 KEYS = ("method", "model", "num_speculative_tokens", "cost_table", "scheduling",
-        "trimmed_widths", "mixed_prefill_tokens")  # fmt: skip
+        "profile_at_startup", "trimmed_widths", "mixed_prefill_tokens")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class SpecConfig:
     # times say it pays (dspark/policy/); None: every step drafts (fixed K)
     cost_table: str | None = None  # None: a matching table in the drafter's cost_tables/
     scheduling: bool = True  # False: fixed K even with a cost table
+    # with scheduling and no table for this engine, measure one at start-up (CUDA graphs
+    # only: engine/startup_profile.py) and save it where the next start finds it
+    profile_at_startup: bool = True
     # prefill beside windows in a captured step (0: none); a tuple: one capture per size
     mixed_prefill_tokens: int | tuple[int, ...] = DEFAULT_TAIL_SIZES
     trimmed_widths: tuple[int, ...] = ()  # w of the trimmed cells (G, w G) the engine can run
@@ -84,6 +90,7 @@ class SpecConfig:
         if table is not None and not (isinstance(table, (str, os.PathLike)) and os.fspath(table)):
             raise ValueError(f'speculative_config "cost_table" must be a file path, got {table!r}')
         scheduling = _flag(d, "scheduling", True)
+        profile_at_startup = _flag(d, "profile_at_startup", True)
         mixed = _parse_tail_sizes(d.get("mixed_prefill_tokens", DEFAULT_TAIL_SIZES))
         widths = d.get("trimmed_widths", [])
         if not isinstance(widths, (list, tuple)) or not all(
@@ -95,7 +102,8 @@ class SpecConfig:
             )
         table = None if table is None else os.fspath(table)
         return cls(model=model, num_speculative_tokens=k, method=method, cost_table=table,
-                   scheduling=scheduling, mixed_prefill_tokens=mixed,
+                   scheduling=scheduling, profile_at_startup=profile_at_startup,
+                   mixed_prefill_tokens=mixed,
                    trimmed_widths=tuple(sorted(set(widths))))  # fmt: skip
 
 

@@ -24,6 +24,7 @@ compacted in place to V tokens; 2-4 then run on that ragged layout.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -39,6 +40,11 @@ from dspark.spec.drafting import DraftBlock, draft_block
 from dspark.spec.ragged import TrimmedCell, compact_windows
 from dspark.spec.selector import select_verify_lengths
 from dspark.spec.spec_buffers import SamplingMode, SpecBuffers, WindowRow
+from dspark.spec.synthetic import (
+    SyntheticAcceptance,
+    synthetic_confidence_logits,
+    synthetic_verify,
+)
 from dspark.spec.verifier import VerifyInput, VerifyOutput, verify, verify_greedy
 
 
@@ -74,6 +80,8 @@ class SpecDecoder:
         max_rows: int = 256,  # windows per step at most (the runner's row capacity)
         confidence_temperatures: list[float] | None = None,  # STS T_1..T_K; None: T = 1
         greedy_confidence_temperatures: list[float] | None = None,  # for greedy rows
+        # a benchmark's synthetic acceptance (spec/synthetic.py); None: the target judges
+        synthetic: SyntheticAcceptance | None = None,
     ) -> None:
         self.drafter = drafter
         self.kv_caches = kv_caches
@@ -99,6 +107,17 @@ class SpecDecoder:
         self._temperatures_np = {g: t.double().numpy() for g, t in
                                  self.survival_temperatures.items()}  # fmt: skip
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
+        self.synthetic = synthetic
+        if synthetic is not None:  # (made once: a captured step cannot copy from the host)
+            self._synthetic_rates = synthetic.device_rates(self.draft_len, device)  # [K]
+            self._synthetic_logits = synthetic.unit_logits(self.draft_len, device)  # [K]
+        self.reset_metrics()
+        # called once per verified step with (verify_len, num_accepted, raw confidence logits
+        # [R, K] on the host), live windows in plan order: calibration records through this
+        self.observers: list[Callable[[list[int], list[int], torch.Tensor | None], None]] = []
+
+    def reset_metrics(self) -> None:
+        """vLLM's counters from zero (at construction, and after a start-up profile)."""
         self.metrics: Counter[str] = Counter()
         self.accepted_per_position = [0] * self.draft_len
         self.verify_len_counts = [0] * (self.num_verify + 1)  # windows by verify_len
@@ -106,9 +125,6 @@ class SpecDecoder:
         # position was predicted (summed) next to how often it was realised (drafts 1..k kept)
         self.predicted_survival = [0.0] * self.num_verify
         self.realised_survival = [0] * self.num_verify
-        # called once per verified step with (verify_len, num_accepted, raw confidence logits
-        # [R, K] on the host), live windows in plan order: calibration records through this
-        self.observers: list[Callable[[list[int], list[int], torch.Tensor | None], None]] = []
 
     def stage(
         self,
@@ -210,6 +226,12 @@ class SpecDecoder:
         keep = slots[None, :] < b.verify_len[:R, None]  # [R, K]
         values = torch.where(keep, block.tokens, anchors[:, None])
         input_ids.index_copy_(0, b.draft_dst[:R].reshape(-1), values.reshape(-1))
+        if self.synthetic is not None and block.confidence_logits is not None:
+            temps = torch.where((st.temperature == 0)[:, None],
+                                self.greedy_confidence_temperatures[None, :],
+                                self.confidence_temperatures[None, :])  # [R, K]  # fmt: skip
+            logits = synthetic_confidence_logits(self._synthetic_logits, temps)
+            block = dataclasses.replace(block, confidence_logits=logits)
         return block
 
     # ---- 3. context -------------------------------------------------------------------------
@@ -239,6 +261,29 @@ class SpecDecoder:
             verify_len = b.verify_len[:R]
             cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
             cu[1:] = b.window_len[:R].cumsum(0)
+        verified = self._verify_by_target(window_logits, R, st, block, verify_len, cu, shaping)
+        if self.synthetic is None:
+            return verified
+        # (the target's verification above still ran: its cost is part of the step measured)
+        return synthetic_verify(self._synthetic_rates, self.synthetic.seed, window_logits,
+                                block.tokens, verify_len, cu, st.seeds,
+                                b.anchor_pos[:R])  # fmt: skip
+
+    def _verify_by_target(
+        self,
+        window_logits: torch.Tensor,  # [Tw, V]
+        R: int,
+        st: SamplingTensors,
+        block: DraftBlock,
+        verify_len: torch.Tensor,  # [R]
+        cu: torch.Tensor,  # [R + 1]
+        shaping: LogitsShaping | None,  # per window row
+    ) -> VerifyOutput:
+        """Lossless verification (spec/verifier.py): greedy rows by argmax, others by
+        rejection sampling."""
+        b, dev = self.buffers, self.device
+        if st.all_greedy and shaping is None:
+            return verify_greedy(window_logits, block.tokens, verify_len, cu)
         # owner row of each window token (shape-static: no host sync, capturable)
         token = torch.arange(window_logits.shape[0], device=dev)
         owner = torch.searchsorted(cu[1:], token, right=True).clamp(max=R - 1)

@@ -41,6 +41,18 @@ def test_round_trip_and_lookup(tmp_path, live):
     assert full_block_tokens(16, K) == 128
 
 
+def test_the_fingerprint_names_what_changes_the_costs_and_nothing_more(tmp_path, live):
+    assert set(live) == {"gpu", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
+                         "dtype", "graph_sizes", "page_size", "engine_version",
+                         "trimmed_widths"}  # fmt: skip
+    # a table measured on a host with another number of GPUs (a key tables used to carry)
+    # prices the same one-GPU engine
+    table = _table(dict(live, device_count=8))
+    assert check_table(table, live) is None
+    for key, other in (("torch", "2.0"), ("page_size", 32), ("graph_sizes", [1, 8])):
+        assert f"mismatch on {key}" in check_table(_table(dict(live, **{key: other})), live)
+
+
 @pytest.mark.parametrize(
     "edit, expected",
     [
@@ -110,7 +122,7 @@ def test_the_users_tables_live_in_the_cache_directory(monkeypatch, set_envs, tmp
 
 
 def _fingerprint(**extra) -> dict:
-    base = dict(gpu="cpu", device_count=0, torch="t", triton=None, target_hash="a",
+    base = dict(gpu="cpu", torch="t", triton=None, target_hash="a",
                 drafter_hash="b", draft_len=3, dtype="float32", graph_sizes=[1, 2],
                 page_size=16, engine_version="0")  # fmt: skip
     return {**base, **extra}

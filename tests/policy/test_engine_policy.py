@@ -237,7 +237,7 @@ def test_settled_switches_are_not_keys_of_speculative_config(tiny_vocab_dir, dra
     for key, value in (("dwell_steps", 0), ("price_switches", True), ("scheduler", "sync")):
         with pytest.raises(ValueError, match=rf"unknown speculative_config keys \['{key}'\]; "
                            r"allowed: \['method', 'model', 'num_speculative_tokens', "
-                           r"'cost_table', 'scheduling', 'trimmed_widths', "
+                           r"'cost_table', 'scheduling', 'profile_at_startup', 'trimmed_widths', "
                            r"'mixed_prefill_tokens'\]"):  # fmt: skip
             LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, **{key: value}), **KW)
 

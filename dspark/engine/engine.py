@@ -45,8 +45,11 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 
 from dspark.config import EngineConfig
+from dspark.distributed.launch import Workers, rank_device, start_workers
+from dspark.distributed.parallel_state import TensorParallel, destroy_tensor_parallel
 from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
@@ -64,10 +67,12 @@ from dspark.engine.spec_setup import (
     verified_positions,
 )
 from dspark.engine.stats_log import StatsLogger
+from dspark.engine.tp_steps import TPSteps
 from dspark.engine.validation import check_request
 from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
+from dspark.models.sharding import check_tp_size
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import DeltaOutput, RequestOutput
 from dspark.policy.cost_table import make_fingerprint
@@ -84,17 +89,24 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """`tp`: a worker rank's group (distributed/launch.py builds its engine); rank 0, the
+        one the caller builds, starts the workers itself when tensor_parallel_size > 1."""
         self.config = config
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
         source = resolve_model(config.model, config.revision)
         model_config, weights = load_checkpoint(source)
+        check_tp_size(model_config, config.tensor_parallel_size)  # (before any process starts)
+        self._workers: Workers | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            tp, self._workers = start_workers(config, config.torch_device())
+        self.tp = tp
+        self.device = rank_device(config.torch_device(), tp.rank) if tp else config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
         self.model_config = model_config
         self.tokenizer: Tokenizer = load_tokenizer(source)
         backend = config.attention_backend_for(self.device)
         self.model: LlamaForCausalLM = build_model(
-            model_config, weights, self.dtype, self.device, backend
+            model_config, weights, self.dtype, self.device, backend, tp
         )
         del weights
         drafter_dir, target_hash = resolve_drafter(config, source)
@@ -102,11 +114,11 @@ class LLMEngine:
         self.kv_plan = plan_kv(
             config, self.model, self.dtype, self.device, drafter_layers(drafter_dir),
             verified_positions(drafter_dir), spec_graphs=use_graphs and drafter_dir is not None,
-            num_tails=len(tail_sizes(config.spec())) if drafter_dir is not None else 1,
+            num_tails=len(tail_sizes(config.spec())) if drafter_dir is not None else 1, tp=tp,
         )  # fmt: skip
         self.max_model_len = self.kv_plan.max_model_len
-        kv_caches = allocate_kv_caches(
-            model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
+        kv_caches = allocate_kv_caches(  # (this rank's KV heads: the shard's config)
+            self.model.config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
         )
         self.allocator = PageAllocator(self.kv_plan.num_pages)
         # prefix caching: pages keyed by the drafter too, whose context they carry
@@ -116,7 +128,7 @@ class LLMEngine:
             drafter_key = checkpoint_hash(ModelSource(drafter_dir)) if drafter_dir else ""
             self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
         self.spec = build_spec(
-            config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
+            config, self.model, self.model.config, self.kv_plan.num_pages, self.dtype, self.device,
             drafter_dir, target_hash, backend,
         )  # fmt: skip
         if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
@@ -172,6 +184,15 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
         self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
+        # tensor parallelism (engine/tp_steps.py): rank 0's changes since the last header, in
+        # order: ("add", Request fields) | ("abort", id); a worker follows rank 0's steps
+        self._tp_steps = TPSteps(tp) if tp is not None else None
+        self._is_follower = tp is not None and not tp.is_driver
+        self._tp_changes: list[tuple] = []
+        self._stopped = False  # (a worker told to stop)
+        if self._workers is not None:
+            self._stop_workers = weakref.finalize(self, _stop_workers, self._tp_steps,
+                                                  self._workers)  # fmt: skip
         logger.info(
             "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
             source.path,
@@ -220,13 +241,28 @@ class LLMEngine:
         self.validate_request(request_id, prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.randint(0, MAX_SEED)
         now = time.monotonic()
+        arrival_time = now if arrival_time is None else arrival_time
+        if self._tp_steps is not None:  # (the workers' copies: engine/tp_steps.py)
+            self._tp_changes.append(("add", request_id, prompt_ids, params, seed, arrival_time))
+        self._enqueue(request_id, prompt_ids, params, seed, arrival_time, prompt_text)
+
+    def _enqueue(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        arrival_time: float,
+        prompt_text: str | None = None,
+    ) -> None:
+        now = time.monotonic()
         req = Request(
             request_id,
             prompt_ids,
             params,
             seed=seed,
             eos_token_id=self.eos_token_id,
-            arrival_time=now if arrival_time is None else arrival_time,
+            arrival_time=arrival_time,
             prompt=prompt_text,
             added_time=now,
         )
@@ -260,6 +296,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)
+        if self._tp_steps is not None and not self._is_follower:
+            self._tp_changes.append(("abort", request_id))
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, FinishReason.ABORT, None)
             self._aborted.append(req)
@@ -276,15 +314,21 @@ class LLMEngine:
         outer, watch.stats = watch.stats, self.runner.stats
         try:
             return self._step()
+        except RuntimeError as e:  # (a collective's peer gone: say which rank died)
+            if self._workers is not None:
+                raise self._workers.error(e) from e
+            raise
         finally:
             watch.stats = outer
 
     def _step(self) -> list[RequestOutput | DeltaOutput]:
-        if self.policy is not None:  # from survivals at least one step old (DSPARK.md 6.3)
-            self._decide_drafting()
+        if self.policy is not None and not self._is_follower:  # from survivals at least one
+            self._decide_drafting()  # step old (DSPARK.md 6.3)
         elif self.policy_trace is not None:  # (plain or fixed K: the step, for comparison)
             self.policy_trace.stepped(self.scheduler, self.runner.stats,
                                       self.spec is not None, time.perf_counter())  # fmt: skip
+        if self._tp_steps is not None and not self._share_header():
+            return []  # (a worker told to stop)
         drafting = self.spec is not None and self.scheduler.drafting
         # (read each step: tests lay windows out uniformly on the CPU after the engine is built)
         spec_runner = self.runner.spec_runner
@@ -297,8 +341,13 @@ class LLMEngine:
         if plan.is_empty:
             return outputs + self._collect_aborted()
         self.scheduler.advance(plan)
-        sampled = self.runner.execute(plan)
+        sampled = self.runner.collect(self._launch(plan))
         return outputs + self._update(plan, sampled) + self._collect_aborted()
+
+    def _launch(self, plan):
+        if self._tp_steps is not None:  # (every rank's plan is rank 0's, or it stops here)
+            self._tp_steps.check_plan(plan)
+        return self.runner.launch(plan)
 
     def _decide_drafting(self) -> None:
         """The drafting policy's choice for the step about to be scheduled; the period since
@@ -343,7 +392,7 @@ class LLMEngine:
                 stats["spec_steps_launched_ahead_admitting"] += bool(tail)
                 stats["spec_steps_launched_behind_mixed"] += not previous.is_uniform
             self.scheduler.advance(plan)
-            step = self.runner.launch(plan)
+            step = self._launch(plan)
             behind = step.is_uniform or step.windows_first
             if step.window_rows and not behind:  # nothing launches behind it
                 assert previous is None, "a step launched ahead lays its windows out K + 1 wide"
@@ -370,6 +419,10 @@ class LLMEngine:
 
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)
+        if self._is_follower:
+            self._follow_update(emitted)
+            return []
+        stops: list[tuple[str, int, str | None]] = []  # (id, tokens kept, stop): the workers'
         now = time.monotonic()
         self.stats_log.maybe_log(self)
         outputs = []
@@ -384,6 +437,7 @@ class LLMEngine:
                 del req.logprobs[req.num_output_tokens :]
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.STOP, hit.stop)
+                stops.append((req.request_id, len(req.token_ids), hit.stop))
             if req.status is finished:
                 outputs.append(self._report(req))
             elif (cursor := cursors.get(req.request_id)) is not None:
@@ -392,7 +446,60 @@ class LLMEngine:
                     outputs.append(self._report(req))
             elif req.sampling_params.output_kind != "final_only":  # cumulative
                 outputs.append(self._report(req))
+        if self._tp_steps is not None and _has_stop_strings(emitted):
+            self._tp_steps.share(stops)
         return outputs
+
+    # ---- tensor parallelism (engine/tp_steps.py) --------------------------------------------
+
+    def _share_header(self) -> bool:
+        """Rank 0's changes and drafting choice, sent (rank 0) or applied (workers) before the
+        step is scheduled; False: the worker is told to stop."""
+        scheduler = self.scheduler
+        if not self._is_follower:
+            header = (self._tp_changes, scheduler.drafting, scheduler.trimmed_cell)
+            self._tp_changes = []
+            self._tp_steps.share(header)
+            return True
+        header = self._tp_steps.share()
+        if header is None:
+            self._stopped = True
+            return False
+        changes, scheduler.drafting, scheduler.trimmed_cell = header
+        for change in changes:
+            if change[0] == "add":
+                self._enqueue(*change[1:])
+            else:
+                self.abort_request(change[1])
+        self._aborted.clear()  # (reported by rank 0)
+        return True
+
+    def _follow_update(self, emitted: list) -> None:
+        """A worker's update: rank 0's stops applied as rank 0 applied them; finished
+        requests forgotten (rank 0 reports them)."""
+        if _has_stop_strings(emitted):
+            for request_id, num_kept, stop in self._tp_steps.share():
+                req = self._requests[request_id]
+                del req.token_ids[num_kept:]
+                del req.logprobs[req.num_output_tokens :]
+                if not req.is_finished:
+                    self.scheduler.finish(req, FinishReason.STOP, stop)
+        for req, _, _ in emitted:
+            if req.is_finished:
+                self._requests.pop(req.request_id, None)
+
+    def follow(self) -> None:
+        """A worker rank's life: run rank 0's steps until it says stop."""
+        while not self._stopped:
+            self.step()
+        destroy_tensor_parallel()
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks (tensor parallelism; idempotent, nothing to do otherwise).
+        A dropped engine stops them too (weakref.finalize, set up in __init__)."""
+        if self._workers is not None:
+            self._workers = None
+            self._stop_workers()
 
     def _collect_aborted(self) -> list[RequestOutput | DeltaOutput]:
         # aborted requests emit nothing more: reported once here, then forgotten
@@ -403,3 +510,18 @@ class LLMEngine:
         """req's output now (engine/reporting.py); a finished request is forgotten."""
         return report(req, self._requests, self._detokenizers, self._cursors, self.policy,
                       self.spec is not None)  # fmt: skip
+
+
+def _has_stop_strings(emitted: list) -> bool:
+    """Whether an update's requests detokenize for stops (decided alike on every rank)."""
+    return any(req.sampling_params.stop_strings for req, _, _ in emitted)
+
+
+def _stop_workers(steps: TPSteps, workers: Workers) -> None:
+    """Tell the workers to stop (a header of None), reap them, leave the group."""
+    try:
+        steps.share(None)
+    except RuntimeError:
+        pass  # (a worker already gone: stop() reaps it)
+    workers.stop()
+    destroy_tensor_parallel()

@@ -16,6 +16,7 @@ import torch
 
 from dspark.attention_metadata import single_prefill_metadata
 from dspark.config import CPU_KV_CACHE_GB, EngineConfig
+from dspark.distributed.parallel_state import TensorParallel
 from dspark.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.model_config import ModelConfig

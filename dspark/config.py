@@ -116,8 +116,7 @@ class EngineConfig:
         if self.distributed_port is not None:
             _require(
                 type(self.distributed_port) is int and 1 <= self.distributed_port <= 65535,
-                f"distributed_port must be an integer in [1, 65535], got "
-                f"{self.distributed_port!r}",
+                f"distributed_port must be an integer in [1, 65535], got {self.distributed_port!r}",
             )
         self.spec()  # validates the speculative_config
         _require(

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,14 +90,18 @@ class Workers:
                 p.join()
 
 
-def start_workers(config, device: torch.device) -> tuple[TensorParallel, Workers]:
-    """Spawn ranks 1..N-1 of `config` and join the group as rank 0."""
+def start_workers(
+    config, device: torch.device, worker_main: Callable
+) -> tuple[TensorParallel, Workers]:
+    """Spawn ranks 1..N-1 of `config` and join the group as rank 0. `worker_main(config, rank,
+    port, parent_pid)` is a worker's life (LLMEngine's run_worker: passed, so that this
+    module does not import the engine above it)."""
     size = config.tensor_parallel_size
     port = pick_port(config.distributed_port)
     ctx = mp.get_context("spawn")
     processes = []
     for rank in range(1, size):
-        p = ctx.Process(target=_worker_main, args=(config, rank, port, os.getpid()),
+        p = ctx.Process(target=worker_main, args=(config, rank, port, os.getpid()),
                         name=f"dspark-tp-rank{rank}", daemon=True)  # fmt: skip
         p.start()
         processes.append(p)
@@ -130,17 +135,13 @@ def _join_group(size: int, port: int, device: torch.device, workers: Workers) ->
     return result[0]
 
 
-def _worker_main(config, rank: int, port: int, parent_pid: int) -> None:
-    """A worker rank: join the group, build the engine's shard, follow rank 0's steps."""
-    from dspark.engine.engine import LLMEngine  # (the worker's own import, after spawn)
-
+def join_as_worker(config, rank: int, port: int, parent_pid: int) -> TensorParallel:
+    """A worker's start: its watchdog, its share of the host's threads, then the group."""
     _watch_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
-    tp = init_tensor_parallel(rank, config.tensor_parallel_size, port,
-                              rank_device(config.torch_device(), rank))  # fmt: skip
-    engine = LLMEngine(config, tp=tp)
-    engine.follow()
+    device = rank_device(config.torch_device(), rank)
+    return init_tensor_parallel(rank, config.tensor_parallel_size, port, device)
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -48,7 +48,7 @@ import time
 import weakref
 
 from dspark.config import EngineConfig
-from dspark.distributed.launch import Workers, rank_device, start_workers
+from dspark.distributed.launch import Workers, join_as_worker, rank_device, start_workers
 from dspark.distributed.parallel_state import TensorParallel, destroy_tensor_parallel
 from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
@@ -98,7 +98,7 @@ class LLMEngine:
         check_tp_size(model_config, config.tensor_parallel_size)  # (before any process starts)
         self._workers: Workers | None = None
         if tp is None and config.tensor_parallel_size > 1:
-            tp, self._workers = start_workers(config, config.torch_device())
+            tp, self._workers = start_workers(config, config.torch_device(), run_worker)
         self.tp = tp
         self.device = rank_device(config.torch_device(), tp.rank) if tp else config.torch_device()
         self.dtype = config.torch_dtype(self.device)
@@ -211,6 +211,7 @@ class LLMEngine:
             self.device, self._target_hash, checkpoint_hash(ModelSource(self.drafter_dir)),
             self.spec.num_verify, str(self.dtype).removeprefix("torch."),
             graphs.sizes if graphs else [], self.config.page_size, spec_runner.trimmed_widths,
+            self.config.tensor_parallel_size,
         )  # fmt: skip
 
     def get_metrics(self) -> dict:
@@ -525,3 +526,8 @@ def _stop_workers(steps: TPSteps, workers: Workers) -> None:
         pass  # (a worker already gone: stop() reaps it)
     workers.stop()
     destroy_tensor_parallel()
+
+
+def run_worker(config: EngineConfig, rank: int, port: int, parent_pid: int) -> None:
+    """A worker rank's process (spawned by rank 0's engine): join, build, follow rank 0."""
+    LLMEngine(config, tp=join_as_worker(config, rank, port, parent_pid)).follow()

@@ -95,7 +95,9 @@ def test_the_policy_decides_once_for_both_ranks(tiny_vocab_dir, drafter, tmp_pat
     spec = {"model": str(drafter), "num_speculative_tokens": 3}
     with LLM(str(tiny_vocab_dir), speculative_config=spec, **KW) as probe:
         cells = {g: {g: 1e-3, g * 4: 5e-3} for g in (1, 2, 4)}  # a full block not worth it
-        table = CostTable(probe.engine.cost_fingerprint(), cells)
+        # (a table is measured per size: its fingerprint names it)
+        fingerprint = {**probe.engine.cost_fingerprint(), "tensor_parallel_size": 2}
+        table = CostTable(fingerprint, cells)
     (tmp_path / "t.json").write_text(table.to_json())
     spec["cost_table"] = str(tmp_path / "t.json")
     with LLM(str(tiny_vocab_dir), tensor_parallel_size=2, speculative_config=spec, **KW) as llm:

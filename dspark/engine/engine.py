@@ -67,7 +67,7 @@ from dspark.engine.spec_setup import (
     verified_positions,
 )
 from dspark.engine.stats_log import StatsLogger
-from dspark.engine.tp_steps import TPSteps
+from dspark.engine.tp_steps import PlanDivergedError, TPSteps
 from dspark.engine.validation import check_request
 from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
 from dspark.models.llama import LlamaForCausalLM, build_model
@@ -245,7 +245,7 @@ class LLMEngine:
         arrival_time = now if arrival_time is None else arrival_time
         if self._tp_steps is not None:  # (the workers' copies: engine/tp_steps.py)
             self._tp_changes.append(("add", request_id, prompt_ids, params, seed, arrival_time))
-        self._enqueue(request_id, prompt_ids, params, seed, arrival_time, prompt_text)
+        self._enqueue(request_id, prompt_ids, params, seed, arrival_time, prompt_text, now)
 
     def _enqueue(
         self,
@@ -255,8 +255,8 @@ class LLMEngine:
         seed: int,
         arrival_time: float,
         prompt_text: str | None = None,
+        added_time: float | None = None,  # None: now (a worker's copy)
     ) -> None:
-        now = time.monotonic()
         req = Request(
             request_id,
             prompt_ids,
@@ -265,7 +265,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time,
             prompt=prompt_text,
-            added_time=now,
+            added_time=time.monotonic() if added_time is None else added_time,
         )
         self._requests[request_id] = req
         self._detokenizers[request_id] = Detokenizer(
@@ -529,5 +529,15 @@ def _stop_workers(steps: TPSteps, workers: Workers) -> None:
 
 
 def run_worker(config: EngineConfig, rank: int, port: int, parent_pid: int) -> None:
-    """A worker rank's process (spawned by rank 0's engine): join, build, follow rank 0."""
-    LLMEngine(config, tp=join_as_worker(config, rank, port, parent_pid)).follow()
+    """A worker rank's process (spawned by rank 0's engine): join, build, follow rank 0.
+    Rank 0 gone mid-collective ends it with one line and exit code 1; its own failures
+    (PlanDivergedError among them) with their traceback."""
+    engine = LLMEngine(config, tp=join_as_worker(config, rank, port, parent_pid))
+    try:
+        engine.follow()
+    except PlanDivergedError:
+        raise
+    except RuntimeError as e:  # (gloo: "Connection closed by peer")
+        logger.error("tensor-parallel rank %d: lost rank 0, exiting (%s)", rank,
+                     str(e).splitlines()[0][:200])  # fmt: skip
+        raise SystemExit(1) from None

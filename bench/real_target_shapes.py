@@ -33,11 +33,15 @@ from pathlib import Path
 
 import torch
 
-# Qwen/Qwen3-8B's config.json (the fields the engine reads) and the released drafter's
+# Qwen/Qwen3-8B's and Qwen3-14B's config.json (the fields the engine reads) and the released
+# drafter's (14b: the same drafter recipe at its shapes; bench/tensor_parallel.py uses it)
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                taps=[1, 9, 17, 25, 33], draft_layers=5, shard_gb=4.0),
+    "14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                taps=[1, 10, 20, 30, 38], draft_layers=5, shard_gb=4.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
                  taps=[1, 2], draft_layers=2, shard_gb=0.0002),

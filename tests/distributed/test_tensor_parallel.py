@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,48 @@ def test_a_killed_worker_ends_the_job_within_seconds(tiny_vocab_dir):
             llm.generate(PROMPTS, params, use_tqdm=False)
     assert time.monotonic() - start < 15
     llm.shutdown()
+
+
+RANK0_SCRIPT = """
+import sys
+from dspark import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_pages=64)
+    print(llm.engine._workers.processes[0].pid, flush=True)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    while True:
+        llm.generate([[2, 3]], params, use_tqdm=False)
+"""
+
+
+def is_running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_killed_rank_0_ends_its_workers_within_seconds(tiny_vocab_dir, tmp_path):
+    """Rank 0 gone without a word (SIGKILL): its worker notices (a closed connection, or its
+    parent gone) and exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    rank0 = subprocess.Popen([sys.executable, str(script), str(tiny_vocab_dir)],
+                             stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        worker_pid = int(rank0.stdout.readline())
+        time.sleep(1.0)  # (decoding)
+        rank0.kill()
+        deadline = time.monotonic() + 10
+        while is_running(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not is_running(worker_pid), "the worker outlived rank 0"
+    finally:
+        rank0.kill()
+        rank0.wait()

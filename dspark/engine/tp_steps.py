@@ -14,6 +14,11 @@ lengths and tokens come out the same everywhere as long as every input agrees:
   - the schedule: derived on every rank from the same state. Before each launch rank 0 sends
     its plan's digest and a worker whose own differs raises PlanDivergedError at once (a rank
     that launched a different step would hang in, or corrupt, the next collective).
+
+None of these messages waits for the device: they cross the gloo host group, so the step keeps
+its one host synchronisation (ModelRunner.collect). They cost three small gloo broadcasts a
+step (the header's length and bytes, the digest), two more after a step whose requests have
+stop strings; with one rank the engine sends nothing.
 """
 
 from __future__ import annotations

@@ -268,16 +268,17 @@ class LLMEngine:
             added_time=time.monotonic() if added_time is None else added_time,
         )
         self._requests[request_id] = req
-        self._detokenizers[request_id] = Detokenizer(
-            self.tokenizer,
-            skip_special_tokens=params.skip_special_tokens,
-            stop_strings=params.stop_strings,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            incremental=params.output_kind not in ("final_only", "delta_tokens")
-            or bool(params.stop_strings),
-        )
-        if params.output_kind in ("delta", "delta_tokens"):
-            self._cursors[request_id] = DeltaCursor(params)
+        if not self._is_follower:  # (rank 0 detokenizes and reports)
+            self._detokenizers[request_id] = Detokenizer(
+                self.tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                stop_strings=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                incremental=params.output_kind not in ("final_only", "delta_tokens")
+                or bool(params.stop_strings),
+            )
+            if params.output_kind in ("delta", "delta_tokens"):
+                self._cursors[request_id] = DeltaCursor(params)
         self.scheduler.add(req)
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -472,6 +473,7 @@ class LLMEngine:
                 self._enqueue(*change[1:])
             else:
                 self.abort_request(change[1])
+                self._requests.pop(change[1], None)
         self._aborted.clear()  # (reported by rank 0)
         return True
 

@@ -83,6 +83,11 @@ def test_fixed_k_speculation_equals_one_rank_plain(tiny_vocab_dir, drafter):
         got = llm.generate(PROMPTS, params, use_tqdm=False)
         assert llm.get_metrics()["num_drafts"] > 0
     assert _tokens(got) == _tokens(plain)
+
+
+def test_seeded_sampled_speculation_is_identical(tiny_vocab_dir, drafter):
+    """Acceptance draws its uniforms from (seed, position): both ranks accept alike."""
+    spec = {"model": str(drafter), "num_speculative_tokens": 3}
     sampled = [SamplingParams(temperature=0.8, seed=3 + i, max_tokens=16, ignore_eos=True)
                for i in range(len(PROMPTS))]  # fmt: skip
     one = _generate(tiny_vocab_dir, sampled, 1, speculative_config=spec)

@@ -27,13 +27,20 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--markov-rank", type=int, default=64)
     args = parser.parse_args()
-    source = resolve_model(args.target)
+    write_random_drafter(args.target, args.out, args.draft_len, args.num_layers, args.markov_rank)
+    print(f"wrote {args.out}")
+
+
+def write_random_drafter(
+    target_path: str, out: str, draft_len: int = 7, num_layers: int = 2, markov_rank: int = 64
+) -> None:
+    source = resolve_model(target_path)
     config, weights = load_checkpoint(source)
     target = build_model(config, weights, torch.float32, torch.device("cpu"))
     taps = tuple(sorted({min(t, config.num_layers - 1) for t in (1, 10, 19, 28)}))
     h = checkpoint_hash(source)
-    cfg = DrafterConfig(target_identity(target, h), draft_len=args.draft_len, target_layers=taps,
-                        num_layers=args.num_layers, markov_rank=args.markov_rank)  # fmt: skip
+    cfg = DrafterConfig(target_identity(target, h), draft_len=draft_len, target_layers=taps,
+                        num_layers=num_layers, markov_rank=markov_rank)  # fmt: skip
     torch.manual_seed(0)
     drafter = DSparkDrafter(cfg, target, h)
     with torch.no_grad():
@@ -41,8 +48,7 @@ def main() -> None:
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, std=0.02)
         drafter.mask_embedding.normal_(std=0.02)
-    drafter.save(args.out)
-    print(f"wrote {args.out}")
+    drafter.save(out)
 
 
 if __name__ == "__main__":

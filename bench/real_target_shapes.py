@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-# Qwen/Qwen3-8B's config.json (the fields the engine reads) and the released drafter's
+# Qwen/Qwen3-8B's and Qwen3-14B's config.json (the fields the engine reads) and the released
+# drafter's (14b: the same drafter recipe at its shapes; bench/tensor_parallel.py uses it)
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,

@@ -22,6 +22,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is sharded over, one GPU each",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -68,6 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             enable_prefix_caching=args.enable_prefix_caching,
+            tensor_parallel_size=args.tensor_parallel_size,
             speculative_config=args.speculative_config,
         )
     )
@@ -92,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f"[{n} tokens, finish_reason={out.outputs[0].finish_reason}]", file=sys.stderr
                 )
     metrics = engine.get_metrics()
+    engine.shutdown()  # (tensor parallelism: the worker ranks stop)
     if metrics.get("num_drafts"):
         print(
             f"[speculation: mean acceptance length {metrics['mean_acceptance_length']:.2f}]",
@@ -121,7 +130,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           device=args.device, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs if batches is None else max(batches),
                           kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=spec,
-                          enable_prefix_caching=args.enable_prefix_caching)  # fmt: skip
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     synthetic = None
     if args.synthetic_acceptance is not None:  # (step costs of real forwards, marked)
         synthetic = SyntheticAcceptance.parse(args.synthetic_acceptance, args.synthetic_seed)

@@ -62,6 +62,11 @@ class EngineConfig:
     stream_interval: int = 1
     seed: int = 0  # draws the seeds of requests that set none
     log_stats_interval_s: float = 10.0  # the periodic stats log line (engine/stats_log.py); 0: off
+    # ranks the target (and drafter) are sharded over, one process and device each (Megatron
+    # style: heads, MLP rows and vocabulary split; dspark/distributed/). 1: no other process
+    tensor_parallel_size: int = 1
+    # the port rank 0 listens on for the others (127.0.0.1); None: a free one
+    distributed_port: int | None = None
     # {"method": "dspark", "model": PATH, "num_speculative_tokens": K}; None: no speculation
     speculative_config: dict | None = field(default=None, hash=False)
 
@@ -104,6 +109,15 @@ class EngineConfig:
             isinstance(self.stream_interval, int) and self.stream_interval >= 1,
             f"stream_interval must be an integer >= 1, got {self.stream_interval!r}",
         )
+        _require(
+            type(self.tensor_parallel_size) is int and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
+        if self.distributed_port is not None:
+            _require(
+                type(self.distributed_port) is int and 1 <= self.distributed_port <= 65535,
+                f"distributed_port must be an integer in [1, 65535], got {self.distributed_port!r}",
+            )
         self.spec()  # validates the speculative_config
         _require(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -60,6 +60,7 @@ class LLM:
         if self._engine is None:
             return
         runner = weakref.ref(self._engine.runner)
+        self._engine.shutdown()  # (tensor parallelism: the worker ranks stop)
         self._engine = None
         if runner() is not None:  # a reference cycle: freed only by the cyclic collector
             logger.warning("the engine's runner outlived its engine (a reference cycle): "

@@ -61,6 +61,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         help="default: enough pages for the largest level at full length",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is sharded over, one GPU each")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="comma-separated levels")
     p.add_argument("--output-len", type=int, default=256, help="tokens per request (ignore_eos)")
@@ -148,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         arms=parse_arms(args.arms),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
         concurrency=parse_concurrency(args.concurrency),
         output_len=args.output_len,
         max_prompt_len=args.max_prompt_len,

@@ -28,6 +28,7 @@ class BenchConfig:
     kv_cache_memory_gb: float | None = None  # None: pages for the largest level, no preemption
     max_num_batched_tokens: int | None = None  # None: the engine default, at least max C
     max_model_len: int | None = None
+    tensor_parallel_size: int = 1  # ranks the engine shards the model over
     speculative_config: dict | None = field(default=None, hash=False)
     # name -> speculative_config or None (plain decoding), measured interleaved; None: one arm
     arms: dict[str, dict | None] | None = field(default=None, hash=False)
@@ -72,6 +73,12 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if self.tensor_parallel_size > 1 and self.arms is not None and len(self.arms) > 1:
+            raise ValueError(
+                f"--arms keeps every arm's engine resident, and a process holds one "
+                f"tensor-parallel group: run each arm alone with tensor_parallel_size "
+                f"{self.tensor_parallel_size}"
+            )
         if not (self.use_dspark or self.use_hf):
             raise ValueError("nothing to run: both dspark and the HF peer are off")
         if self.hf_cache not in CACHE_IMPLEMENTATIONS:

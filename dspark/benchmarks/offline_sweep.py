@@ -64,6 +64,7 @@ def engine_kwargs(config: BenchConfig) -> dict:
         max_num_batched_tokens=config.max_num_batched_tokens
         or max(EngineConfig.max_num_batched_tokens, max_c),
         speculative_config=config.speculative_config,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     if config.kv_cache_memory_gb is not None:
         kwargs["kv_cache_memory_gb"] = config.kv_cache_memory_gb

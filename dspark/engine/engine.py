@@ -45,8 +45,11 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 
 from dspark.config import EngineConfig
+from dspark.distributed.launch import Workers, join_as_worker, rank_device, start_workers
+from dspark.distributed.parallel_state import TensorParallel, destroy_tensor_parallel
 from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
@@ -65,10 +68,12 @@ from dspark.engine.spec_setup import (
 )
 from dspark.engine.startup_profile import measure_at_startup
 from dspark.engine.stats_log import StatsLogger
+from dspark.engine.tp_steps import PlanDivergedError, TPSteps
 from dspark.engine.validation import check_request
 from dspark.kernels.compile_watch import WATCH as COMPILE_WATCH
 from dspark.models.llama import LlamaForCausalLM, build_model
 from dspark.models.loader import ModelSource, checkpoint_hash, load_checkpoint, resolve_model
+from dspark.models.sharding import check_tp_size
 from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.outputs import DeltaOutput, RequestOutput
 from dspark.policy.cost_table import make_fingerprint
@@ -86,20 +91,32 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, synthetic: SyntheticAcceptance | None = None) -> None:
-        """`synthetic`: a benchmark's synthetic acceptance (spec/synthetic.py), passed only by
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TensorParallel | None = None,
+        synthetic: SyntheticAcceptance | None = None,
+    ) -> None:
+        """`tp`: a worker rank's group (distributed/launch.py builds its engine); rank 0, the
+        one the caller builds, starts the workers itself when tensor_parallel_size > 1.
+        `synthetic`: a benchmark's synthetic acceptance (spec/synthetic.py), passed only by
         `dspark bench` / `dspark profile`; never a setting (its output is not the model's)."""
         self.config = config
         self.synthetic = synthetic
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
         source = resolve_model(config.model, config.revision)
         model_config, weights = load_checkpoint(source)
+        check_tp_size(model_config, config.tensor_parallel_size)  # (before any process starts)
+        self._workers: Workers | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            tp, self._workers = start_workers(config, config.torch_device(), run_worker)
+        self.tp = tp
+        self.device = rank_device(config.torch_device(), tp.rank) if tp else config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
         self.model_config = model_config
         self.tokenizer: Tokenizer = load_tokenizer(source)
         backend = config.attention_backend_for(self.device)
         self.model: LlamaForCausalLM = build_model(
-            model_config, weights, self.dtype, self.device, backend
+            model_config, weights, self.dtype, self.device, backend, tp
         )
         del weights
         drafter_dir, target_hash = resolve_drafter(config, source)
@@ -107,11 +124,11 @@ class LLMEngine:
         self.kv_plan = plan_kv(
             config, self.model, self.dtype, self.device, drafter_layers(drafter_dir),
             verified_positions(drafter_dir), spec_graphs=use_graphs and drafter_dir is not None,
-            num_tails=len(tail_sizes(config.spec())) if drafter_dir is not None else 1,
+            num_tails=len(tail_sizes(config.spec())) if drafter_dir is not None else 1, tp=tp,
         )  # fmt: skip
         self.max_model_len = self.kv_plan.max_model_len
-        kv_caches = allocate_kv_caches(
-            model_config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
+        kv_caches = allocate_kv_caches(  # (this rank's KV heads: the shard's config)
+            self.model.config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
         )
         self.allocator = PageAllocator(self.kv_plan.num_pages)
         # prefix caching: pages keyed by the drafter too, whose context they carry
@@ -121,7 +138,7 @@ class LLMEngine:
             drafter_key = checkpoint_hash(ModelSource(drafter_dir)) if drafter_dir else ""
             self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
         self.spec = build_spec(
-            config, self.model, model_config, self.kv_plan.num_pages, self.dtype, self.device,
+            config, self.model, self.model.config, self.kv_plan.num_pages, self.dtype, self.device,
             drafter_dir, target_hash, backend, synthetic,
         )  # fmt: skip
         if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
@@ -173,11 +190,24 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._step_periods = StepPeriods()  # which step periods are realised costs
         self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
+        # tensor parallelism (engine/tp_steps.py): rank 0's changes since the last header, in
+        # order: ("add", Request fields) | ("abort", id); a worker follows rank 0's steps
+        self._tp_steps = TPSteps(tp) if tp is not None else None
+        self._is_follower = tp is not None and not tp.is_driver
+        self._tp_changes: list[tuple] = []
+        self._stopped = False  # (a worker told to stop)
+        if self._workers is not None:
+            self._stop_workers = weakref.finalize(self, _stop_workers, self._tp_steps,
+                                                  self._workers)  # fmt: skip
         # last: a start-up profile (engine/startup_profile.py) steps this engine, undecided
         self.policy, self.policy_trace = None, None
         self.policy, self.scheduling_status = build_policy(
             config, self.spec, spec_runner, drafter_dir, self.cost_fingerprint,
-            measure=lambda: measure_at_startup(self),
+            measure=lambda: (
+                measure_at_startup(self)
+                if self.tp is None
+                else (None, "not with tensor parallelism (run `dspark profile -tp N`)")
+            ),
         )  # fmt: skip
         self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)  # (DSPARK_POLICY_TRACE)
         logger.info(
@@ -198,6 +228,7 @@ class LLMEngine:
             self.device, self._target_hash, checkpoint_hash(ModelSource(self.drafter_dir)),
             self.spec.num_verify, str(self.dtype).removeprefix("torch."),
             graphs.sizes if graphs else [], self.config.page_size, spec_runner.trimmed_widths,
+            self.config.tensor_parallel_size,
         )  # fmt: skip
 
     def forget_profile_steps(self) -> None:
@@ -240,28 +271,44 @@ class LLMEngine:
         self.validate_request(request_id, prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.randint(0, MAX_SEED)
         now = time.monotonic()
+        arrival_time = now if arrival_time is None else arrival_time
+        if self._tp_steps is not None:  # (the workers' copies: engine/tp_steps.py)
+            self._tp_changes.append(("add", request_id, prompt_ids, params, seed, arrival_time))
+        self._enqueue(request_id, prompt_ids, params, seed, arrival_time, prompt_text, now)
+
+    def _enqueue(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        arrival_time: float,
+        prompt_text: str | None = None,
+        added_time: float | None = None,  # None: now (a worker's copy)
+    ) -> None:
         req = Request(
             request_id,
             prompt_ids,
             params,
             seed=seed,
             eos_token_id=self.eos_token_id,
-            arrival_time=now if arrival_time is None else arrival_time,
+            arrival_time=arrival_time,
             prompt=prompt_text,
-            added_time=now,
+            added_time=time.monotonic() if added_time is None else added_time,
             bad_words_token_ids=self._bad_words_token_ids(params),
         )
         self._requests[request_id] = req
-        self._detokenizers[request_id] = Detokenizer(
-            self.tokenizer,
-            skip_special_tokens=params.skip_special_tokens,
-            stop_strings=params.stop_strings,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            incremental=params.output_kind not in ("final_only", "delta_tokens")
-            or bool(params.stop_strings),
-        )
-        if params.output_kind in ("delta", "delta_tokens"):
-            self._cursors[request_id] = DeltaCursor(params)
+        if not self._is_follower:  # (rank 0 detokenizes and reports)
+            self._detokenizers[request_id] = Detokenizer(
+                self.tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                stop_strings=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                incremental=params.output_kind not in ("final_only", "delta_tokens")
+                or bool(params.stop_strings),
+            )
+            if params.output_kind in ("delta", "delta_tokens"):
+                self._cursors[request_id] = DeltaCursor(params)
         self.scheduler.add(req)
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
@@ -286,6 +333,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)
+        if self._tp_steps is not None and not self._is_follower:
+            self._tp_changes.append(("abort", request_id))
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, FinishReason.ABORT, None)
             self._aborted.append(req)
@@ -302,16 +351,22 @@ class LLMEngine:
         outer, watch.stats = watch.stats, self.runner.stats
         try:
             return self._step()
+        except RuntimeError as e:  # (a collective's peer gone: say which rank died)
+            if self._workers is not None:
+                raise self._workers.error(e) from e
+            raise
         finally:
             watch.stats = outer
 
     def _step(self) -> list[RequestOutput | DeltaOutput]:
-        # from survivals at least one step old (docs/SPECULATION.md 5.2)
-        if self.policy is not None:
+        # from survivals at least one step old (docs/SPECULATION.md 5.2); rank 0 decides
+        if self.policy is not None and not self._is_follower:
             self._decide_drafting()
         elif self.policy_trace is not None:  # (plain or fixed K: the step, for comparison)
             self.policy_trace.stepped(self.scheduler, self.runner.stats,
                                       self.spec is not None, time.perf_counter())  # fmt: skip
+        if self._tp_steps is not None and not self._share_header():
+            return []  # (a worker told to stop)
         drafting = self.spec is not None and self.scheduler.drafting
         # (read each step: tests lay windows out uniformly on the CPU after the engine is built)
         spec_runner = self.runner.spec_runner
@@ -324,7 +379,12 @@ class LLMEngine:
         if plan.is_empty:
             return outputs + self._collect_aborted()
         self.scheduler.advance(plan)
-        return outputs + self._finish(self.runner.launch(plan)) + self._collect_aborted()
+        return outputs + self._finish(self._launch(plan)) + self._collect_aborted()
+
+    def _launch(self, plan):
+        if self._tp_steps is not None:  # (every rank's plan is rank 0's, or it stops here)
+            self._tp_steps.check_plan(plan)
+        return self.runner.launch(plan)
 
     def _decide_drafting(self) -> None:
         """The drafting policy's choice for the step about to be scheduled; the period since
@@ -375,7 +435,7 @@ class LLMEngine:
                 stats["spec_steps_launched_ahead_admitting"] += bool(tail)
                 stats["spec_steps_launched_behind_mixed"] += not previous.is_uniform
             self.scheduler.advance(plan)
-            step = self.runner.launch(plan)
+            step = self._launch(plan)
             behind = step.is_uniform or step.windows_first
             if step.window_rows and not behind:  # nothing launches behind it
                 assert previous is None, "a step launched ahead lays its windows out K + 1 wide"
@@ -412,6 +472,10 @@ class LLMEngine:
 
     def _update(self, plan, sampled) -> list[RequestOutput]:
         emitted = self.scheduler.update(plan, sampled)
+        if self._is_follower:
+            self._follow_update(emitted)
+            return []
+        stops: list[tuple[str, int, str | None]] = []  # (id, tokens kept, stop): the workers'
         now = time.monotonic()
         self.stats_log.maybe_log(self)
         outputs = []
@@ -429,6 +493,7 @@ class LLMEngine:
                 del req.logprobs[req.num_output_tokens :]
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.STOP, hit.stop)
+                stops.append((req.request_id, len(req.token_ids), hit.stop))
             if req.status is finished:
                 outputs.append(self._report(req))
             elif (cursor := cursors.get(req.request_id)) is not None:
@@ -437,7 +502,61 @@ class LLMEngine:
                     outputs.append(self._report(req))
             elif req.sampling_params.output_kind != "final_only":  # cumulative
                 outputs.append(self._report(req))
+        if self._tp_steps is not None and _has_stop_strings(emitted):
+            self._tp_steps.share(stops)
         return outputs
+
+    # ---- tensor parallelism (engine/tp_steps.py) --------------------------------------------
+
+    def _share_header(self) -> bool:
+        """Rank 0's changes and drafting choice, sent (rank 0) or applied (workers) before the
+        step is scheduled; False: the worker is told to stop."""
+        scheduler = self.scheduler
+        if not self._is_follower:
+            header = (self._tp_changes, scheduler.drafting, scheduler.trimmed_cell)
+            self._tp_changes = []
+            self._tp_steps.share(header)
+            return True
+        header = self._tp_steps.share()
+        if header is None:
+            self._stopped = True
+            return False
+        changes, scheduler.drafting, scheduler.trimmed_cell = header
+        for change in changes:
+            if change[0] == "add":
+                self._enqueue(*change[1:])
+            else:
+                self.abort_request(change[1])
+                self._requests.pop(change[1], None)
+        self._aborted.clear()  # (reported by rank 0)
+        return True
+
+    def _follow_update(self, emitted: list) -> None:
+        """A worker's update: rank 0's stops applied as rank 0 applied them; finished
+        requests forgotten (rank 0 reports them)."""
+        if _has_stop_strings(emitted):
+            for request_id, num_kept, stop in self._tp_steps.share():
+                req = self._requests[request_id]
+                del req.token_ids[num_kept:]
+                del req.logprobs[req.num_output_tokens :]
+                if not req.is_finished:
+                    self.scheduler.finish(req, FinishReason.STOP, stop)
+        for req, _, _ in emitted:
+            if req.is_finished:
+                self._requests.pop(req.request_id, None)
+
+    def follow(self) -> None:
+        """A worker rank's life: run rank 0's steps until it says stop."""
+        while not self._stopped:
+            self.step()
+        destroy_tensor_parallel()
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks (tensor parallelism; idempotent, nothing to do otherwise).
+        A dropped engine stops them too (weakref.finalize, set up in __init__)."""
+        if self._workers is not None:
+            self._workers = None
+            self._stop_workers()
 
     def _collect_aborted(self) -> list[RequestOutput | DeltaOutput]:
         # aborted requests emit nothing more: reported once here, then forgotten
@@ -448,3 +567,33 @@ class LLMEngine:
         """req's output now (engine/reporting.py); a finished request is forgotten."""
         return report(req, self._requests, self._detokenizers, self._cursors, self.policy,
                       self.spec is not None)  # fmt: skip
+
+
+def _has_stop_strings(emitted: list) -> bool:
+    """Whether an update's requests detokenize for stops (decided alike on every rank)."""
+    return any(req.sampling_params.stop_strings for req, _, _ in emitted)
+
+
+def _stop_workers(steps: TPSteps, workers: Workers) -> None:
+    """Tell the workers to stop (a header of None), reap them, leave the group."""
+    try:
+        steps.share(None)
+    except RuntimeError:
+        pass  # (a worker already gone: stop() reaps it)
+    workers.stop()
+    destroy_tensor_parallel()
+
+
+def run_worker(config: EngineConfig, rank: int, port: int, parent_pid: int) -> None:
+    """A worker rank's process (spawned by rank 0's engine): join, build, follow rank 0.
+    Rank 0 gone mid-collective ends it with one line and exit code 1; its own failures
+    (PlanDivergedError among them) with their traceback."""
+    engine = LLMEngine(config, tp=join_as_worker(config, rank, port, parent_pid))
+    try:
+        engine.follow()
+    except PlanDivergedError:
+        raise
+    except RuntimeError as e:  # (gloo: "Connection closed by peer")
+        logger.error("tensor-parallel rank %d: lost rank 0, exiting (%s)", rank,
+                     str(e).splitlines()[0][:200])  # fmt: skip
+        raise SystemExit(1) from None

@@ -16,6 +16,7 @@ import torch
 
 from dspark.attention_metadata import single_prefill_metadata
 from dspark.config import CPU_KV_CACHE_GB, EngineConfig
+from dspark.distributed.parallel_state import TensorParallel
 from dspark.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token
 from dspark.models.llama import LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
@@ -56,8 +57,9 @@ def plan_kv(
     positions_per_row: int = 1,  # positions a row samples or verifies in a step (K + 1)
     spec_graphs: bool = False,  # speculative steps will be captured (CUDA graphs)
     num_tails: int = 1,  # tail sizes of the captured mixed speculative steps
+    tp: TensorParallel | None = None,  # every rank gets the pages the fullest one can hold
 ) -> KVPlan:
-    mc = model.config
+    mc = model.config  # (with tensor parallelism the rank's shard's: its KV heads)
     per_layer = kv_bytes_per_token(mc, dtype) // mc.num_layers
     page_bytes = per_layer * (mc.num_layers + extra_layers) * config.page_size
     if config.num_kv_pages is not None:
@@ -67,6 +69,8 @@ def plan_kv(
             config, model, dtype, device, positions_per_row, spec_graphs, num_tails
         )
         num_pages = max(2, int(budget // page_bytes))
+        if tp is not None:  # (the ranks share one page table: every one must hold it)
+            num_pages = tp.min_over_ranks(num_pages)
     plan = KVPlan(num_pages, _max_model_len(config, mc, num_pages), config.page_size)
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%.2f GB); max_model_len %d allows %d "

@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.attention_metadata import AttentionMetadata
+from dspark.distributed.parallel_state import TensorParallel
 from dspark.kernels.paged_attention_ref import paged_attention_ref, store_kv_ref
 from dspark.layers.linear import Linear
 from dspark.layers.norm import RMSNorm
+from dspark.layers.parallel_linear import RowParallelLinear
 from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.model_config import ModelConfig
 
@@ -34,8 +36,15 @@ def attention_ops(backend: str):
 
 
 class Attention(nn.Module):
+    """With tensor parallelism `config` is the rank's shard's (its heads only): qkv is
+    column-parallel, o row-parallel with its all-reduce (layers/parallel_linear.py)."""
+
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: str = "torch"
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: str = "torch",
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self._store_kv, self._attend = attention_ops(backend)
@@ -46,7 +55,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                config.attention_bias, self.use_triton)  # fmt: skip
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, self.use_triton)
+        if tp is None:
+            self.o_proj = Linear(self.q_size, config.hidden_size, False, self.use_triton)
+        else:
+            self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, self.use_triton, tp)
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
         self.q_norm = self.k_norm = None

@@ -33,6 +33,7 @@ from torch import nn
 
 from dspark import envs
 from dspark.attention_metadata import AttentionMetadata
+from dspark.distributed.parallel_state import TensorParallel
 from dspark.layers.attention import Attention
 from dspark.layers.norm import RMSNorm
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -54,6 +55,7 @@ from dspark.models.drafter_config import (  # (re-exported: the drafter's public
 from dspark.models.folded_context import FoldedContext, folded_context_enabled
 from dspark.models.llama import MLP, LlamaForCausalLM
 from dspark.models.model_config import ModelConfig
+from dspark.models.sharding import shard_weights
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +67,21 @@ def target_identity(model: LlamaForCausalLM, weights_hash: str) -> TargetIdentit
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
+    """Sharded as the target's layers are (`config` the target's shard's, `tp` its group)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: str,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         use_triton = backend == "triton"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
-        self.self_attn = Attention(config, rotary, backend)
+        self.self_attn = Attention(config, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_triton)
-        self.mlp = MLP(config, use_triton)
+        self.mlp = MLP(config, use_triton, tp)
 
     def store_context(
         self,
@@ -147,7 +157,7 @@ class DSparkDrafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(d))
         rotary = RotaryEmbedding(tc)
         self.layers = nn.ModuleList(
-            DrafterLayer(tc, rotary, backend) for _ in range(config.num_layers)
+            DrafterLayer(tc, rotary, backend, target.tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(d, tc.rms_norm_eps)
         r = config.markov_rank
@@ -276,6 +286,11 @@ class DSparkDrafter(nn.Module):
         directory = Path(directory)
         hf = read_drafter_config(directory)
         tensors = None
+        if is_deepspec(hf) and target.tp is not None:
+            raise ValueError(
+                f"{directory} is a DeepSeek-format drafter: it is checked against the target's "
+                "whole embedding and head, so it runs with tensor_parallel_size 1 only"
+            )
         if is_deepspec(hf):  # DeepSeek's layout: identity by the frozen embedding and head
             identity = target_identity(target, target_weights_hash)
             config = deepspec_drafter_config(hf, target, identity)
@@ -285,7 +300,11 @@ class DSparkDrafter(nn.Module):
         device = target.embed_tokens.weight.device
         dtype = target.embed_tokens.weight.dtype
         drafter = cls(config, target, target_weights_hash, backend)  # checks the identity first
-        drafter.load_state_dict(tensors if tensors is not None else read_weights(directory))
+        tensors = tensors if tensors is not None else read_weights(directory)
+        if target.tp is not None:  # this rank's heads and MLP rows (models/sharding.py)
+            tp, full = target.tp, target.checkpoint_config
+            tensors = dict(shard_weights(tensors.items(), full, tp.rank, tp.size))
+        drafter.load_state_dict(tensors)
         drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # .to(dtype) rounded the (shared) rotary frequencies: the kernels want them in fp32
         drafter.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(drafter.target_config).to(

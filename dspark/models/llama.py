@@ -29,11 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.attention_metadata import AttentionMetadata
+from dspark.distributed.parallel_state import TensorParallel
 from dspark.layers.attention import Attention
 from dspark.layers.linear import Linear
 from dspark.layers.norm import RMSNorm
+from dspark.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from dspark.layers.rotary import RotaryEmbedding, rope_inv_freq
 from dspark.models.model_config import ModelConfig
+from dspark.models.sharding import shard_config, shard_weights
 
 
 @dataclass
@@ -45,13 +48,27 @@ class ModelOutput:
     final_hidden: torch.Tensor | None = None  # [N, d] after the final norm, with lm_head=False
 
 
+def row_linear(
+    in_features: int, out_features: int, use_triton: bool, tp: TensorParallel | None
+) -> Linear:
+    """A row-parallel projection under tensor parallelism, a plain one otherwise."""
+    if tp is None:
+        return Linear(in_features, out_features, False, use_triton)
+    return RowParallelLinear(in_features, out_features, use_triton, tp)
+
+
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, use_triton: bool) -> None:
+    """With tensor parallelism `config` is the rank's shard's (I / tp rows): gate/up are
+    column-parallel, down row-parallel with its all-reduce (layers/parallel_linear.py)."""
+
+    def __init__(
+        self, config: ModelConfig, use_triton: bool, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False,
                                    use_triton)  # fmt: skip
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, use_triton)
+        self.down_proj = row_linear(config.intermediate_size, config.hidden_size, use_triton, tp)
         self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> [T, d]
@@ -69,14 +86,20 @@ class DecoderLayer(nn.Module):
     takes (x, residual) with the stream = x + residual, returns the same pair after the block.
     """
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: str,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         use_triton = backend == "triton"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, use_triton)
-        self.self_attn = Attention(config, rotary, backend)
+        self.self_attn = Attention(config, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, use_triton)
-        self.mlp = MLP(config, use_triton)
+        self.mlp = MLP(config, use_triton, tp)
 
     def forward(
         self,
@@ -98,21 +121,34 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
+    """With tensor parallelism (`tp`), `self.config` is this rank's shard's (models/sharding.py:
+    its heads and MLP rows), `checkpoint_config` the whole model's; the embedding and head hold
+    the rank's vocabulary rows, and the logits come out whole on every rank."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention_backend: str = "torch",
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.config = config
-        # (a given weight skips the random init: on build_model's meta device normal_ goes
-        # through torch._refs, whose first use imports torch._dynamo, ~4 s of a CPU start)
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size),
-        )  # fmt: skip
+        self.checkpoint_config = config
+        config = self.config = shard_config(config, tp.size) if tp is not None else config
+        self.tp = tp
+        d, vocab = config.hidden_size, config.vocab_size
+        if tp is None:
+            # (a given weight skips the random init: on build_model's meta device normal_ goes
+            # through torch._refs, whose first use imports torch._dynamo, ~4 s of a CPU start)
+            self.embed_tokens = nn.Embedding(vocab, d, _weight=torch.empty(vocab, d))
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(vocab, d, tp)
+            self.lm_head = ParallelLMHead(vocab, d, tp)
         rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, attention_backend) for _ in range(config.num_layers)
+            DecoderLayer(config, rotary, attention_backend, tp) for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend == "triton")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.norm = RMSNorm(d, config.rms_norm_eps, attention_backend == "triton")
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -235,16 +271,18 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     attention_backend: str = "torch",
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Instantiate without random init (meta device) directly in `dtype` on `device`, then copy
     the checkpoint's tensors in one at a time (shard by shard for safetensors): no float32 or
-    host copy of the whole model is ever made."""
+    host copy of the whole model is ever made. With `tp`, this rank's shard of it."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend).to(dtype)
+        model = LlamaForCausalLM(config, attention_backend, tp).to(dtype)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives every module its own fresh parameter
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(weights.items())
+    items = weights.items()
+    model.load_weights(shard_weights(items, config, tp.rank, tp.size) if tp else items)
     # to_empty left the (shared) rotary buffer unset, in dtype: refill it in float32
     model.layers[0].self_attn.rotary.inv_freq = rope_inv_freq(config).to(device)
     return model.eval().requires_grad_(False)

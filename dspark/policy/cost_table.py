@@ -49,10 +49,10 @@ from dspark.version import __version__
 # cell carries prefill). A table's extra keys (tables from before a key left) are ignored.
 FINGERPRINT_KEYS = (
     "gpu", "torch", "triton", "target_hash", "drafter_hash", "draft_len", "dtype",
-    "graph_sizes", "page_size", "engine_version", "trimmed_widths",
+    "graph_sizes", "page_size", "engine_version", "trimmed_widths", "tensor_parallel_size",
 )  # fmt: skip
 # keys a table may lack, with the value that absence means (tables written before the key)
-FINGERPRINT_DEFAULTS = {"trimmed_widths": []}
+FINGERPRINT_DEFAULTS = {"trimmed_widths": [], "tensor_parallel_size": 1}
 # tables shipped beside a drafter (one per engine they were measured on), used when their
 # fingerprint matches and speculative_config names none
 COST_TABLES_DIR = "cost_tables"
@@ -119,6 +119,7 @@ def make_fingerprint(
     graph_sizes: list[int],
     page_size: int,
     trimmed_widths: tuple[int, ...] = (),
+    tensor_parallel_size: int = 1,  # (a step's time includes its all-reduces)
 ) -> dict:
     """The live fingerprint: what a table's measurements depend on (FINGERPRINT_KEYS)."""
     import torch
@@ -142,6 +143,7 @@ def make_fingerprint(
         "page_size": page_size,
         "engine_version": __version__,
         "trimmed_widths": list(trimmed_widths),
+        "tensor_parallel_size": tensor_parallel_size,
     }
 
 

@@ -49,6 +49,8 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "mixed_prefill_tokens": 256,  # EngineConfig's default
     "enable_prefix_caching": True,  # EngineConfig's default
     "speculative_config": None,
+    "tensor_parallel_size": 1,
+    "distributed_port": None,
 }
 SERVER_OPTIONS: dict[str, Any] = {
     "host": DEFAULT_HOST,
@@ -91,6 +93,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         ("--mixed-prefill-tokens", int),
     ):
         p.add_argument(flag, type=kind, default=None)
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="ranks the model is sharded over, one GPU each (default 1)",
+    )
+    p.add_argument("--distributed-port", type=int, default=None,
+                   help="the port the ranks meet on (default: a free one)")  # fmt: skip
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -211,7 +222,8 @@ OPTION_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_toke
                 "disable_access_log": bool, "require_api_key_for_metrics": bool,
                 "enable_prefix_caching": bool, "allow_credentials": bool,
                 "allowed_origins": list, "allowed_methods": list,
-                "allowed_headers": list}  # fmt: skip
+                "allowed_headers": list, "tensor_parallel_size": int,
+                "distributed_port": int}  # fmt: skip
 
 
 def _from_file(name: str, value: Any) -> Any:

@@ -138,9 +138,11 @@ class EngineLoop:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         levels = (logging.getLogger().level, logging.getLogger("dspark").getEffectiveLevel())
+        # (a factory whose engine starts processes: engine_process.EngineFactory)
+        daemon = not getattr(self._factory, "starts_processes", False)
         self.process = context.Process(
             target=run_engine_process, args=(self._factory, (child_conn, *other_servers), levels),
-            name="dspark-engine", daemon=True,
+            name="dspark-engine", daemon=daemon,
         )  # fmt: skip
         self.process.start()
         for conn in (child_conn, *other_servers):  # only the child holds them now

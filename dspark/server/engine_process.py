@@ -82,8 +82,19 @@ def build_engine(config):
     return LLMEngine(config)
 
 
+class EngineFactory(functools.partial):
+    """build_engine(config), knowing whether the engine starts processes of its own (tensor
+    parallelism's worker ranks): a daemon process may not, so the engine process is then
+    started as a non-daemon one (EngineLoop.start); it still exits with its parent
+    (watch_parent), and its workers with it."""
+
+    @property
+    def starts_processes(self) -> bool:
+        return self.args[0].tensor_parallel_size > 1
+
+
 def engine_factory(config) -> Callable:
-    return functools.partial(build_engine, config)
+    return EngineFactory(build_engine, config)
 
 
 def run_engine_process(
@@ -133,6 +144,7 @@ def run_engine_process(
         report_profile(profiler, profile_path, "the engine loop")
     for sender in senders:
         sender.drain(timeout=30.0)
+    engine.shutdown()  # (tensor parallelism: the worker ranks stop before the exit below)
     # done: skip the interpreter's teardown (seconds of collecting a frozen heap, and Triton's
     # bindings report their objects as leaked when finalised); nothing is left to flush but logs
     logging.shutdown()

@@ -44,7 +44,7 @@ def test_round_trip_and_lookup(tmp_path, live):
 def test_the_fingerprint_names_what_changes_the_costs_and_nothing_more(tmp_path, live):
     assert set(live) == {"gpu", "torch", "triton", "target_hash", "drafter_hash", "draft_len",
                          "dtype", "graph_sizes", "page_size", "engine_version",
-                         "trimmed_widths"}  # fmt: skip
+                         "trimmed_widths", "tensor_parallel_size"}  # fmt: skip
     # a table measured on a host with another number of GPUs (a key tables used to carry)
     # prices the same one-GPU engine
     table = _table(dict(live, device_count=8))

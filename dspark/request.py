@@ -66,6 +66,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # sampling_params.bad_words as token sequences (SamplingParams.bad_words_token_ids)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # sampling_params.reads_outputs, read once at creation (the parameters are validated then and
+    # not changed after): the step loop asks it of every running request each step
+    reads_outputs: bool = False
     # the token count at which it ends by length (max_tokens or max_model_len): set once by
     # Scheduler.add, which knows max_model_len, so the per-step checks are one comparison
     max_num_tokens: int = 0

@@ -296,6 +296,7 @@ class LLMEngine:
             prompt=prompt_text,
             added_time=time.monotonic() if added_time is None else added_time,
             bad_words_token_ids=self._bad_words_token_ids(params),
+            reads_outputs=params.reads_outputs,
         )
         self._requests[request_id] = req
         if not self._is_follower:  # (rank 0 detokenizes and reports)
@@ -455,7 +456,7 @@ class LLMEngine:
             return "after_plain_step" if drafting else None  # (anchors needed on the host)
         if not drafting:
             return "drafting_off"
-        if any(r.sampling_params.reads_outputs for r in self.scheduler.running):
+        if any(r.reads_outputs for r in self.scheduler.running):
             return "logits_shaping"  # (its outputs are read on the host: sample/logits_shaping.py)
         return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)
 

@@ -316,7 +316,7 @@ class ModelRunner:
         one input of a decode row, fed from `previous` (a preempted request re-admitted at once
         would need its pending token on the host). Nor may a request whose penalties or bad
         words read its outputs (sample/logits_shaping.py builds them on the host)."""
-        if any(r.request.sampling_params.reads_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
+        if any(r.request.reads_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
                for r in plan.rows):  # fmt: skip
             return False
         if plan.is_decode:

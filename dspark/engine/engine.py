@@ -456,8 +456,6 @@ class LLMEngine:
             return "after_plain_step" if drafting else None  # (anchors needed on the host)
         if not drafting:
             return "drafting_off"
-        if any(r.reads_outputs for r in self.scheduler.running):
-            return "logits_shaping"  # (its outputs are read on the host: sample/logits_shaping.py)
         return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:

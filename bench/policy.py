@@ -1,7 +1,7 @@
 """The drafting policy on the CPU: its trace summarised, its choices replayed at a GPU's
 prices, its host work a step.
 
-    python bench/policy.py trace TRACE.jsonl [--stretches N] [--decisions N]
+    python bench/policy.py trace TRACE.jsonl [...] [--stretches N] [--decisions N]
     PYTHONPATH=. python bench/policy.py replay --table dspark/drafters/smollm2_135m_instruct/\\
         cost_tables/h200_torch2.11_cu130.json --concurrency 1,4 --num-prompts 12 \\
         --output-len 256 --ahead --out r.json
@@ -315,7 +315,10 @@ def report(path: str, max_stretches: int = 20, max_decisions: int = 0) -> str:
 
 
 def trace(args: argparse.Namespace) -> int:
-    print(report(args.trace, args.stretches, args.decisions))
+    for path in args.trace:  # (one file a traced engine: a bench's arms, a server's processes)
+        if len(args.trace) > 1:
+            print(f"# {path}")
+        print(report(path, args.stretches, args.decisions))
     return 0
 
 
@@ -542,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         return p
 
     t = command("trace", TRACE_DOC, trace)
-    t.add_argument("trace")
+    t.add_argument("trace", nargs="+", help="trace files (DIR/policy_trace_<pid>_<n>.jsonl)")
     t.add_argument("--stretches", type=int, default=20, help="stretches listed a segment")
     t.add_argument(
         "--decisions",

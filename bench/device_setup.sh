@@ -19,7 +19,8 @@
 # Functions:
 #   random_models                 $SCRATCH/rs (SmolLM2-135M's shapes, random weights) and
 #                                 $SCRATCH/rd (a random K = 7 drafter for it), for speed runs
-#                                 (a step's cost does not depend on the weights)
+#                                 (a step's cost does not depend on the weights; by
+#                                 bench/random_models.py smollm2 and drafter)
 #   gpu_tests_without_model ARGS  `pytest -m gpu` on the tiny models; the tests that need the
 #                                 default model (marked slow) skip
 #   wait_healthy PORT PID [TRIES] until `dspark serve` on PORT answers /health, or PID is gone
@@ -53,8 +54,8 @@ _tokenizer() {
 random_models() {
   [ -d "$SCRATCH/rs" ] && [ -d "$SCRATCH/rd" ] && return 0
   _tokenizer || return 1
-  python3 bench/random_smollm2.py --out "$SCRATCH/rs" --tokenizer "$SCRATCH/tok/tok" \
-    && python3 bench/random_drafter.py --target "$SCRATCH/rs" --out "$SCRATCH/rd"
+  python3 bench/random_models.py smollm2 --out "$SCRATCH/rs" --tokenizer "$SCRATCH/tok/tok" \
+    && python3 bench/random_models.py drafter --target "$SCRATCH/rs" --out "$SCRATCH/rd"
 }
 
 gpu_tests_without_model() {

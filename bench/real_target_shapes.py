@@ -1,14 +1,14 @@
 """Qwen3-8B's (or -14B's) shapes with random weights, no download: what serving the real
 target costs.
 
-    python bench/real_target_shapes.py --out /tmp/real_shapes            # on an H100, ~15 min
-    python bench/real_target_shapes.py --out /tmp/rs --shapes tiny --device cpu   # dry run
+    python bench/real_target_shapes.py --out real_shapes            # on an H100, ~15 min
+    python bench/real_target_shapes.py --out real_shapes_tiny --shapes tiny --device cpu  # dry run
 
 Writes a random bf16 checkpoint of Qwen3-8B's shapes as the Hub publishes it (config.json with
 two EOS ids, 5 safetensors shards and their index, a word-level tokenizer over the 151,936 ids)
 and a random drafter in DeepSpec's layout of the released block-7 drafter's shapes (5 layers,
-taps 1, 9, 17, 25, 33, Markov rank 256, confidence head), then measures, each in its own
-process so peaks and start-up are clean:
+taps 1, 9, 17, 25, 33, Markov rank 256, confidence head), as `random_models.py qwen3` does,
+then measures, each in its own process so peaks and start-up are clean:
 
   startup        LLM(target) start-up time and peak host RSS, against the largest shard
   throughput     plain decoding output tokens/s at batch 1, 16, 64, 256 (prompts of 128 random
@@ -16,7 +16,7 @@ process so peaks and start-up are clean:
                  cache generate on the same checkpoint and prompts (dspark/benchmarks/hf_peer.py)
   bandwidth      batch 1's captured decode step against its memory-bandwidth floor: (weights
                  read per step + KV bytes) / the measured device copy bandwidth
-  drafting       bench/spec_step_profile.py at K = 7: the drafting part's time against the
+  drafting       bench/step_profile.py spec at K = 7: the drafting part's time against the
                  target forward's, per batch size
 
 Random weights accept nothing: these are costs, never acceptance (`dspark bench
@@ -35,164 +35,10 @@ import time
 from pathlib import Path
 
 import torch
+from random_models import SHAPES, target_shapes, write_drafter, write_target
 
-# Qwen/Qwen3-8B's and Qwen3-14B's config.json (the fields the engine reads) and the released
-# drafter's (14b: the same drafter recipe at its shapes; bench/tensor_parallel.py uses it)
-SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-               taps=[1, 9, 17, 25, 33], draft_layers=5, shard_gb=4.0),
-    # Qwen/Qwen3-14B's config.json; its drafter's taps spaced as the 8B's are over 40 layers
-    # (assumed: the released 14B drafter's own config was not at hand)
-    "14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                taps=[1, 10, 19, 28, 37], draft_layers=5, shard_gb=4.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
-                 taps=[1, 2], draft_layers=2, shard_gb=0.0002),
-}  # fmt: skip
 BATCHES = (1, 16, 64, 256)
 PROMPT_LEN, OUTPUT_LEN = 128, 128
-BLOCK_SIZE, MARKOV_RANK = 7, 256
-
-
-def target_config(s: dict) -> dict:
-    return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
-        "num_hidden_layers": s["num_hidden_layers"], "head_dim": s["head_dim"],
-        "num_attention_heads": s["num_attention_heads"],
-        "num_key_value_heads": s["num_key_value_heads"], "vocab_size": s["vocab_size"],
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
-        "attention_bias": False, "tie_word_embeddings": False, "use_sliding_window": False,
-        "hidden_act": "silu", "bos_token_id": s["vocab_size"] - 3,
-        "eos_token_id": s["vocab_size"] - 2, "torch_dtype": "bfloat16",
-    }  # fmt: skip
-
-
-def target_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    h, i, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    shapes = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (v, h),
-    }
-    for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {
-            f"{p}self_attn.q_proj.weight": (q, h), f"{p}self_attn.k_proj.weight": (kv, h),
-            f"{p}self_attn.v_proj.weight": (kv, h), f"{p}self_attn.o_proj.weight": (h, q),
-            f"{p}self_attn.q_norm.weight": (hd,), f"{p}self_attn.k_norm.weight": (hd,),
-            f"{p}mlp.gate_proj.weight": (i, h), f"{p}mlp.up_proj.weight": (i, h),
-            f"{p}mlp.down_proj.weight": (h, i), f"{p}input_layernorm.weight": (h,),
-            f"{p}post_attention_layernorm.weight": (h,),
-        }  # fmt: skip
-    return shapes
-
-
-def random_tensor(shape: tuple[int, ...], device: str, seed: int) -> torch.Tensor:
-    """bf16, on the host: norms near one, matrices of std 0.02 (drawn on `device`)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    if len(shape) == 1:
-        return (1 + 0.05 * torch.randn(shape, generator=g, device=device)).bfloat16().cpu()
-    return (0.02 * torch.randn(shape, generator=g, device=device)).bfloat16().cpu()
-
-
-def write_sharded(directory: Path, tensors, shard_bytes: float) -> None:
-    """(name, tensor) pairs into model-0000i-of-0000n.safetensors shards and their index."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    for name, t in tensors:
-        if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > shard_bytes:
-            path = directory / f"shard-{len(shards)}.tmp"
-            save_file(shards[-1], path)  # written as it fills: one shard in host memory
-            shards[-1] = {k: None for k in shards[-1]}
-            shards.append({})
-        shards[-1][name] = t
-    save_file(shards[-1], directory / f"shard-{len(shards)}.tmp")
-    weight_map = {}
-    for n, shard in enumerate(shards, 1):
-        final = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        (directory / f"shard-{n}.tmp").rename(directory / final)
-        weight_map |= {k: final for k in shard}
-    index = {"metadata": {}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-
-
-def write_tokenizer(directory: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over every id (w0 .. wN) with a chat template: the engine and the
-    peer need one; throughput prompts are token ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0",
-                                   eos_token=f"w{vocab_size - 2}")  # fmt: skip
-    fast.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}"
-    fast.save_pretrained(directory)
-
-
-def write_target(directory: Path, s: dict, device: str) -> dict:
-    config = target_config(s)
-    if (directory / "config.json").is_file():
-        return config
-    directory.mkdir(parents=True, exist_ok=True)
-    shapes = target_shapes(config)
-    tensors = ((n, random_tensor(shape, device, i)) for i, (n, shape) in enumerate(shapes.items()))
-    write_sharded(directory, tensors, s["shard_gb"] * 2**30)
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    eos = [config["eos_token_id"], config["vocab_size"] - 1]  # Qwen3's <|im_end|>, <|endoftext|>
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    write_tokenizer(directory, config["vocab_size"])
-    return config
-
-
-def write_drafter(directory: Path, target_dir: Path, config: dict, s: dict, device: str) -> None:
-    """DeepSpec's save_pretrained layout (dspark/models/deepspec_format.py) at these shapes."""
-    from safetensors.torch import save_file
-
-    from dspark.models.safetensors_weights import SafetensorsWeights
-
-    if (directory / "config.json").is_file():
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    weights = SafetensorsWeights(sorted(target_dir.glob("*.safetensors")))
-    h, hd, v = config["hidden_size"], config["head_dim"], config["vocab_size"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    i = config["intermediate_size"]
-    shapes = {"fc.weight": (h, len(s["taps"]) * h), "hidden_norm.weight": (h,), "norm.weight": (h,),
-              "markov_head.markov_w1.weight": (v, MARKOV_RANK),
-              "markov_head.markov_w2.weight": (v, MARKOV_RANK),
-              "confidence_head.proj.weight": (1, h + MARKOV_RANK)}  # fmt: skip
-    for n in range(s["draft_layers"]):
-        p = f"layers.{n}."
-        shapes |= {
-            f"{p}self_attn.q_proj.weight": (q, h), f"{p}self_attn.k_proj.weight": (kv, h),
-            f"{p}self_attn.v_proj.weight": (kv, h), f"{p}self_attn.o_proj.weight": (h, q),
-            f"{p}self_attn.q_norm.weight": (hd,), f"{p}self_attn.k_norm.weight": (hd,),
-            f"{p}mlp.gate_proj.weight": (i, h), f"{p}mlp.up_proj.weight": (i, h),
-            f"{p}mlp.down_proj.weight": (h, i), f"{p}input_layernorm.weight": (h,),
-            f"{p}post_attention_layernorm.weight": (h,),
-        }  # fmt: skip
-    tensors = {
-        n: random_tensor(shape, device, 1000 + j) for j, (n, shape) in enumerate(shapes.items())
-    }
-    tensors["confidence_head.proj.bias"] = torch.zeros(1, dtype=torch.bfloat16)
-    tensors["embed_tokens.weight"] = weights["model.embed_tokens.weight"]
-    tensors["lm_head.weight"] = weights["lm_head.weight"]
-    save_file(tensors, directory / "model.safetensors")
-    drafter = dict(config) | {
-        "architectures": ["Qwen3DSparkModel"], "num_target_layers": config["num_hidden_layers"],
-        "num_hidden_layers": s["draft_layers"], "target_layer_ids": s["taps"],
-        "block_size": BLOCK_SIZE, "mask_token_id": v - 4, "num_anchors": 512,
-        "markov_rank": MARKOV_RANK, "markov_head_type": "vanilla",
-        "enable_confidence_head": True, "confidence_head_with_markov": True,
-    }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(drafter, indent=1))
 
 
 STARTUP_CHILD = """
@@ -320,7 +166,8 @@ def main() -> None:
     results["copy_bandwidth_gbs"] = bandwidth
     if args.device == "cuda" and "drafting" not in skip:
         profile = args.out / "spec_step_profile.json"
-        subprocess.run([sys.executable, "bench/spec_step_profile.py", "--model", str(target),
+        script = Path(__file__).with_name("step_profile.py")
+        subprocess.run([sys.executable, str(script), "spec", "--model", str(target),
                         "--drafter", str(drafter), "--k", "7", "--batch", args.batches,
                         "--out", str(profile)], check=True)  # fmt: skip
         rows = json.loads(profile.read_text())["rows"]

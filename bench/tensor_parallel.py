@@ -1,7 +1,7 @@
 """Tensor parallelism on one multi-GPU host: TP = 2 against TP = 1 (issue 50's GPU run).
 
-    python bench/tensor_parallel.py --out /tmp/tp                         # 2 GPUs
-    python bench/tensor_parallel.py --out /tmp/tp --device cpu --shapes tiny \\
+    python bench/tensor_parallel.py --out tp                         # 2 GPUs
+    python bench/tensor_parallel.py --out tp_dry --device cpu --shapes tiny \\
         --equality-shapes tiny --prompts 4 --output-len 8 --batches 1,4   # dry run (gloo)
 
 Every arm runs in its own process (rank 0 of its job; TP = 2 spawns rank 1), so one arm's
@@ -11,10 +11,10 @@ memory and process group never meet the next one's:
               the drafting policy. --model: a real checkpoint and dspark bench's held-out
               prompts (its eval split) through its chat template; default: a random Qwen3
               target of --equality-shapes (8b) and random prompt ids, with a random DSpark
-              drafter (bench/random_drafter.py). The policy arm of each size first profiles its
-              own cost table (a table fingerprints its tensor-parallel size). A mismatch is
-              reported with its first position and TP = 1's top-2 logprob gap there (a gap near
-              zero is a float near-tie, not a sharding bug).
+              drafter (`random_models.py drafter`). The policy arm of each size first profiles
+              its own cost table (a table fingerprints its tensor-parallel size). A mismatch
+              is reported with its first position and TP = 1's top-2 logprob gap there (a gap
+              near zero is a float near-tie, not a sharding bug).
   throughput  plain decoding output tokens/s of a random bf16 target of --shapes (14b: Qwen3-
               14B's; 8b) at C = --batches, prompts of 128 random ids, 128 output tokens, median of
               3, TP = 1 and TP = 2; then one profiled generate at each C: rank 0's all-reduce
@@ -36,8 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from random_drafter import write_random_drafter
-from real_target_shapes import SHAPES, write_target
+from random_models import SHAPES, write_random_drafter, write_target
 
 PROMPT_LEN, OUTPUT_LEN, RUNS = 128, 128, 3
 PROFILE_TOKENS = 32  # output tokens of the profiled generate (a short trace)

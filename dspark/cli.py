@@ -201,7 +201,7 @@ def _compare_to_reference(table, llm, path: str | None) -> None:
         where = "above" if median > 1 else "below"
         print(f"dspark profile: this table reads {abs(median - 1):.0%} {where} {path} (median "
               f"over {cells} cells): a whole run can read high; profile again and keep each "
-              f"cell's lower value (bench/compare_cost_tables.py shows them side by side)",
+              f"cell's lower value (bench/results.py cost-tables shows them side by side)",
               file=sys.stderr)  # fmt: skip
 
 

@@ -31,10 +31,11 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests running at once
     # tokens per step (chunked prefill splits longer prompts; every step carries all the decode
     # rows, then one chunk). Offline, 8,192: prefill steps run eagerly and are host-bound on the
-    # GPU (~10 ms a step whether it carries 2,048 or 8,192 tokens on the H200:
-    # bench/prefill_profile.py), so fewer, larger steps finish sooner. `dspark serve` defaults to
-    # 2,048 (server/cli.py, vLLM's online value): a step lasts as long as its chunk, and while a
-    # long prompt arrives every running stream waits that long for its next token
+    # GPU (~10 ms a step whether it carries 2,048 or 8,192 tokens on the H200, measured by
+    # bench/prefill_profile.py before 04a7e3c), so fewer, larger steps finish sooner. `dspark
+    # serve` defaults to 2,048 (server/cli.py, vLLM's online value): a step lasts as long as its
+    # chunk, and while a long prompt arrives every running stream waits that long for its next
+    # token
     max_num_batched_tokens: int = 8192
     page_size: int = 16  # tokens per KV page
     num_kv_pages: int | None = None  # None: sized from kv_cache_memory_gb or GPU memory

@@ -4,6 +4,7 @@ a script of bench/ as a module; the captured decode graphs' layouts run eagerly 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -81,6 +82,7 @@ def bench_module(name: str) -> ModuleType:
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up while it runs)
     spec.loader.exec_module(module)
     return module
 

@@ -1,5 +1,5 @@
-"""bench/merge_sweeps.py: an issue-6 sweep run in parts (one device call each) merged into one
-result, on two real CPU bench runs of a tiny model with two arms."""
+"""bench/results.py merge-sweeps: an issue-6 sweep run in parts (one device call each) merged
+into one result, on two real CPU bench runs of a tiny model with two arms."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def parts(tiny_llama_dir, tmp_path_factory):
 
 
 def test_parts_merge_into_one_sweep_with_each_levels_own_ratios(parts, tmp_path):
-    merge = bench_module("merge_sweeps")
+    merge = bench_module("results")
     merged = merge.merge(parts)
     assert merged["concurrency"] == [1, 2]
     for name in ("plain", "k2"):
@@ -48,7 +48,7 @@ def test_parts_merge_into_one_sweep_with_each_levels_own_ratios(parts, tmp_path)
 
 
 def test_parts_that_do_not_belong_together_are_refused(parts):
-    merge = bench_module("merge_sweeps")
+    merge = bench_module("results")
     with pytest.raises(ValueError, match=r"a level was measured in two parts: \[2, 2\]"):
         merge.merge([parts[0], parts[0]])
     hotter = {**parts[1], "temperature": 1.0}

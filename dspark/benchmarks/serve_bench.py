@@ -104,7 +104,7 @@ def add_serve_bench_parser(subparsers) -> argparse.ArgumentParser:
         "--save-requests",
         action="store_true",
         help="keep each request's response id, send time (the monotonic clock), TTFT, e2e "
-        "and tokens in --out, for bench/request_phases.py",
+        "and tokens in --out, for bench/serving.py phases",
     )
     p.add_argument(
         "--server-args",

@@ -45,7 +45,7 @@ def fused_add_rmsnorm_ref(
 @triton.jit
 def weighted_normed(x, rstd, w, X_DTYPE: tl.constexpr):
     # x, w float32 (x holding x-dtype values): the normed values are rounded to x's dtype before
-    # the weight multiplies them, as `weight * x32.to(dtype)` does. Also the GEMV's prologue.
+    # the weight multiplies them, as `weight * x32.to(dtype)` does.
     return w * (x * rstd).to(X_DTYPE).to(tl.float32)
 
 

@@ -33,7 +33,6 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I
 def silu_times_up(gate, up, DTYPE: tl.constexpr):
     # gate, up float32: silu(gate) rounded to DTYPE, times up (float32; the caller rounds).
     # IEEE division (plain `/` is approximate on NVIDIA); exp is Triton's fast exp2-based one.
-    # Also the GEMV's prologue.
     silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(DTYPE).to(tl.float32)
     return silu * up
 

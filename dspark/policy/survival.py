@@ -59,7 +59,7 @@ Two corrections keep lagged estimates honest:
                           decision_lag 2: (sum through N - 1, kept(N+1))
 
   Evidence two blocks old says less, and the fit measures how much less
-  (bench/policy_replay.py --ahead replays it).
+  (bench/policy.py replay --ahead replays it).
 - Online recalibration. STS is fitted offline on other prompts; the engine knows, for every full
   block it verified, how many drafts the calibrated survivals predicted and how many were
   accepted. The sums are scaled by realised / predicted over recent full blocks (exponentially

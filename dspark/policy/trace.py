@@ -8,7 +8,7 @@ with a drafting policy writes one JSON line per decision to DIR/policy_trace_<pi
 (n counts the process's traced engines, in creation order: a bench's arms). Engines without
 a policy (plain decoding, fixed K) write a line per step too, without the decision's fields,
 so that arms compare step by step. Off by default. A line costs 1.3-2.3x the policy's own
-decide() (its prices read again, the JSON, the write; `bench/policy_host_cost.py` measures
+decide() (its prices read again, the JSON, the write; `bench/policy.py host-cost` measures
 both). Enough to see where time goes, not to time the engine: compare traced arms with traced
 arms.
 
@@ -40,7 +40,7 @@ A decision's line (times in seconds, `t` from the trace's start, perf_counter):
 - An engine without a policy writes {"t", "cpu_s", "wait_s", "R", "waiting", "seats",
   "prefilling", "drafting", "stats"} per step ("drafting": whether its steps draft, fixed K).
 
-`python bench/policy_trace.py FILE` summarises a trace: time by graph size and mode, and
+`python bench/policy.py trace FILE` summarises a trace: time by graph size and mode, and
 every stretch without drafting with what started and ended it.
 """
 

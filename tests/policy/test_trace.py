@@ -1,5 +1,5 @@
 """The drafting policy's step trace (DSPARK_POLICY_TRACE) against the policy's own counters,
-and its summary (bench/policy_trace.py), on the CPU with a tiny target and drafter."""
+and its summary (bench/policy.py trace), on the CPU with a tiny target and drafter."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_trace_has_a_line_per_decision_that_adds_up_to_the_counters(
     assert moved["graph_steps"] + moved["eager_steps"] > 0  # (the pipeline's steps, by path)
 
     # the summary: one stretch without drafting per switch off (the policy starts drafting)
-    summary = bench_module("policy_trace")
+    summary = bench_module("policy")
     (mark, segment), = summary.load(trace.path)  # fmt: skip
     assert mark == {"arm": "edge", "repeat": 0} and len(segment) == len(lines)
     stretches = summary.stretches(segment)
@@ -143,7 +143,7 @@ def test_steps_beyond_the_table_are_traced_without_a_cell(
     beyond = [line for line in lines if line.get("reason") == "batch beyond the table"]
     assert beyond and all(line["cell"] is None for line in beyond)
     assert any(line["period"] and line["period"]["cell"] is None for line in lines)
-    summary = bench_module("policy_trace")
+    summary = bench_module("policy")
     (_, segment), = summary.load(llm.engine.policy_trace.path)  # fmt: skip
     assert all(g == 1 for g, _, _ in summary.periods(segment))
 
@@ -173,12 +173,12 @@ def test_engines_without_a_policy_trace_each_step(
     assert lines[0]["R"] == 0 and lines[0]["waiting"] == len(PROMPTS)  # (before admission)
     assert max(line["R"] for line in lines) == KW["max_num_seqs"]
     kind = "fixed K" if speculative else "plain decoding"
-    text = bench_module("policy_trace").report(str(engine.policy_trace.path))
+    text = bench_module("policy").report(str(engine.policy_trace.path))
     assert f"no policy: {kind}" in text and "G=4" in text and "stretches" not in text
 
 
 def test_a_stretch_without_drafting_ends_by_one_cause():
-    end_cause = bench_module("policy_trace").end_cause
+    end_cause = bench_module("policy").end_cause
     start = {"cell": [64, 64], "unseen": 2, "stale": 0}
 
     def ended(**end):

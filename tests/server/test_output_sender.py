@@ -164,9 +164,8 @@ def test_a_step_posted_while_the_sender_keeps_up_goes_out_as_it_came():
     assert reader.recv() == (wire.STEP, outputs, ("stats", 0))
 
 
-def test_bench_sender_cost_runs(monkeypatch, capsys):
+def test_bench_sender_cost_runs(capsys):
     from tests.helpers import bench_module
 
-    monkeypatch.setattr("sys.argv", ["sender_cost.py", "--outputs", "8", "--steps", "20"])
-    bench_module("sender_cost").main()
+    bench_module("serving").main(["sender-cost", "--outputs", "8", "--steps", "20"])
     assert "8 outputs a step, 20 steps: post_step median" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """DSPARK_REQUEST_TRACE: one line per finished stream with the HTTP side's and the engine's
-timestamps, in order, joined with the load generator's records by bench/request_phases.py."""
+timestamps, in order, joined with the load generator's records by bench/serving.py phases."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_a_traced_stream_has_every_timestamp_in_order(tiny_llama_dir, tmp_path, 
     record = {"id": response_id, "start": start, "ttft": ttft, "e2e": e2e, "ok": True,
               "output_tokens": 5}  # fmt: skip
     client.write_text(json.dumps({"levels": [{"requests": [record]}]}))
-    phases = bench_module("request_phases")
+    phases = bench_module("serving")
     joined = phases.joined_requests(str(client), str(tmp_path / "trace"), 0)
     assert [c["id"] for c, _ in joined] == [response_id]
     rows = phases.phases(joined)

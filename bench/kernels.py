@@ -1,0 +1,365 @@
+"""Kernel micro-benchmarks at SmolLM2-135M's shapes: each Triton kernel against the code it
+replaces.
+
+    python bench/kernels.py attention --out kernels_attention.json
+    python bench/kernels.py fused-ops --out kernels_fused_ops.json
+    python bench/kernels.py attention --smoke --out smoke.json   # CPU, interpreter, tiny
+
+attention  ragged paged attention (9 heads, 3 kv heads, head_dim 64, bf16, page size 16): the
+           Triton kernel against the PyTorch reference, and against torch SDPA on a dense
+           (unpaged) KV layout as a rough ceiling. Decode batches of 1, 16, 64 and 256
+           requests at contexts 512 and 2048, and one 2048-token prefill chunk. Times are
+           triton.testing.do_bench medians in ms.
+fused-ops  the fused elementwise kernels (RMSNorm, residual add + RMSNorm, rotary on the fused
+           qkv, SiLU-and-mul; hidden 576, intermediate 1536) against the eager PyTorch code
+           they replace, bf16, T in {1, 64, 256, 2048} tokens. Times are medians in ms:
+           triton.testing.do_bench for plain launches (at small T launch-bound: the eager
+           column then pays the host cost of every op it is made of) and do_bench_cudagraph
+           for the same calls replayed from a CUDA graph (GPU time alone, as the captured
+           decode step sees it). GB/s: the bytes the op must move over the graph time.
+
+--smoke times one call with a wall clock instead (there is no CUDA timer) on tiny shapes in
+float32 on the CPU interpreter, so its numbers mean nothing: it only proves the script runs end
+to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTER = 576, 9, 3, 64, 1536
+Q_SIZE, KV_SIZE = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+EPS, ROPE_THETA, PAGE_SIZE = 1e-5, 100000.0, 16
+
+Thunk = Callable[[], object]
+
+
+def time_ms(fn: Thunk, smoke: bool) -> float:
+    if smoke:
+        fn()  # warm-up (and, on a GPU, compile)
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def graph_ms(fn: Thunk, smoke: bool) -> float | None:
+    """GPU time per call with launches replayed from a CUDA graph, as the decode step runs."""
+    if smoke:
+        return None
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def max_err(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return (got.float() - expected.float()).abs().max().item()  # sync: bench only
+
+
+# ---- attention ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    name: str
+    batch: int
+    q_len: int  # query tokens per request
+    context: int  # KV length per request, this step's tokens included
+
+
+@dataclass
+class AttentionRow:
+    case: str
+    batch: int
+    q_len: int
+    context: int
+    triton_ms: float
+    ref_ms: float
+    sdpa_dense_ms: float
+    triton_kv_gbps: float  # K/V bytes the step must read / triton time
+    max_abs_err: float  # triton vs reference on the same inputs
+    launch: dict  # the Triton kernel's LaunchConfig (tile sizes, KV splits)
+
+
+def attention_cases(smoke: bool) -> list[AttentionCase]:
+    if smoke:
+        return [AttentionCase("decode", 1, 1, 40), AttentionCase("decode", 3, 1, 24),
+                AttentionCase("prefill", 1, 24, 24)]  # fmt: skip
+    decode = [AttentionCase("decode", b, 1, c) for c in (512, 2048) for b in (1, 16, 64, 256)]
+    return decode + [AttentionCase("prefill", 1, 2048, 2048)]
+
+
+def paged_inputs(case: AttentionCase, dtype: torch.dtype, device: torch.device):
+    """Every request owns cdiv(context, PAGE_SIZE) pages, shuffled over the cache."""
+    metadata_cls = importlib.import_module("dspark.attention_metadata").AttentionMetadata
+    pages_per_req = -(-case.context // PAGE_SIZE)
+    num_pages = case.batch * pages_per_req
+    block_table = torch.randperm(num_pages, device=device).view(case.batch, pages_per_req)
+    shape = (2, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    kv_cache = torch.randn(shape, device=device).to(dtype)
+    cu = tuple(range(0, case.batch * case.q_len + 1, case.q_len))
+    seq_lens = (case.context,) * case.batch
+    attn = metadata_cls(
+        cu_num_tokens=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(cu[-1], dtype=torch.int64, device=device),
+        block_table=block_table.to(torch.int32),
+        cu_num_tokens_cpu=cu,
+        seq_lens_cpu=seq_lens,
+    )
+    q = torch.randn(cu[-1], NUM_HEADS, HEAD_DIM, device=device).to(dtype)  # [T, nh, hd]
+    return q, kv_cache, attn
+
+
+def dense_sdpa(case: AttentionCase, dtype: torch.dtype, device: torch.device) -> Thunk:
+    """The same attention on contiguous [B, heads, S, hd] tensors: no page lookups at all."""
+    q = torch.randn(case.batch, NUM_HEADS, case.q_len, HEAD_DIM, device=device).to(dtype)
+    kv_shape = (case.batch, NUM_KV_HEADS, case.context, HEAD_DIM)
+    k = torch.randn(kv_shape, device=device).to(dtype)
+    v = torch.randn(kv_shape, device=device).to(dtype)
+    # prefill: q_len == context, plain causal; decode: the one query sees every key
+    causal = case.q_len > 1
+    assert not causal or case.q_len == case.context, "dense ceiling covers fresh prefill only"
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def bench_attention(
+    case: AttentionCase, dtype: torch.dtype, device: torch.device, smoke: bool
+) -> AttentionRow:
+    # Imported late on purpose: --smoke sets TRITON_INTERPRET, which Triton reads when the
+    # kernels are decorated, that is when their module is first imported.
+    ref_attn = importlib.import_module("dspark.kernels.paged_attention_ref").paged_attention_ref
+    triton_mod = importlib.import_module("dspark.kernels.paged_attention_triton")
+    triton_attn = triton_mod.paged_attention_triton
+    q, kv_cache, attn = paged_inputs(case, dtype, device)
+    launch = triton_mod.launch_config(q, NUM_KV_HEADS, attn, num_kv_splits=None)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    err = triton_attn(q, kv_cache, attn, scale).float() - ref_attn(q, kv_cache, attn, scale)
+    triton_ms = time_ms(lambda: triton_attn(q, kv_cache, attn, scale, out=out), smoke)
+    kv_bytes = 2 * case.batch * case.context * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
+    return AttentionRow(
+        case=case.name,
+        batch=case.batch,
+        q_len=case.q_len,
+        context=case.context,
+        triton_ms=triton_ms,
+        ref_ms=time_ms(lambda: ref_attn(q, kv_cache, attn, scale), smoke),
+        sdpa_dense_ms=time_ms(dense_sdpa(case, dtype, device), smoke),
+        triton_kv_gbps=kv_bytes / (triton_ms * 1e-3) / 1e9,
+        max_abs_err=err.abs().max().item(),
+        launch=asdict(launch),
+    )
+
+
+def attention(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[list, dict]:
+    rows = [bench_attention(c, dtype, device, smoke) for c in attention_cases(smoke)]
+    head = f"{'case':8} {'batch':>5} {'q_len':>5} {'ctx':>5} {'triton':>9} {'ref':>9}"
+    print(head + f" {'sdpa':>9} {'vs ref':>7} {'GB/s':>7} {'err':>8} {'splits':>6}   (ms)")
+    for r in rows:
+        print(
+            f"{r.case:8} {r.batch:5d} {r.q_len:5d} {r.context:5d} {r.triton_ms:9.4f}"
+            f" {r.ref_ms:9.4f} {r.sdpa_dense_ms:9.4f} {r.ref_ms / r.triton_ms:6.1f}x"
+            f" {r.triton_kv_gbps:7.1f} {r.max_abs_err:8.1e} {r.launch['num_splits']:6d}"
+        )
+    shapes = {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+              "page_size": PAGE_SIZE}  # fmt: skip
+    return rows, shapes
+
+
+# ---- fused elementwise ops ----------------------------------------------------------------
+
+
+@dataclass
+class OpRow:
+    op: str
+    num_tokens: int
+    triton_ms: float
+    eager_ms: float
+    triton_graph_ms: float | None  # replayed from a CUDA graph: no launch overhead; None: smoke
+    eager_graph_ms: float | None
+    triton_gbps: float  # bytes the op must read and write / triton graph (else plain) time
+    max_abs_err: float  # triton vs eager on the same inputs
+
+
+@dataclass(frozen=True)
+class OpCase:
+    fused: Thunk
+    eager: Thunk
+    error: Callable[[], float]  # max |fused - eager|, on fresh copies where the op is in place
+    num_bytes: int
+
+
+def load_op_kernels() -> dict[str, ModuleType]:
+    # Imported late on purpose: --smoke sets TRITON_INTERPRET (see bench_attention).
+    names = ("rmsnorm_triton", "rotary_triton", "silu_mul_triton")
+    return {n: importlib.import_module(f"dspark.kernels.{n}") for n in names}
+
+
+def rmsnorm_case(
+    kernels: dict[str, ModuleType], T: int, dtype: torch.dtype, device: torch.device
+) -> OpCase:
+    mod = kernels["rmsnorm_triton"]
+    x = torch.randn(T, HIDDEN, device=device).to(dtype)  # [T, d]
+    w = (1 + 0.1 * torch.randn(HIDDEN, device=device)).to(dtype)  # [d]
+    fused, eager = (lambda: mod.rmsnorm(x, w, EPS)), (lambda: mod.rmsnorm_ref(x, w, EPS))
+    return OpCase(fused, eager, lambda: max_err(fused(), eager()), 2 * x.numel() * x.element_size())
+
+
+def add_rmsnorm_case(
+    kernels: dict[str, ModuleType], T: int, dtype: torch.dtype, device: torch.device
+) -> OpCase:
+    mod = kernels["rmsnorm_triton"]
+    x = torch.randn(T, HIDDEN, device=device).to(dtype)  # [T, d], the attention output
+    residual = torch.randn(T, HIDDEN, device=device).to(dtype)  # [T, d]
+    w = (1 + 0.1 * torch.randn(HIDDEN, device=device)).to(dtype)
+
+    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+        return mod.fused_add_rmsnorm(x, residual, w, EPS)
+
+    def eager() -> tuple[torch.Tensor, torch.Tensor]:
+        return mod.fused_add_rmsnorm_ref(x, residual, w, EPS)
+
+    def error() -> float:
+        return max(max_err(a, b) for a, b in zip(fused(), eager(), strict=True))
+
+    return OpCase(fused, eager, error, 4 * x.numel() * x.element_size())
+
+
+def rotary_case(
+    kernels: dict[str, ModuleType], T: int, dtype: torch.dtype, device: torch.device
+) -> OpCase:
+    mod = kernels["rotary_triton"]
+    qkv = torch.randn(T, Q_SIZE + 2 * KV_SIZE, device=device).to(dtype)  # [T, qkv width]
+    positions = torch.randint(0, 4096, (T,), device=device)  # [T]
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM))
+
+    def fused(t: torch.Tensor = qkv) -> None:  # in place; timing keeps rotating one buffer
+        mod.rotary_qkv(t, positions, inv_freq, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+
+    def eager(t: torch.Tensor = qkv) -> tuple[torch.Tensor, torch.Tensor]:
+        q = t[:, :Q_SIZE].unflatten(1, (NUM_HEADS, HEAD_DIM))  # [T, nh, hd]
+        k = t[:, Q_SIZE : Q_SIZE + KV_SIZE].unflatten(1, (NUM_KV_HEADS, HEAD_DIM))
+        return mod.apply_rotary_ref(q, k, positions, inv_freq)
+
+    def error() -> float:
+        fresh = qkv.clone()
+        q, k = eager(fresh)
+        fused(fresh)
+        k_part = fresh[:, Q_SIZE : Q_SIZE + KV_SIZE]
+        return max(max_err(fresh[:, :Q_SIZE], q.flatten(1)), max_err(k_part, k.flatten(1)))
+
+    return OpCase(fused, eager, error, 2 * T * (Q_SIZE + KV_SIZE) * qkv.element_size())
+
+
+def silu_case(
+    kernels: dict[str, ModuleType], T: int, dtype: torch.dtype, device: torch.device
+) -> OpCase:
+    mod = kernels["silu_mul_triton"]
+    gate_up = torch.randn(T, 2 * INTER, device=device).to(dtype)  # [T, 2I]
+    fused, eager = (lambda: mod.silu_and_mul(gate_up)), (lambda: mod.silu_and_mul_ref(gate_up))
+    return OpCase(
+        fused, eager, lambda: max_err(fused(), eager()), 3 * T * INTER * gate_up.element_size()
+    )
+
+
+OPS = {
+    "rmsnorm": rmsnorm_case,
+    "add_rmsnorm": add_rmsnorm_case,
+    "rotary_qkv": rotary_case,
+    "silu_and_mul": silu_case,
+}
+
+
+def bench_op(op: str, T: int, dtype: torch.dtype, device: torch.device, smoke: bool) -> OpRow:
+    case = OPS[op](load_op_kernels(), T, dtype, device)
+    err = case.error()  # before timing: the in-place rotary drifts its buffer while timed
+    triton_ms, triton_graph_ms = time_ms(case.fused, smoke), graph_ms(case.fused, smoke)
+    gpu_ms = triton_ms if triton_graph_ms is None else triton_graph_ms
+    return OpRow(
+        op=op,
+        num_tokens=T,
+        triton_ms=triton_ms,
+        eager_ms=time_ms(case.eager, smoke),
+        triton_graph_ms=triton_graph_ms,
+        eager_graph_ms=graph_ms(case.eager, smoke),
+        triton_gbps=case.num_bytes / (gpu_ms * 1e-3) / 1e9,
+        max_abs_err=err,
+    )
+
+
+def fused_ops(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[list, dict]:
+    token_counts = (1, 3) if smoke else (1, 64, 256, 2048)
+    rows = [bench_op(op, T, dtype, device, smoke) for op in OPS for T in token_counts]
+
+    def ms(value: float | None) -> str:
+        return f"{'-':>9}" if value is None else f"{value:9.4f}"
+
+    head = f"{'op':13} {'T':>5} {'triton':>9} {'eager':>9} {'vs eager':>8}"
+    print(head + f" {'graph tri':>9} {'graph eag':>9} {'GB/s':>7} {'err':>8}  (ms)")
+    for r in rows:
+        print(
+            f"{r.op:13} {r.num_tokens:5d} {r.triton_ms:9.4f} {r.eager_ms:9.4f}"
+            f" {r.eager_ms / r.triton_ms:7.1f}x {ms(r.triton_graph_ms)} {ms(r.eager_graph_ms)}"
+            f" {r.triton_gbps:7.1f} {r.max_abs_err:8.1e}"
+        )
+    shapes = {"hidden_size": HIDDEN, "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+              "head_dim": HEAD_DIM, "intermediate_size": INTER}  # fmt: skip
+    return rows, shapes
+
+
+BENCHMARKS = {"attention": attention, "fused-ops": fused_ops}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("which", choices=sorted(BENCHMARKS), help="which kernels")
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA device (or --smoke for the CPU interpreter)")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    rows, shapes = BENCHMARKS[args.which](dtype, device, args.smoke)
+    with open(args.out, "w") as f:
+        json.dump({**environment(device, dtype, args.smoke, shapes),
+                   "rows": [asdict(r) for r in rows]}, f)  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+def environment(device: torch.device, dtype: torch.dtype, smoke: bool, shapes: dict) -> dict:
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    return {
+        "device": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": str(dtype),
+        "smoke": smoke,
+        "timer": "wall clock, one call" if smoke else "triton.testing.do_bench median",
+        "shapes": shapes,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""bench/'s scripts stay runnable: every command parses its documented flags, and the ones that
+run in seconds on the CPU run (the kernel benchmarks on the interpreter, the policy's host
+cost, the cost tables side by side, the random checkpoints). Their measurements are not
+checked; the tools behind them are tested where their modules are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import bench_module
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+COMMANDS = {
+    "kernels": [["attention"], ["fused-ops"]],
+    "step_profile": [["plain"], ["spec"]],
+    "policy": [["trace"], ["replay"], ["host-cost"]],
+    "random_models": [["smollm2"], ["drafter"], ["qwen3"]],
+    "results": [["cost-tables"], ["merge-sweeps"]],
+    "serving": [["phases"], ["sender-cost"]],
+    "latency": [["prefill-silence"], ["prefix-caching"]],
+    "startup_time": [[]],
+    "real_target_shapes": [[]],
+    "tensor_parallel": [[]],
+}
+
+
+def test_the_readme_lists_every_script():
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    assert scripts == set(COMMANDS)
+    readme = (BENCH / "README.md").read_text()
+    for name in [*scripts, "device_setup"]:
+        assert f"`{name}." in readme, name
+
+
+@pytest.mark.parametrize("script", sorted(COMMANDS))
+def test_every_command_parses_its_help(script, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))  # (scripts import their neighbours)
+    module = bench_module(script)
+    for command in COMMANDS[script]:
+        argv = ["--help"] if script == "kernels" else [*command, "--help"]  # (one parser)
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            module.main()
+        assert exit_.value.code == 0, (script, command)
+        assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("which", ["attention", "fused-ops"])
+def test_kernel_benchmarks_run_on_the_interpreter(which, tmp_path):
+    """In a process of its own: --smoke sets TRITON_INTERPRET before the kernels are imported."""
+    out = tmp_path / "smoke.json"
+    done = subprocess.run([sys.executable, str(BENCH / "kernels.py"), which, "--smoke",
+                           "--out", str(out)], capture_output=True, text=True,
+                          cwd=BENCH.parent, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["smoke"] and result["rows"]
+    assert all(row["max_abs_err"] < 1e-3 for row in result["rows"])
+
+
+def test_policy_host_cost_runs(tmp_path, capsys):
+    out = tmp_path / "host_cost.json"
+    policy = bench_module("policy")
+    assert policy.main(["host-cost", "--batch", "1,4", "--steps", "5", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["decide_us"] > 0 and r["trace_line_us"] > 0 for r in rows)
+
+
+def test_cost_tables_side_by_side(capsys):
+    tables = sorted((BENCH.parent / "dspark/drafters").glob("*/cost_tables/*.json"))
+    bench_module("results").main(["cost-tables", *(f"{p.stem}={p}" for p in tables[:2])])
+    out = capsys.readouterr().out
+    assert out.startswith(f"cells (ms): G | {tables[0].stem} plain, full")
+    assert "\n   1 | " in out
+
+
+def test_random_models_write_a_target_and_drafters_for_it(tmp_path):
+    from dspark.models.drafter_config import DrafterConfig
+
+    random_models = bench_module("random_models")
+    random_models.main(["qwen3", "--shapes", "tiny", "--out", str(tmp_path / "q")])
+    target = tmp_path / "q" / "target"
+    config = json.loads((target / "config.json").read_text())
+    assert config["num_hidden_layers"] == random_models.SHAPES["tiny"]["num_hidden_layers"]
+    assert len(list(target.glob("model-*-of-*.safetensors"))) > 1  # sharded, with its index
+    assert (tmp_path / "q" / "drafter" / "model.safetensors").is_file()
+    random_models.main(["drafter", "--target", str(target), "--out", str(tmp_path / "d")])
+    config = DrafterConfig.from_dict(json.loads((tmp_path / "d" / "config.json").read_text()))
+    assert config.draft_len == 7 and config.target_layers == (1, 3)  # taps within 4 layers

@@ -1,7 +1,7 @@
 """Python's cyclic collector while a step loop runs: the heap it started with frozen, young
 collections rarer.
 
-Nothing the step loop makes is cyclic garbage (the census of `bench/gc_census.py` found none,
+Nothing the step loop makes is cyclic garbage (a census of what the collector found: none,
 with and without a drafter): reference counting frees it all. The collector still runs, set off
 by allocation counts, and stops the loop while it walks what it tracks:
 - a full (generation-2) collection walks the whole heap, ~450,000 objects once an engine is
@@ -14,7 +14,7 @@ by allocation counts, and stops the loop while it walks what it tracks:
 So while a loop runs, the heap it started with is frozen (gc.freeze: it leaves the collector's
 generations, and a full collection walks only what the loop made), and a generation-0
 collection waits for 20,000 net allocations instead of 700. On the CPU, 1,024 requests at 256
-in flight with fixed K = 7 (tiny model, `bench/gc_steady_ab.py --model tiny`): 140
+in flight with fixed K = 7 (tiny model; the A/B script is in git history at 04a7e3c^): 140
 generation-0 and 12 generation-1 collections a run (~10 ms) became 3 (~2 ms). vLLM freezes its
 engine core's heap after start-up for the same reason. The served processes keep both for good
 once started (engine_process.py; engine_loop.py, where an API server's event loop allocates

@@ -65,7 +65,7 @@ class OutputSender:
         it. While the sender keeps up, the list is kept as it came and sent as it is; only a
         step posted behind one still pending is merged, request by request. (On the
         development CPU, a step of 190 outputs: 36 -> 8 us to post, 36 -> 32 us to send,
-        `bench/sender_cost.py`.)"""
+        `bench/serving.py sender-cost`.)"""
         with self._cond:
             if self.closed:
                 return

@@ -6,7 +6,7 @@ side: at 256 streams on the H200 a request waited ~100 ms before its handler ran
 ms of engine time to first token. With the variable set,
 each API process writes one JSON line per finished stream to `path.PID`, on the monotonic
 clock, which on Linux is also `dspark bench serve --save-requests`' clock, so
-bench/request_phases.py joins both by the response id:
+bench/serving.py phases joins both by the response id:
 
     {"id": "cmpl-...", "pid": 4242,
      "asgi": 10.000,       the app was called (the outermost middleware)

@@ -92,9 +92,12 @@ def test_the_start_up_table_is_saved_used_and_found_by_the_next_start(
     out = first.generate([[2, 3, 4]], SamplingParams(temperature=0, max_tokens=8),
                          use_tqdm=False)  # fmt: skip
     assert len(out[0].outputs[0].token_ids) == 8
-    # the policy's host time, by call, for the bench's scheduling overhead
+    # the policy's host time, by call, for the bench's scheduling overhead: a decision before
+    # every step (how many steps 8 tokens take depends on whether the table this CPU measured
+    # makes the policy draft)
     host = first.get_metrics()["scheduling_host_time"]
-    assert host["decisions"] >= 8 and host["decide_s"] > 0
+    steps = sum(first.get_metrics()["steps"].values())
+    assert 1 <= steps <= host["decisions"] and host["decide_s"] > 0
     assert ("observe_s" in host) == (first.get_metrics().get("num_drafts", 0) > 0)
     # the next start finds the table without measuring
     second = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)

@@ -6,6 +6,10 @@ from dspark.sampling_params import SamplingParams, StructuredOutputsParams
 from dspark.version import __version__
 
 __all__ = [
-    "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
     "__version__",
 ]

@@ -54,7 +54,10 @@ def window_index(
     owner: torch.Tensor,  # [T] the window row of each window token
     offset: torch.Tensor,  # [T] its position in the window (0: the anchor)
 ) -> torch.Tensor:  # [T] its row of masks.bitmask flattened to [M P, W], -1: none
-    """  slot [-1, 0], P = 3, owner [0, 0, 1, 1, 1], offset [0, 1, 0, 1, 2] -> [-1, -1, 0, 1, 2]"""
+    """Window token t reads row slot[owner[t]] P + offset[t]:
+
+    slot [-1, 0], P = 3, owner [0, 0, 1, 1, 1], offset [0, 1, 0, 1, 2] -> [-1, -1, 0, 1, 2]
+    """
     width = masks.bitmask.shape[1]
     slot = masks.slot[owner]
     return torch.where(slot >= 0, slot * width + offset.clamp(max=width - 1), -1)

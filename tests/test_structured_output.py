@@ -51,7 +51,7 @@ def _allowed(words: np.ndarray) -> list[int]:
         (dict(regex=""), "structured_outputs.regex must be a non-empty string, got ''"),
         (dict(choice=[]), "structured_outputs.choice must be a non-empty list of non-empty"),
         (dict(choice=["a", 3]), r"choice must be a non-empty list of non-empty strings, got \['a'"),
-        (dict(json=3), r"structured_outputs.json must be a JSON schema \(a dict or its JSON text\)"),
+        (dict(json=3), r"structured_outputs.json must be a JSON schema \(a dict or its JSON"),
         (dict(json="{not json"), "structured_outputs.json is not JSON text: Expecting property"),
         (dict(json_object="yes"), "structured_outputs.json_object must be True or False"),
     ],
@@ -288,6 +288,7 @@ def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     assert stats["eager_spec_steps_structured_output"] == 0
     assert alone.engine.runner.grammar_masks.filler._executor is None  # (never started)
     assert alone.engine.grammars._ll_tokenizer is None  # (never built)
+    assert "structured_output" not in alone.get_metrics()
 
     beside = _tiny(tiny_llama_dir, llama_drafter)
     constrained = SamplingParams(temperature=0, max_tokens=20, structured_outputs=S(
@@ -305,6 +306,9 @@ def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     # one extra host synchronisation in each step with grammar windows, none in the others
     stats = beside.engine.runner.stats
     assert stats["structured_output_syncs"] == sum(grammar_plans) > 0
+    metrics = beside.get_metrics()["structured_output"]
+    assert metrics["draft_syncs"] == sum(grammar_plans) and metrics["grammars_compiled"] == 1
+    assert metrics["masks_filled"] > 0 and metrics["grammar_errors"] == 0
 
 
 def test_greedy_speculation_with_a_grammar_equals_plain_decoding(tiny_llama_dir, llama_drafter):

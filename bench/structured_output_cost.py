@@ -1,0 +1,166 @@
+"""Host cost of structured output: the grammar's bitmasks per row and window position, and the
+host synchronisations a speculative step adds (docs/SPECULATION.md 4.9).
+
+    python bench/structured_output_cost.py --rows 1,8,32 --k 7 --out structured_output_cost.json
+
+Masks: with the default model's tokenizer (49,152 tokens), each constraint below is walked
+along a valid output; at every prefix, M rows (matchers at different prefixes) get
+  - their next-token mask (a plain row: BitmaskFiller.anchor_bitmasks), and
+  - their K + 1 window masks after K drafts, the output's next K tokens (a window whose
+    drafts the grammar takes: every mask computed; BitmaskFiller.window_bitmasks),
+and the device half, the masks applied to M (K + 1) rows of float32 logits on the CPU
+(sample/token_bitmask.py), and a matcher advanced by one emitted token. Figures are medians
+over the prefixes, in microseconds per row and position.
+
+Syncs: the default model and its shipped drafter (float32, CPU) serve the same chat prompts
+greedily without and with a JSON schema: the speculative steps, those whose windows carry a
+grammar, and the host synchronisations the drafts' copy added (runner/grammar_masks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from dspark import LLM, SamplingParams, StructuredOutputsParams
+from dspark.models.loader import resolve_model
+from dspark.models.tokenizer import load_tokenizer
+from dspark.sample.token_bitmask import apply_token_bitmask
+from dspark.structured.compiler import GrammarCompiler
+from dspark.structured.masks import BitmaskFiller
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "city": {"type": "string"}, "tags": {"type": "array",
+                                                        "items": {"type": "string"}}},
+    "required": ["name", "age", "city"],
+}  # fmt: skip
+# (constraint, a valid output to walk)
+CASES = {
+    "json_schema": (
+        StructuredOutputsParams(json=PERSON),
+        '{\n  "name": "Alice Martin",\n  "age": 30,\n  "city": "Paris",\n  "tags": ["engineer",'
+        ' "cyclist", "reader"]\n}',
+    ),
+    "json_object": (
+        StructuredOutputsParams(json_object=True),
+        '{"colours": ["red", "green", "blue"], "count": 3, "nested": {"ok": true}}',
+    ),
+    "regex": (
+        StructuredOutputsParams(regex=r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]( [a-z ]+)?"),
+        "1989-11-09 the wall fell in berlin",
+    ),
+    "choice": (
+        StructuredOutputsParams(choice=["positive", "negative", "neutral", "mixed feelings"]),
+        "mixed feelings",
+    ),
+}
+
+
+def _mask_costs(compiler: GrammarCompiler, spec, text: str, rows: int, k: int) -> dict:
+    tokens = compiler.tokenizer.encode(text, add_special_tokens=False)
+    n = len(tokens)
+    filler = BitmaskFiller(compiler.vocab_size)
+    anchor, window, apply, advance = [], [], [], []
+    for p in range(n):
+        prefixes = [(p + 3 * i) % n for i in range(rows)]  # (rows at different prefixes)
+        matchers = []
+        for q in prefixes:
+            m = compiler.matcher(spec)
+            assert m.advance(tokens[:q]) == q
+            matchers.append(m)
+        drafts = [tokens[q : q + k] for q in prefixes]
+        start = time.perf_counter()
+        filler.anchor_bitmasks(matchers)
+        anchor.append((time.perf_counter() - start) / rows)
+        start = time.perf_counter()
+        bits = filler.window_bitmasks(matchers, drafts, k + 1)
+        masks = sum(1 + len(d) for d in drafts)
+        window.append((time.perf_counter() - start) / masks)
+        logits = torch.randn(rows * (k + 1), compiler.vocab_size)
+        flat = torch.from_numpy(bits.reshape(rows * (k + 1), -1))
+        start = time.perf_counter()
+        apply_token_bitmask(logits, flat, torch.arange(rows * (k + 1)))
+        apply.append((time.perf_counter() - start) / (rows * (k + 1)))
+        m = compiler.matcher(spec)
+        m.advance(tokens[:p])
+        start = time.perf_counter()
+        m.advance(tokens[p : p + 1])
+        advance.append(time.perf_counter() - start)
+
+    def us(values):
+        return round(statistics.median(values) * 1e6, 2)
+
+    return {"tokens": n, "rows": rows, "k": k, "plain_mask_us_per_row": us(anchor),
+            "window_mask_us_per_row_position": us(window),
+            "apply_us_per_row_position": us(apply), "advance_us_per_token": us(advance)}  # fmt: skip
+
+
+def _syncs(max_tokens: int) -> dict:
+    """Greedy chat prompts without and with a JSON schema on the default model and drafter."""
+    llm = LLM(speculative_config={"method": "dspark"}, dtype="float32", device="cpu")
+    runner = llm.engine.runner
+    counted = {"steps": 0, "spec_steps": 0, "grammar_window_steps": 0}
+    real_launch = runner.launch
+
+    def launch(plan):
+        counted["steps"] += 1
+        counted["spec_steps"] += any(r.num_draft for r in plan.rows)
+        counted["grammar_window_steps"] += any(plan.rows[i].num_draft for i in plan.grammar_rows)
+        return real_launch(plan)
+
+    runner.launch = launch
+    convs = [[{"role": "user", "content": t}] for t in (
+        "Describe a person named Alice, 30, from Paris, as JSON with keys name, age, city.",
+        "Give me a JSON object for Bob who is 42 and lives in Berlin (keys: name, age, city).",
+        "Invent a character and give their name, age and home city as JSON.",
+        "Describe your favourite teacher as JSON: name, age, city.")]  # fmt: skip
+    result = {}
+    for arm, spec in (("without_grammar", None), ("with_json_schema", PERSON)):
+        before = dict(counted), runner.stats["structured_output_syncs"]
+        so = None if spec is None else StructuredOutputsParams(json=spec)
+        llm.chat(convs, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                       structured_outputs=so), use_tqdm=False)  # fmt: skip
+        steps = {key: counted[key] - before[0][key] for key in counted}
+        syncs = runner.stats["structured_output_syncs"] - before[1]
+        result[arm] = {**steps, "extra_syncs": syncs,
+                       "extra_syncs_per_step": round(syncs / steps["steps"], 3)}  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,32", help="rows masked together")
+    parser.add_argument("--k", type=int, default=7, help="drafts a window")
+    parser.add_argument("--max-tokens", type=int, default=48, help="of the sync run's requests")
+    parser.add_argument("--out", default="structured_output_cost.json")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    source = resolve_model("default", None)
+    compiler = GrammarCompiler(load_tokenizer(source), 49152, [2])
+    masks = [{"constraint": name, **_mask_costs(compiler, spec, text, rows, args.k)}
+             for name, (spec, text) in CASES.items()
+             for rows in map(int, args.rows.split(","))]  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "masks": masks,
+              "syncs": _syncs(args.max_tokens)}  # fmt: skip
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{'constraint':>12} {'rows':>4} {'plain us':>9} {'window us':>10} {'apply us':>9} "
+          f"{'advance us':>11}")  # fmt: skip
+    for r in masks:
+        print(f"{r['constraint']:>12} {r['rows']:4d} {r['plain_mask_us_per_row']:9.1f} "
+              f"{r['window_mask_us_per_row_position']:10.1f} "
+              f"{r['apply_us_per_row_position']:9.1f} {r['advance_us_per_token']:11.1f}")
+    print(json.dumps(result["syncs"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -98,9 +98,11 @@ def _mask_costs(compiler: GrammarCompiler, spec, text: str, rows: int, k: int) -
     def us(values):
         return round(statistics.median(values) * 1e6, 2)
 
-    return {"tokens": n, "rows": rows, "k": k, "plain_mask_us_per_row": us(anchor),
-            "window_mask_us_per_row_position": us(window),
-            "apply_us_per_row_position": us(apply), "advance_us_per_token": us(advance)}  # fmt: skip
+    return {
+        "tokens": n, "rows": rows, "k": k, "plain_mask_us_per_row": us(anchor),
+        "window_mask_us_per_row_position": us(window), "apply_us_per_row_position": us(apply),
+        "advance_us_per_token": us(advance),
+    }  # fmt: skip
 
 
 def _syncs(max_tokens: int) -> dict:

@@ -502,3 +502,45 @@ def test_greedy_structured_speculation_equals_plain_decoding(default_llms):
     assert [c.token_ids for c in _chat(spec, texts, params)] == want
     assert spec.get_metrics()["num_accepted_tokens"] > before
     assert spec.engine.runner.stats["structured_output_syncs"] > 0
+
+
+# ---- the GPU: captured steps without grammar rows, the split eager step with them -------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_gpu_grammar_steps_run_split_and_the_others_keep_their_graphs(
+    tiny_llama_dir, llama_drafter, async_scheduling
+):
+    """CUDA graphs on, float32: requests without a constraint alone replay captured
+    speculative steps with no grammar work; beside constrained ones they give the same tokens,
+    the steps with grammar windows run eagerly with one drafts' copy each (the drafts reach
+    the host before the target forward), and greedy constrained output equals plain decoding's
+    under the same constraint (decode graphs, the mask applied after them)."""
+    kw = dict(dtype="float32", device="cuda", num_kv_pages=512, max_num_seqs=8,
+              max_model_len=256, async_scheduling=async_scheduling)  # fmt: skip
+    spec_config = {"model": str(llama_drafter), "num_speculative_tokens": 4}
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["Hello there", "The quick brown fox"]
+    alone = LLM(str(tiny_llama_dir), speculative_config=spec_config, **kw)
+    want = [o.outputs[0].token_ids for o in alone.generate(prompts, free, use_tqdm=False)]
+    stats = alone.engine.runner.stats
+    assert stats["spec_graph_steps"] > 0 and stats["structured_output_syncs"] == 0, dict(stats)
+    assert stats["eager_spec_steps_structured_output"] == 0
+    del alone
+
+    constrained = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=s)
+                   for s in TINY_CONSTRAINTS]  # fmt: skip
+    tiny_prompts = [f"Prompt {i}" for i in range(len(TINY_CONSTRAINTS))]
+    spec = LLM(str(tiny_llama_dir), speculative_config=spec_config, **kw)
+    outs = spec.generate(prompts + tiny_prompts, [free, free] + constrained, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want
+    stats = spec.engine.runner.stats
+    assert stats["eager_spec_steps_structured_output"] > 0
+    assert stats["structured_output_syncs"] > 0 and spec.engine.scheduler.num_grammar_errors == 0
+    got = [o.outputs[0].token_ids for o in outs[2:]]
+    del spec
+    plain = LLM(str(tiny_llama_dir), **kw)
+    assert [o.outputs[0].token_ids for o in plain.generate(tiny_prompts, constrained,
+                                                            use_tqdm=False)] == got  # fmt: skip
+    assert plain.engine.runner.stats["graph_steps"] > 0

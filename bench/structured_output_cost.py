@@ -12,15 +12,25 @@ and the device half, the masks applied to M (K + 1) rows of float32 logits on th
 (sample/token_bitmask.py), and a matcher advanced by one emitted token. Figures are medians
 over the prefixes, in microseconds per row and position.
 
-Syncs: the default model and its shipped drafter (float32, CPU) serve the same chat prompts
-greedily without and with a JSON schema: the speculative steps, those whose windows carry a
-grammar, and the host synchronisations the drafts' copy added (runner/grammar_masks.py).
+Syncs: the default model and its shipped drafter (float32, CPU; or --model, --drafter, --device)
+serve the same prompts greedily without and with a JSON schema, once to warm and once timed: the
+speculative steps, those whose windows carry a grammar, the host synchronisations the drafts'
+copy added (runner/grammar_masks.py) and the wall time a step.
+
+On a GPU host without the model (random weights: the sync counts and step times do not depend
+on them; the acceptance does):
+
+    python bench/random_smollm2.py --out rs --tokenizer TOK && \
+    python bench/random_drafter.py --target rs --out rd && \
+    python bench/structured_output_cost.py --tokenizer TOK --model rs --drafter rd \
+        --device cuda --out structured_output_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -30,10 +40,12 @@ import torch
 
 from dspark import LLM, SamplingParams, StructuredOutputsParams
 from dspark.models.loader import resolve_model
-from dspark.models.tokenizer import load_tokenizer
+from dspark.models.tokenizer import Tokenizer, load_tokenizer
 from dspark.sample.token_bitmask import apply_token_bitmask
 from dspark.structured.compiler import GrammarCompiler
 from dspark.structured.masks import BitmaskFiller
+
+S = StructuredOutputsParams
 
 PERSON = {
     "type": "object",
@@ -105,9 +117,17 @@ def _mask_costs(compiler: GrammarCompiler, spec, text: str, rows: int, k: int) -
     }  # fmt: skip
 
 
-def _syncs(max_tokens: int) -> dict:
-    """Greedy chat prompts without and with a JSON schema on the default model and drafter."""
-    llm = LLM(speculative_config={"method": "dspark"}, dtype="float32", device="cpu")
+PROMPTS = [
+    "Describe a person named Alice, 30, from Paris, as JSON with keys name, age, city.",
+    "Give me a JSON object for Bob who is 42 and lives in Berlin (keys: name, age, city).",
+    "Invent a character and give their name, age and home city as JSON.",
+    "Describe your favourite teacher as JSON: name, age, city.",
+]
+
+
+def _syncs(llm: LLM, max_tokens: int, chat: bool) -> dict:
+    """The same prompts greedily without and with a JSON schema: steps, speculative steps,
+    those with grammar windows, the extra host syncs and the wall time a step."""
     runner = llm.engine.runner
     counted = {"steps": 0, "spec_steps": 0, "grammar_window_steps": 0}
     real_launch = runner.launch
@@ -118,22 +138,27 @@ def _syncs(max_tokens: int) -> dict:
         counted["grammar_window_steps"] += any(plan.rows[i].num_draft for i in plan.grammar_rows)
         return real_launch(plan)
 
-    runner.launch = launch
-    convs = [[{"role": "user", "content": t}] for t in (
-        "Describe a person named Alice, 30, from Paris, as JSON with keys name, age, city.",
-        "Give me a JSON object for Bob who is 42 and lives in Berlin (keys: name, age, city).",
-        "Invent a character and give their name, age and home city as JSON.",
-        "Describe your favourite teacher as JSON: name, age, city.")]  # fmt: skip
+    def run(so):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+        if chat:
+            llm.chat([[{"role": "user", "content": t}] for t in PROMPTS], params, use_tqdm=False)
+        else:
+            llm.generate(PROMPTS, params, use_tqdm=False)
+
     result = {}
-    for arm, spec in (("without_grammar", None), ("with_json_schema", PERSON)):
+    for arm, so in (("without_grammar", None), ("with_json_schema", S(json=PERSON))):
+        run(so)  # (warm: the grammar compiled, the kernels built)
+        runner.launch = launch
         before = dict(counted), runner.stats["structured_output_syncs"]
-        so = None if spec is None else StructuredOutputsParams(json=spec)
-        llm.chat(convs, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                       structured_outputs=so), use_tqdm=False)  # fmt: skip
+        start = time.perf_counter()
+        run(so)
+        seconds = time.perf_counter() - start
+        runner.launch = real_launch
         steps = {key: counted[key] - before[0][key] for key in counted}
         syncs = runner.stats["structured_output_syncs"] - before[1]
         result[arm] = {**steps, "extra_syncs": syncs,
-                       "extra_syncs_per_step": round(syncs / steps["steps"], 3)}  # fmt: skip
+                       "extra_syncs_per_step": round(syncs / steps["steps"], 3),
+                       "ms_per_step": round(seconds / steps["steps"] * 1e3, 3)}  # fmt: skip
     return result
 
 
@@ -142,18 +167,33 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32", help="rows masked together")
     parser.add_argument("--k", type=int, default=7, help="drafts a window")
     parser.add_argument("--max-tokens", type=int, default=48, help="of the sync run's requests")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a saved tokenizer directory (default: the default model's)")
+    parser.add_argument("--model", default="default", help="the sync run's target")
+    parser.add_argument("--drafter", default=None, help="its drafter (default: the shipped one)")
+    parser.add_argument("--device", default="cpu", help="the sync run's device")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default="structured_output_cost.json")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    source = resolve_model("default", None)
-    compiler = GrammarCompiler(load_tokenizer(source), 49152, [2])
+    if args.tokenizer is None:
+        tokenizer = load_tokenizer(resolve_model("default", None))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = Tokenizer(AutoTokenizer.from_pretrained(args.tokenizer))
+    compiler = GrammarCompiler(tokenizer, 49152, [2])
     masks = [{"constraint": name, **_mask_costs(compiler, spec, text, rows, args.k)}
              for name, (spec, text) in CASES.items()
              for rows in map(int, args.rows.split(","))]  # fmt: skip
+    spec_config = {"method": "dspark"} if args.drafter is None else {"model": args.drafter}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "masks": masks,
-              "syncs": _syncs(args.max_tokens)}  # fmt: skip
+                            text=True).stdout.strip() or os.environ.get("DSPARK_GIT_COMMIT")
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "args": vars(args), "masks": masks,
+              "syncs": _syncs(llm, args.max_tokens, chat=args.model == "default")}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'constraint':>12} {'rows':>4} {'plain us':>9} {'window us':>10} {'apply us':>9} "
           f"{'advance us':>11}")  # fmt: skip

@@ -167,8 +167,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32", help="rows masked together")
     parser.add_argument("--k", type=int, default=7, help="drafts a window")
     parser.add_argument("--max-tokens", type=int, default=48, help="of the sync run's requests")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a saved tokenizer directory (default: the default model's)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a saved tokenizer directory (default: the default model's)",
+    )
     parser.add_argument("--model", default="default", help="the sync run's target")
     parser.add_argument("--drafter", default=None, help="its drafter (default: the shipped one)")
     parser.add_argument("--device", default="cpu", help="the sync run's device")
@@ -188,8 +191,9 @@ def main() -> None:
              for rows in map(int, args.rows.split(","))]  # fmt: skip
     spec_config = {"method": "dspark"} if args.drafter is None else {"model": args.drafter}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("DSPARK_GIT_COMMIT")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() or os.environ.get("DSPARK_GIT_COMMIT")
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "args": vars(args), "masks": masks,
@@ -198,9 +202,11 @@ def main() -> None:
     print(f"{'constraint':>12} {'rows':>4} {'plain us':>9} {'window us':>10} {'apply us':>9} "
           f"{'advance us':>11}")  # fmt: skip
     for r in masks:
-        print(f"{r['constraint']:>12} {r['rows']:4d} {r['plain_mask_us_per_row']:9.1f} "
-              f"{r['window_mask_us_per_row_position']:10.1f} "
-              f"{r['apply_us_per_row_position']:9.1f} {r['advance_us_per_token']:11.1f}")
+        print(
+            f"{r['constraint']:>12} {r['rows']:4d} {r['plain_mask_us_per_row']:9.1f} "
+            f"{r['window_mask_us_per_row_position']:10.1f} "
+            f"{r['apply_us_per_row_position']:9.1f} {r['advance_us_per_token']:11.1f}"
+        )
     print(json.dumps(result["syncs"], indent=1))
 
 

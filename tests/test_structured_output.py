@@ -275,6 +275,25 @@ def test_drafts_that_break_the_grammar_are_rejected(tiny_llama_dir, llama_drafte
     assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] == 0
 
 
+def test_a_token_the_grammar_does_not_allow_aborts_the_request(tiny_llama_dir, monkeypatch,
+                                                                 caplog):  # fmt: skip
+    """With the mask switched off (what a desynchronised matcher amounts to) the random target
+    soon samples a token the grammar does not allow: the request ends there, "abort", its
+    output the tokens before it, logged with the matcher's reason and counted; no runaway."""
+    from dspark.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "apply_token_bitmask", lambda logits, *masks: logits)
+    llm = _tiny(tiny_llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=S(regex="[0-9]{30}"))
+    with caplog.at_level("ERROR", logger="dspark.engine.scheduler"):
+        (out,) = llm.generate(["Digits:"], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "abort" and re.fullmatch("[0-9]*", c.text), c
+    assert llm.engine.scheduler.num_grammar_errors == 1
+    assert llm.get_metrics()["structured_output"]["grammar_errors"] == 1
+    assert "breaks its structured output grammar, so it is aborted" in caplog.text
+
+
 def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     """Greedy requests without a constraint give the same tokens beside constrained ones as
     alone; a speculative engine serving none does no grammar work at all: no grammar rows, no

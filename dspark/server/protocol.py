@@ -7,8 +7,8 @@ the field, so /openapi.json tells a client (or a fuzzer) what is allowed and a v
 is a 400 naming the field. A field the route does not declare is refused with a 400 naming it
 (unsupported.py: vLLM's fields the engine lacks, such as guided_json, say so; other names list
 the route's fields), where vLLM and OpenAI ignore it: an ignored `guided_json` answers 200 with
-unconstrained text. Declared options the engine does not implement (prompt_logprobs, echo with
-logprobs, suffix, tools, tool_choice, ...) are accepted at their neutral value and refused
+unconstrained text. Declared options the server cannot honour as asked (suffix, prompt_logprobs
+or echo with logprobs while streaming, ...) are accepted at their neutral value and refused
 otherwise with a clear message, never silently dropped; a chat message reaches the template
 with all its fields.
 """
@@ -83,13 +83,19 @@ class _Request(StrictRequest):
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement (400 naming the field)."""
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and self.stream:
             raise bad_request(
-                "prompt_logprobs is not supported by the server (offline LLM.generate only)",
+                "prompt_logprobs is not supported with stream: true (the engine reports a "
+                "prompt's logprobs with its whole output); ask without streaming",
                 "prompt_logprobs",
             )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The alternatives per prompt position the engine computes (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int):
         """The SamplingParams of choice `index` (0..n-1): a seeded request's choices get seeds
@@ -114,6 +120,7 @@ class _Request(StrictRequest):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
+                prompt_logprobs=self.engine_prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 use_speculation=self.use_speculation,
                 output_kind="delta" if self.stream else "final_only",
@@ -141,15 +148,24 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and self.stream:
             raise bad_request(
-                "echo with logprobs is not supported (the server returns no prompt logprobs)",
+                "echo with logprobs is not supported with stream: true (the echoed prompt's "
+                "logprobs come with the whole output); ask without streaming, or without echo",
                 "echo",
             )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(f"best_of must equal n ({self.n}) or be omitted", "best_of")
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs needs the prompt's logprobs too, as many alternatives as the
+        output's (vLLM's rule)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""

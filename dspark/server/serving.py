@@ -29,6 +29,7 @@ from dspark.models.tokenizer import Tokenizer
 from dspark.outputs import DeltaOutput, FinalInfo
 from dspark.server.engine_loop import SubRequest
 from dspark.server.errors import APIError, bad_request, error_body
+from dspark.server.prompt_logprobs import PromptLogprobs
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from dspark.server.request_stream import EngineFailed, RequestStream
 from dspark.server.request_trace import RequestTracer
@@ -107,8 +108,21 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, base_id: s
     if body.echo:  # (a token-id prompt echoes as its text)
         echo = [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
                 for ids, text in prompts]  # fmt: skip
-    fmt = CompletionFormat(tokenizer, body.return_token_ids, body.logprobs, echo, body.n)
+    prompt_logprobs = _prompt_logprobs(body, tokenizer)
+    fmt = CompletionFormat(tokenizer, body.return_token_ids, body.logprobs, echo, body.n,
+                           prompt_logprobs, [ids for ids, _ in prompts])  # fmt: skip
     return _prepared(body, request_id, subs, sum(len(ids) for ids, _ in prompts), fmt)
+
+
+def _prompt_logprobs(body, tokenizer: Tokenizer) -> PromptLogprobs | None:
+    computed = body.engine_prompt_logprobs
+    if computed is None:
+        return None
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return PromptLogprobs(computed, body.prompt_logprobs, text)
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, base_id: str) -> Prepared:
@@ -123,7 +137,8 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, base_id: str
             f"messages could not be rendered by the chat template: {e}", "messages"
         ) from None
     subs = _fan_out(body, request_id, [(ids, None)], body.effective_max_tokens, body.num_logprobs)
-    fmt = ChatFormat(tokenizer, body.return_token_ids, body.num_logprobs)
+    fmt = ChatFormat(tokenizer, body.return_token_ids, body.num_logprobs,
+                     _prompt_logprobs(body, tokenizer), [ids])  # fmt: skip
     return _prepared(body, request_id, subs, len(ids), fmt)
 
 
@@ -167,15 +182,18 @@ async def full_response(prep: Prepared, stream: RequestStream, request: Request,
     finally:
         watcher.cancel()
         stream.close()
-    choices = [prep.fmt.choice(i, _whole(finals[i])) for i in sorted(finals)]
+    wholes = [_whole(finals[i], stream.prompt_logprobs.get(i)) for i in sorted(finals)]
+    choices = [prep.fmt.choice(i, whole) for i, whole in zip(sorted(finals), wholes, strict=True)]
     body = envelope(prep.fmt.object_name, prep.request_id, int(time.time()), model, choices)
+    body.update(prep.fmt.response_fields(wholes))
     body["usage"] = usage([finals[i].final for i in sorted(finals)], prep.num_prompt_tokens)
     return body
 
 
-def _whole(out: DeltaOutput) -> Delta:
+def _whole(out: DeltaOutput, prompt_logprobs: list | None) -> Delta:
     final = out.final
-    return Delta(out.text, out.token_ids, out.logprobs, final.finish_reason, final.stop_reason)
+    return Delta(out.text, out.token_ids, out.logprobs, final.finish_reason, final.stop_reason,
+                 prompt_logprobs)  # fmt: skip
 
 
 # ---- streams --------------------------------------------------------------------------------

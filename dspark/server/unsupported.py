@@ -38,7 +38,6 @@ UNSUPPORTED: dict[str, str] = {
     "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
     "allowed_token_ids": "allowed_token_ids is not supported yet",
     "bad_words": "bad_words is not supported yet",
-    "prompt_logprobs": "prompt_logprobs is not supported yet",
     "logits_processors": "custom logits processors are not supported",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported; "
     "special tokens are decoded as the tokenizer joins them",

@@ -2,7 +2,14 @@
 
 from dspark.llm import LLM
 from dspark.outputs import CompletionOutput, RequestOutput
-from dspark.sampling_params import SamplingParams
+from dspark.sampling_params import SamplingParams, StructuredOutputsParams
 from dspark.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 # A seed is folded to 64 bits before hashing; larger values are a user error, not silently wrapped.
 MAX_SEED = 2**63 - 1
@@ -15,6 +17,89 @@ MAX_SEED = 2**63 - 1
 # "delta" without text: the engine never decodes, the caller does (the server decodes its
 # streams, off the engine's step loop); it needs no stop strings, which only decoding finds.
 OUTPUT_KINDS = ("cumulative", "final_only", "delta", "delta_tokens")
+# StructuredOutputsParams' constraint fields, vLLM's names (exactly one is set)
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output, vLLM's `StructuredOutputsParams` (exactly one set):
+
+      json         a JSON schema (a dict, or its JSON text): the output is JSON valid under it
+      regex        the output matches this regular expression (Rust `regex` syntax) in full
+      choice       the output is one of these strings
+      grammar      a context-free grammar in Lark syntax (llguidance's, which also reads GBNF)
+      json_object  True: the output is a JSON object (OpenAI's response_format json_object)
+
+    The engine masks the target's distribution by the grammar at every sampled and verified
+    position and ends the request ("stop") once the grammar admits nothing more
+    (dspark/structured/, docs/SPECULATION.md 4.9). The shapes are checked here; whether a
+    schema, regex or grammar compiles is checked when the request is added, or earlier by
+    `dspark.structured.validate`.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):  # (frozen: a tuple is what it keeps)
+            object.__setattr__(self, "choice", list(self.choice))
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if _is_set(getattr(self, name))]
+        _check(
+            len(given) == 1,
+            f"structured_outputs sets {', '.join(given) if given else 'none'} of "
+            f"{', '.join(STRUCTURED_OUTPUT_KINDS)}: exactly one must be set",
+        )
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            _check(
+                isinstance(value, (dict, str)),
+                f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                f"got {type(value).__name__}",
+            )
+            if isinstance(value, str):
+                try:
+                    json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not JSON text: {e}") from None
+        elif kind in ("regex", "grammar"):
+            _check(
+                isinstance(value, str) and value != "",
+                f"structured_outputs.{kind} must be a non-empty string, got {value!r}",
+            )
+        elif kind == "choice":
+            _check(
+                isinstance(value, list) and bool(value)
+                and all(isinstance(c, str) and c for c in value),
+                f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                f"got {value!r}",
+            )  # fmt: skip
+        else:
+            _check(
+                value is True,
+                f"structured_outputs.json_object must be True or False, got {value!r}",
+            )
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if _is_set(getattr(self, name)))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal for equal constraints (a schema dict and its JSON
+        text alike), the key compiled grammars are cached by."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(value)
+        return kind, "" if kind == "json_object" else value
 
 
 @dataclass
@@ -36,6 +121,11 @@ class SamplingParams:
     alone and with a leading space (`bad_words_token_ids`): the last token of a word is banned
     wherever the outputs end in the tokens before it. prompt_logprobs n returns, for every
     prompt token after the first, its log-probability and the n most likely tokens there.
+
+    structured_outputs (StructuredOutputsParams) constrains the output to a JSON schema, a
+    regex, a choice of strings or a grammar: the tokens the grammar does not allow next are
+    masked (-inf) on the raw logits, before all the shaping above, so that penalties, min_p,
+    top-k and top-p only ever choose among allowed tokens (dspark/structured/).
 
     n > 1 (offline only, `LLM.generate`) runs n requests of the prompt; sample i takes seed
     seed + i when a seed is given, as vLLM derives its children's seeds (each without one draws
@@ -67,6 +157,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Per-request opt-out of speculation (verify length 0 every step).
     use_speculation: bool = True
+    # a constraint on the output (JSON schema, regex, choice, grammar, any JSON object)
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: str = "cumulative"
     _stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
 
@@ -108,8 +200,9 @@ class SamplingParams:
 
     @property
     def reads_outputs(self) -> bool:
-        """Does the shaping read the request's output tokens (so they must be on the host)?"""
-        return self.has_penalties or bool(self.bad_words)
+        """Does the shaping read the request's output tokens (so they must be on the host)?
+        A grammar does: its mask is the state its matcher reached over them."""
+        return self.has_penalties or bool(self.bad_words) or self.structured_outputs is not None
 
     @property
     def shapes_logits(self) -> bool:
@@ -214,6 +307,18 @@ class SamplingParams:
         )
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, f"stop_token_ids must be >= 0, got {t!r}")
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            f"structured_outputs must be a StructuredOutputsParams, got "
+            f"{type(self.structured_outputs).__name__}",
+        )
+
+
+def _is_set(value: object) -> bool:
+    """Is a StructuredOutputsParams field set? None and False are not (an empty string or
+    list is, and is refused by its own check; an empty schema {} admits any JSON value)."""
+    return value is not None and value is not False
 
 
 def _is_number(value: object) -> bool:

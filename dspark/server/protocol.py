@@ -19,8 +19,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dspark.sampling_params import MAX_SEED, SamplingParams
+from dspark.sampling_params import MAX_SEED, SamplingParams, StructuredOutputsParams
 from dspark.server.errors import bad_request
+from dspark.server.structured_outputs import ResponseFormat, StructuredOutputsRequest
+from dspark.server.tool_calls import MAX_TOOLS, Tool, ToolChoice
 from dspark.server.unsupported import StrictRequest
 
 MAX_N = 8  # choices per request
@@ -76,6 +78,9 @@ class _Request(StrictRequest):
     ) = None  # fmt: skip
     bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured output (structured_outputs.py): OpenAI's field, vLLM's
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     user: str | None = None
     # dspark: per-request opt-out of speculation; vLLM: the token ids beside the text
     use_speculation: bool = True
@@ -97,7 +102,13 @@ class _Request(StrictRequest):
         """The alternatives per prompt position the engine computes (None: no prompt logprobs)."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int):
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        index: int,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ):
         """The SamplingParams of choice `index` (0..n-1): a seeded request's choices get seeds
         seed, seed + 1, ... so they differ but stay reproducible."""
         seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
@@ -123,6 +134,7 @@ class _Request(StrictRequest):
                 prompt_logprobs=self.engine_prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 use_speculation=self.use_speculation,
+                structured_outputs=structured_outputs,
                 output_kind="delta" if self.stream else "final_only",
             )
         except ValueError as e:
@@ -230,10 +242,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
@@ -244,9 +252,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, as vLLM's
 
@@ -254,19 +262,6 @@ class ChatCompletionRequest(_Request):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(
-                f"response_format {self.response_format.type!r}: structured output is not "
-                "supported yet; only 'text'",
-                "response_format",
-            )
-        if self.tools:
-            raise bad_request("tools are not supported yet", "tools")
-        if self.tool_choice is not None:  # (OpenAI refuses it without tools too)
-            raise bad_request(
-                "tool_choice is only allowed with tools, which are not supported; omit it",
-                "tool_choice",
-            )
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -278,6 +273,13 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
+
+    def template_kwargs(self, with_tools: bool = True) -> dict[str, Any]:
+        """The chat template's variables: chat_template_kwargs, and the tools (HF's `tools`)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools and with_tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return kwargs
 
 
 def _field_named(message: str) -> str | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from dspark.models.tokenizer import Tokenizer
 from dspark.outputs import FinalInfo
 from dspark.server.prompt_logprobs import PromptLogprobs
+from dspark.server.tool_calls import ToolCalling, ToolCallStream
 
 
 @dataclass
@@ -92,6 +93,11 @@ class _Format:
     def response_fields(self, choices: list[Delta]) -> dict:
         """Fields of a whole response beside its choices (a route's own)."""
         return {}
+
+    @property
+    def streams_text_as_is(self) -> bool:
+        """Whether a stream's chunk of new text alone is `text_delta_json` of that text."""
+        return True
 
     def _ids(self, body: dict, token_ids: list[int]) -> dict:
         if self.return_token_ids:
@@ -176,8 +182,28 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """A chat choice; with tool calling (tool_calls.py) its text becomes content and
+    `tool_calls`, a stream's content held back until certain and its calls sent last."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        return_token_ids: bool,
+        num_logprobs: int | None,
+        prompt_logprobs: PromptLogprobs | None = None,
+        prompt_ids: list[list[int]] | None = None,
+        tools: ToolCalling | None = None,
+    ) -> None:
+        super().__init__(tokenizer, return_token_ids, num_logprobs, prompt_logprobs, prompt_ids)
+        self.tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice -> its stream's state
+
+    @property
+    def streams_text_as_is(self) -> bool:
+        return self.tools is None
 
     def response_fields(self, choices: list[Delta]) -> dict:
         """vLLM's chat `prompt_logprobs`, once for the response (every choice has the one
@@ -188,24 +214,47 @@ class ChatFormat(_Format):
         return {"prompt_logprobs": self.prompt_logprobs.vllm(prompt, choices[0].prompt_logprobs)}
 
     def choice(self, index: int, delta: Delta) -> dict:
+        message = {"role": "assistant", "content": delta.text}
+        reason = delta.finish_reason
+        if self.tools is not None:
+            message["content"], calls = self.tools.parse(delta.text)
+            if calls:
+                message["tool_calls"] = calls
+            reason = self.tools.finish_reason(reason, calls)
         body = {
             "index": index,
-            "message": {"role": "assistant", "content": delta.text},
+            "message": message,
             "logprobs": self._logprobs(delta),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": reason,
             "stop_reason": delta.stop_reason,
         }
         return self._ids(body, delta.token_ids)
 
-    def delta_choice(self, index: int, delta: Delta, is_first: bool = False) -> dict:
+    def delta_choice(self, index: int, delta: Delta, is_first: bool = False) -> dict | None:
+        """A chunk's choice; None when it has nothing to send (tool calling held its text)."""
+        text, calls, reason = delta.text, [], delta.finish_reason
+        if self.tools is not None:
+            stream = self._tool_streams.get(index)
+            if stream is None:
+                stream = self._tool_streams[index] = self.tools.stream()
+            text = stream.feed(delta.text)
+            if reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                reason = self.tools.finish_reason(reason, calls)
+            has_tokens = bool(delta.token_ids) and self.wants_tokens
+            if not (text or calls or reason or is_first or has_tokens):
+                return None
         message = {"role": "assistant"} if is_first else {}
-        if delta.text or is_first:
-            message["content"] = delta.text
+        if text or is_first:
+            message["content"] = text
+        if calls:
+            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         body = {
             "index": index,
             "delta": message,
             "logprobs": self._logprobs(delta),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": reason,
             "stop_reason": delta.stop_reason,
         }
         return self._ids(body, delta.token_ids)

@@ -39,6 +39,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    def backend_json(self) -> str:
+        """The Rust tokenizer serialised, without truncation or padding (the grammar engine
+        builds its own tokenizer from it: dspark/structured/compiler.py)."""
+        return self._encoder.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._encoder.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dspark.sampling_params import MAX_SEED, SamplingParams, StructuredOutputsParams
 from dspark.server.errors import bad_request
 from dspark.server.structured_outputs import ResponseFormat, StructuredOutputsRequest
-from dspark.server.tool_calls import MAX_TOOLS, Tool, ToolChoice
+from dspark.server.tool_calls import ToolChoice, Tools
 from dspark.server.unsupported import StrictRequest
 
 MAX_N = 8  # choices per request
@@ -252,7 +252,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tools: Tools | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,6 +71,7 @@ class NamedToolChoice(BaseModel):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
 
 
 def new_call(name: str, arguments: str) -> dict:

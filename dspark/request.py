@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from dspark.sampling_params import SamplingParams
 
@@ -66,6 +67,10 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # sampling_params.bad_words as token sequences (SamplingParams.bad_words_token_ids)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # the structured output's matcher (structured/matcher.py's GrammarMatcher, built by the
+    # engine from sampling_params.structured_outputs), advanced by the tokens the request
+    # emits; None without structured output
+    grammar: Any = None
     # sampling_params.reads_outputs, read once at creation (the parameters are validated then and
     # not changed after): the step loop asks it of every running request each step
     reads_outputs: bool = False

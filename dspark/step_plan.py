@@ -93,6 +93,9 @@ class StepPlan:
     # (G, V) of the trimmed cell the drafting policy chose for this step's windows (their
     # verify lengths are then chosen on the device, spec/ragged.py); None: the full block
     trimmed_cell: tuple[int, int] | None = None
+    # the rows whose requests have structured output (a grammar masks what they sample and
+    # verify: dspark/structured/); () in a step without any, which therefore does no such work
+    grammar_rows: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -78,8 +78,10 @@ def ahead_blocker(s: SchedulerView, max_rows: int) -> str | None:
     max_model_len, is deferred: it gets that window one step later, once its count is
     known (its windows, so its tokens, are the same; only their step changes).
     """
-    if any(req.reads_outputs for req in s.running):
-        return "logits_shaping"  # (its outputs are read on the host: sample/logits_shaping.py)
+    if any(req.reads_outputs for req in s.running):  # (its outputs are read on the host)
+        if any(req.grammar is not None for req in s.running):
+            return "structured_output"  # (its grammar's masks: dspark/structured/)
+        return "logits_shaping"  # (penalties, bad words: sample/logits_shaping.py)
     admissible = bool(s.waiting) and len(s.running) < s.max_num_seqs
     if admissible and not _admits_ahead(s):
         return "waiting_requests"

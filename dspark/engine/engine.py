@@ -86,6 +86,7 @@ from dspark.sampling_params import MAX_SEED, SamplingParams
 from dspark.spec.config import tail_sizes
 from dspark.spec.synthetic import SyntheticAcceptance
 from dspark.step_plan import InFlightStep
+from dspark.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,10 @@ class LLMEngine:
             if model_config.eos_token_ids
             else self.tokenizer.eos_token_id
         )
+        # structured output's grammars, compiled once per constraint for this tokenizer
+        eos_ids = model_config.eos_token_ids or (self.eos_token_id,)
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size,
+                                        [t for t in eos_ids if t is not None])  # fmt: skip
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
@@ -297,6 +302,11 @@ class LLMEngine:
             added_time=time.monotonic() if added_time is None else added_time,
             bad_words_token_ids=self._bad_words_token_ids(params),
             reads_outputs=params.reads_outputs,
+            grammar=(
+                self.grammars.matcher(params.structured_outputs)
+                if params.structured_outputs is not None
+                else None
+            ),
         )
         self._requests[request_id] = req
         if not self._is_follower:  # (rank 0 detokenizes and reports)
@@ -331,6 +341,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:  # (compiled now, found again at _enqueue)
+            self.grammars.compile(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)

@@ -39,6 +39,7 @@ engine/ahead.py's (functions over the scheduler's queues, limits and window rule
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -49,6 +50,8 @@ from dspark.engine.prefix_cache import PrefixCache
 from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from dspark.sample.logits_shaping import has_multi_token_bad_words
 from dspark.step_plan import SampledTokens, ScheduledRow, StepPlan, is_head, new_tuple, pages_for
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -92,12 +95,18 @@ class Scheduler:
         self.decode_mixed_limits = decode_mixed_limits
         # first windows put off because the request's first token is in flight (ahead.py)
         self.num_first_windows_deferred = 0
+        # unfinished requests with structured output: while 0, no step looks for grammar rows
+        self.num_structured = 0
+        # requests ended at a token their grammar does not allow (update(): masking should
+        # make it impossible; logged with the matcher's reason)
+        self.num_grammar_errors = 0
 
     def add(self, request: Request) -> None:
         max_tokens = request.sampling_params.max_tokens
         request.max_num_tokens = self.max_model_len
         if max_tokens is not None:
             request.max_num_tokens = min(self.max_model_len, request.num_prompt_tokens + max_tokens)
+        self.num_structured += request.grammar is not None
         self.waiting.append(request)
 
     @property
@@ -224,7 +233,11 @@ class Scheduler:
                 r for r, h in zip(rows, head, strict=True) if not h
             ]
         trimmed = self.trimmed_cell if drafting else None
-        return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed)
+        grammar_rows = ()
+        if self.num_structured:
+            grammar_rows = tuple(i for i, r in enumerate(rows) if r.request.grammar is not None)
+        return StepPlan(tuple(rows), self.num_preemptions - preempted_before, is_decode, trimmed,
+                        grammar_rows)  # fmt: skip
 
     def ahead_blocker(self, max_rows: int) -> str | None:
         """Why the next step may not be scheduled while the in-flight step's windows are
@@ -342,16 +355,25 @@ class Scheduler:
         hold the next step's placeholder; tokens after a stop (accepted drafts, a placeholder)
         are dropped. Requests that finished meanwhile
         (aborted, stopped at an earlier step) are skipped; preempted ones still get their token.
+        A request with structured output first advances its grammar over the tokens it emitted
+        (the only place a grammar moves): one that completes the grammar ends there, "stop",
+        the tokens after it dropped (a window's recovered or bonus token after the completing
+        draft), as plain decoding would end it.
         """
         emitted = []
         finished, running, num_generated = RequestStatus.FINISHED, RequestStatus.RUNNING, 0
         cache, page_size = self.prefix_cache, self.page_size
+        structured = bool(plan.grammar_rows)
         for row, out in zip(plan.rows, sampled, strict=True):
             req, start, num_tokens, _, num_draft, is_continuation, _ = row  # (unpacked: per row)
             if num_draft:
                 req.num_windows_in_flight -= 1
             if out is None or req.status is finished:
                 continue
+            # (tokens kept, why it ends) when its grammar ends the request in these tokens
+            grammar_end = None
+            if structured and req.grammar is not None:
+                grammar_end = self._grammar_end(req, out.token_ids)
             # its new tokens may complete a page below num_computed_tokens (a decode row's
             # token is the next row's input, advanced already; a window's accepted drafts):
             # published after they are written, before a stop among them frees the pages
@@ -379,6 +401,7 @@ class Scheduler:
                     and first + count < req.max_num_tokens
                     and req.eos_token_id not in out.token_ids
                     and not (stop_ids and any(t in stop_ids for t in out.token_ids))
+                    and grammar_end is None
                 ):
                     emitted.append((req, first, count))
                     num_generated += count
@@ -398,6 +421,7 @@ class Scheduler:
                     and first + 1 < req.max_num_tokens
                     and token_id != req.eos_token_id
                     and token_id not in req.sampling_params.stop_token_ids
+                    and grammar_end is None
                 ):
                     emitted.append((req, first, 1))
                     num_generated += 1
@@ -406,6 +430,14 @@ class Scheduler:
             if out.logprobs is not None:
                 req.logprobs.extend(out.logprobs)
             for i, token_id in enumerate(out.token_ids):
+                # a token after its grammar completed, or one it does not allow, is not kept
+                reason = None if grammar_end is None or i < grammar_end[0] else grammar_end[1]
+                if reason is not None:
+                    count = i
+                    del req.token_ids[first + count :]
+                    del req.logprobs[req.num_output_tokens :]
+                    self.finish(req, reason, None)
+                    break
                 reason = self._token_stop(req, token_id, first + i)
                 if reason is not None:
                     count = i + 1
@@ -413,10 +445,33 @@ class Scheduler:
                     del req.logprobs[req.num_output_tokens :]
                     self.finish(req, *reason)
                     break
+            else:
+                if grammar_end is not None:  # the grammar completed on its last token
+                    self.finish(req, grammar_end[1], None)
             emitted.append((req, first, count))
             num_generated += count
         self.num_generated_tokens += num_generated
         return emitted
+
+    def _grammar_end(
+        self, req: Request, tokens: tuple[int, ...]
+    ) -> tuple[int, FinishReason] | None:
+        """Advance req's grammar over its emitted tokens (structured/matcher.py): None while
+        it goes on, else (the tokens req keeps, why it ends): STOP once the grammar is complete
+        (it admits nothing more; vLLM's finish reason "stop"), ABORT at a token it does not
+        allow, which masking rules out (logged and counted: the request cannot go on)."""
+        grammar = req.grammar
+        kept = grammar.advance(tokens)
+        if not grammar.is_stopped:
+            return None
+        error = grammar.error
+        if not error:
+            return kept, FinishReason.STOP
+        self.num_grammar_errors += 1
+        logger.error("request %s: token %d breaks its structured output grammar, so it is "
+                     "aborted: %s", req.request_id, tokens[kept],
+                     error.splitlines()[0][:300])  # fmt: skip
+        return kept, FinishReason.ABORT
 
     def _token_stop(
         self, req: Request, token_id: int, index: int
@@ -439,6 +494,7 @@ class Scheduler:
         """End a request (stop, length, abort) wherever it is and free its pages."""
         if req.is_finished:
             return
+        self.num_structured -= req.grammar is not None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:

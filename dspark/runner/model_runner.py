@@ -30,6 +30,7 @@ import torch
 from dspark.models.llama import LlamaForCausalLM
 from dspark.request import PENDING_TOKEN, Request, TokenLogprobs
 from dspark.runner.cuda_graph import DecodeGraphs
+from dspark.runner.grammar_masks import GrammarMasks
 from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device, to_host
 from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
@@ -39,6 +40,7 @@ from dspark.runner.staging import Staged, StepStager
 from dspark.sample.logits_shaping import apply_shaping
 from dspark.sample.sampler import SamplingTensors, sample, takes_fused_path, top_logprobs
 from dspark.sample.sampling_rows import SamplingRows
+from dspark.sample.token_bitmask import apply_token_bitmask
 from dspark.spec.spec_decoder import SpecDecoder
 from dspark.step_plan import InFlightStep, SampledTokens, StepPlan, new_tuple, pages_for
 
@@ -122,6 +124,8 @@ class ModelRunner:
         # the rows' block tables and sampling parameters, applied by their changes each step
         self.sampling_rows = SamplingRows(max_rows, self.vocab_size, device)
         self.batch = PersistentBatch(self.buffers, self.sampling_rows)
+        # structured output: the grammar rows' masks (runner/grammar_masks.py)
+        self.grammar_masks = GrammarMasks(self.vocab_size, device, self.stats)
         forward = ModelForward(model, kv_caches, self.buffers, spec)
         self._forward, self._run_model = forward, forward.run_model
         # the previous launch's sampled tokens on the device: pending inputs are fed from them
@@ -144,7 +148,7 @@ class ModelRunner:
             ladder = graph_sizes if capture_graphs else []
             self.spec_runner = SpecRunner(
                 spec, self.buffers, self._run_model, self.vocab_size, self.stats, ladder,
-                mixed_tails, trimmed_widths,
+                mixed_tails, trimmed_widths, self.grammar_masks,
             )  # fmt: skip
         graphs = None
         self.sampled_graphs: SampledDecodeGraphs | None = None
@@ -239,7 +243,10 @@ class ModelRunner:
         step.is_uniform = step.windows_first and not layout.tail_rows
         if sampled.size:
             plain_logits = self._plain_logits(plan, logits, staged)
-            tokens, lp = self._sample(plain_logits, staged, sampling, decode_graph)
+            masks = None  # (filled while the forward runs)
+            if plan.grammar_rows:
+                masks = self.grammar_masks.plain_masks(plan, sampled, staged.reqs)
+            tokens, lp = self._sample(plain_logits, staged, sampling, decode_graph, masks)
             self._last_tokens = tokens
             serials = staged.serials if staged.is_decode else staged.serials[sampled]
             self.stager.last_sampled = step.sampled_serials = serials
@@ -399,16 +406,22 @@ class ModelRunner:
         staged: Staged,
         sampling: SamplingTensors | None,
         decode_graph: int | None = None,  # G: a decode graph without a tail made `logits`
+        masks: tuple[torch.Tensor, torch.Tensor] | None = None,  # grammar rows' (bitmask, index)
     ):
         """Tokens [N] (and logprobs) of the rows that sample one token, still on the device.
         Their parameters are the persistent sampling rows (written by PersistentBatch.sync),
         staged for this step by _stage_sampling (None: every row greedy). After a decode graph
         whose sampling is captured too, its sampling graph draws them (no row banned from
-        stopping, none with top-k or top-p: runner/sampled_decode_graphs.py)."""
+        stopping, none with top-k or top-p, no grammar: runner/sampled_decode_graphs.py).
+        Grammar rows are masked first (runner/grammar_masks.py), then shaped and sampled."""
         rows, ends, params = staged.sampled_rows, staged.sampled_ends, self.sampling_rows
         banned = params.banned(rows, ends, staged.reqs)
         shaping = params.shaping(rows, ends, staged.reqs, self.device)
         graphs = self.sampled_graphs
+        raw = logits  # (logprobs are the model's raw distribution, as vLLM's by default)
+        if masks is not None:
+            self.stats["pytorch_sampling_steps_structured_output"] += 1
+            logits = apply_token_bitmask(logits, *masks)
         if shaping is not None:  # (PyTorch: no kernel or graph takes the shaping tensors)
             self.stats["pytorch_sampling_steps_logits_shaping"] += 1
             shaped = apply_shaping(self._ban_stop_tokens(logits, banned), shaping)
@@ -418,13 +431,14 @@ class ModelRunner:
                 tokens = sample(shaped, replace(sampling, min_p=shaping.min_p))
         elif sampling is None:
             tokens = self._ban_stop_tokens(logits, banned).argmax(dim=-1)  # no parameters
-        elif graphs and decode_graph and not banned[0] and takes_fused_path(sampling):
+        elif (graphs and decode_graph and not banned[0] and masks is None
+              and takes_fused_path(sampling)):  # fmt: skip
             tokens = graphs.replay(decode_graph, rows.size)
             self.stats["sampled_graph_steps"] += 1
         else:
             tokens = sample(self._ban_stop_tokens(logits, banned), sampling)
         num_top = params.max_logprobs(rows)
-        lp = None if num_top is None else top_logprobs(logits, tokens, num_top)
+        lp = None if num_top is None else top_logprobs(raw, tokens, num_top)
         return tokens, lp
 
     def _ban_stop_tokens(

@@ -11,8 +11,9 @@ functions return). The shapes, each captured for every size G of the ladder:
                                                                         (runner/spec_graphs.py)
     mixed windows (G, P) G windows laid out K + 1 wide, then a tail as above
 
-A step of windows whose requests shape their logits (`shapes_logits`) fits none, nor does a
-step that scores prompt tokens for prompt_logprobs (`prompt_scored`). A step pads to
+A step of windows whose requests shape their logits (`shapes_logits`) fits none, nor does one
+with structured output (`plan.grammar_rows`: runner/grammar_masks.py), nor a step that scores
+prompt tokens for prompt_logprobs (`prompt_scored`). A step pads to
 the smallest captured G that holds its rows (and P that holds its tail):
 
     sizes [1, 2, 4, 8]: 3 rows -> G 4;  8 rows -> G 8;  9 rows -> None ("batch_too_large")
@@ -80,6 +81,8 @@ def leading_windows(
     tail_tokens = sum(r.num_tokens for r in tail)
     if shapes_logits(plan):
         return None, "logits_shaping"
+    if plan.grammar_rows:  # (a grammar's masks need the drafts on the host: eager)
+        return None, "structured_output"
     if n == 0 or any(r.num_draft or r.empty_window for r in tail):
         return None, "windows_not_first"
     if len(tail) > max_tail_rows(max_tail_tokens):

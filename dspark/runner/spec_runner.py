@@ -36,6 +36,7 @@ import torch
 from dspark.request import TokenLogprobs
 from dspark.runner.chosen_lengths import trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
+from dspark.runner.grammar_masks import GrammarMasks
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
     InputBuffers,
@@ -77,8 +78,10 @@ class SpecRunner:
         graph_sizes: list[int],  # the ladder to capture ([]: none, every step eager)
         tail_sizes: tuple[int, ...] = (),  # P of the mixed steps to capture beside each G
         trimmed_widths: tuple[int, ...] = (),  # w of the trimmed cells (G, w G) per G
+        grammar_masks: GrammarMasks | None = None,  # structured output (None: none here)
     ) -> None:
         self.spec, self.buffers, self.run_model = spec, buffers, run_model
+        self.grammar_masks = grammar_masks
         self.vocab_size, self.stats, self.device = vocab_size, stats, buffers.device
         width = 1 + spec.num_verify
         self.capacity = buffers.input_ids.shape[0]
@@ -168,6 +171,9 @@ class SpecRunner:
         if shapes_logits(plan):
             self.stats["eager_spec_steps_logits_shaping"] += 1
             return None
+        if plan.grammar_rows:  # (its masks need the drafts on the host: grammar_masks.py)
+            self.stats["eager_spec_steps_structured_output"] += 1
+            return None
         if any(r.num_draft < self.spec.num_verify for r in plan.rows):
             self.stats["spec_graph_steps_with_short_windows"] += 1
         size = padded_size(self.graphs.sizes, len(plan.rows))
@@ -225,6 +231,10 @@ class SpecRunner:
             ends = [plan_rows[i].start + 1 for i in window_rows]
             shaping = build_shaping(reqs, ends, vocab_size, self.device)
             self.stats["spec_steps_logits_shaping"] += 1
+        grammar = None
+        if plan.grammar_rows:  # (eager too: the drafts come to the host mid-step)
+            assert graph_size is None, "a captured step does not mask by a grammar"
+            grammar = self.grammar_masks.window_grammar(plan, window_rows, 1 + self.spec.num_verify)
         width, table = layout.window_width, self.buffers.np("block_table")
         trimmed = self._trimmed_tokens(plan, layout, rows, graph_size)
         if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
@@ -243,12 +253,12 @@ class SpecRunner:
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
             target, cell = self._trimmed_step(len(rows), trimmed)
-            return self.spec.step(len(rows), mode, target, None, cell, shaping)
+            return self.spec.step(len(rows), mode, target, None, cell, shaping, grammar)
         b, dev = self.buffers, self.device
         if layout.tail_rows:  # a mixed layout: windows in rows 0..R-1, their logits first
             target = self._target_step(layout, b.block_table)
             return self.spec.step(len(rows), mode, target, slice(0, layout.num_window_logits),
-                                  shaping=shaping)  # fmt: skip
+                                  shaping=shaping, grammar=grammar)  # fmt: skip
         all_windows = window_rows == list(range(layout.num_rows))
         block_table = b.block_table
         window_index = None
@@ -261,7 +271,8 @@ class SpecRunner:
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
         target = self._target_step(layout, block_table)
-        return self.spec.step(len(rows), mode, target, window_index, shaping=shaping)
+        return self.spec.step(len(rows), mode, target, window_index, shaping=shaping,
+                              grammar=grammar)  # fmt: skip
 
     def _trimmed_tokens(
         self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None

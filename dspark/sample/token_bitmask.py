@@ -19,6 +19,7 @@ and window token t of grammar slot s at offset j reads row s P + j (`window_inde
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,6 +30,20 @@ class WindowMasks:
 
     bitmask: torch.Tensor  # [M, P, W] int32: grammar slot s, window position j (P = K + 1)
     slot: torch.Tensor  # [R] int64: each window row's grammar slot, -1 for a row without one
+
+
+class WindowGrammar(Protocol):
+    """A speculative step's grammar rows, as SpecDecoder sees them: after drafting it hands
+    over the drafts, and before verifying it asks for the masks they imply (the runner's
+    implementation: runner/grammar_masks.py)."""
+
+    def copy_drafts(self, drafts: torch.Tensor) -> None:  # [R, K] on the device
+        """Queue the drafts' copy to the host (before the target forward is queued)."""
+        ...
+
+    def masks(self) -> WindowMasks:
+        """Wait for the drafts, fill every grammar row's masks on the host, upload them."""
+        ...
 
 
 def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, V] bool

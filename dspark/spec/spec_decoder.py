@@ -20,6 +20,11 @@ Window rows of a step, worked example (verify_len [2, 1], K = 3, anchors at posi
 A trimmed cell (G, V) (spec/ragged.py) adds one stage between 1 and 2: the fresh confidences
 choose each row's verify length under the cell's budget, and the full-width inputs are
 compacted in place to V tokens; 2-4 then run on that ragged layout.
+
+Rows with structured output (an eager step only) split the step on the host: the drafts' copy
+is queued before the target forward, and before 4 the host waits for it and fills each grammar
+row's mask at every window position (sample/token_bitmask.py's WindowGrammar; the one host
+sync inside a step, docs/SPECULATION.md 4.9); verification masks the target's logits by them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.policy.survival import survival
 from dspark.sample.logits_shaping import LogitsShaping, apply_shaping, window_draft_counts
 from dspark.sample.sampler import SamplingTensors, sampling_probs
+from dspark.sample.token_bitmask import (
+    WindowGrammar,
+    WindowMasks,
+    apply_token_bitmask,
+    window_index,
+)
 from dspark.spec.drafting import DraftBlock, draft_block
 from dspark.spec.ragged import TrimmedCell, compact_windows
 from dspark.spec.selector import select_verify_lengths
@@ -148,9 +159,11 @@ class SpecDecoder:
         window_index: torch.Tensor | slice | None,  # logit rows of the window tokens; None: all
         trimmed: TrimmedCell | None = None,  # run as this trimmed cell (all rows full width)
         shaping: LogitsShaping | None = None,  # per window row (eager steps only)
+        grammar: WindowGrammar | None = None,  # the grammar rows' masks (eager steps only)
     ) -> SpecStepOutput:
         """Draft, run the target, feed the drafter's context, verify: device work only, so
-        the same code runs eagerly and inside a captured graph (without `shaping`)."""
+        the same code runs eagerly and inside a captured graph (without `shaping` or
+        `grammar`, whose host work is an eager step's)."""
         st = self.buffers.sampling(num_rows, mode)
         if shaping is not None and shaping.min_p is not None:
             st = replace(st, min_p=shaping.min_p)
@@ -159,7 +172,8 @@ class SpecDecoder:
         verify_len = cu = None
         if trimmed is not None:
             verify_len, cu = self.trim(num_rows, st, block, trimmed)
-        return self.finish(num_rows, st, block, target, window_index, verify_len, cu, shaping)
+        return self.finish(num_rows, st, block, target, window_index, verify_len, cu, shaping,
+                           grammar)  # fmt: skip
 
     def finish(
         self,
@@ -171,12 +185,18 @@ class SpecDecoder:
         verify_len: torch.Tensor | None = None,  # [R] chosen after drafting (None: staged)
         cu: torch.Tensor | None = None,  # [R + 1] their windows' starts, with verify_len
         shaping: LogitsShaping | None = None,
+        grammar: WindowGrammar | None = None,
     ) -> SpecStepOutput:
-        """Steps 2-4 after drafting (and after any choice of verify lengths)."""
+        """Steps 2-4 after drafting (and after any choice of verify lengths). With grammar
+        rows the host fills their masks from the drafts while the target forward runs."""
+        if grammar is not None:
+            grammar.copy_drafts(block.tokens)
         out = target.run()
         self.append_context(out.features, target.positions, target.slot_mapping)
         window_logits = out.logits if window_index is None else out.logits[window_index]
-        verified = self.verify(window_logits, num_rows, st, block, verify_len, cu, shaping)
+        masks = grammar.masks() if grammar is not None else None
+        verified = self.verify(window_logits, num_rows, st, block, verify_len, cu, shaping,
+                               masks)  # fmt: skip
         return SpecStepOutput(
             out.logits, window_logits, verified.tokens, verified.num_accepted,
             block.confidence_logits, verify_len,
@@ -255,13 +275,15 @@ class SpecDecoder:
         verify_len: torch.Tensor | None = None,  # [R] (None: the staged ones)
         cu: torch.Tensor | None = None,  # [R + 1] window starts in window_logits, with it
         shaping: LogitsShaping | None = None,  # per window row
+        masks: WindowMasks | None = None,  # the grammar rows' masks per window position
     ) -> VerifyOutput:
         b, R, dev = self.buffers, num_rows, self.device
         if verify_len is None:
             verify_len = b.verify_len[:R]
             cu = torch.zeros(R + 1, dtype=torch.int64, device=dev)
             cu[1:] = b.window_len[:R].cumsum(0)
-        verified = self._verify_by_target(window_logits, R, st, block, verify_len, cu, shaping)
+        verified = self._verify_by_target(window_logits, R, st, block, verify_len, cu, shaping,
+                                          masks)  # fmt: skip
         if self.synthetic is None:
             return verified
         # (the target's verification above still ran: its cost is part of the step measured)
@@ -278,17 +300,24 @@ class SpecDecoder:
         verify_len: torch.Tensor,  # [R]
         cu: torch.Tensor,  # [R + 1]
         shaping: LogitsShaping | None,  # per window row
+        masks: WindowMasks | None = None,
     ) -> VerifyOutput:
         """Lossless verification (spec/verifier.py): greedy rows by argmax, others by
-        rejection sampling."""
+        rejection sampling. Grammar rows verify against the target masked by the grammar
+        after the window's drafts before each position (docs/SPECULATION.md 4.9): a draft
+        the grammar does not allow has target probability 0 and is rejected like any other."""
         b, dev = self.buffers, self.device
-        if st.all_greedy and shaping is None:
+        if st.all_greedy and shaping is None and masks is None:
             return verify_greedy(window_logits, block.tokens, verify_len, cu)
         # owner row of each window token (shape-static: no host sync, capturable)
         token = torch.arange(window_logits.shape[0], device=dev)
         owner = torch.searchsorted(cu[1:], token, right=True).clamp(max=R - 1)
-        if shaping is not None:  # token j of a window: outputs and drafts 1..j (the drafter's)
+        if masks is not None or shaping is not None:
             offset = (token - cu[owner]).clamp(min=0)  # [Tw] 0 the anchor, j draft j
+        if masks is not None:  # first: the shaping below only moves allowed tokens
+            index = window_index(masks, owner, offset)
+            window_logits = apply_token_bitmask(window_logits, masks.bitmask.flatten(0, 1), index)
+        if shaping is not None:  # token j of a window: outputs and drafts 1..j (the drafter's)
             drafts = window_draft_counts(block.tokens, owner, offset, window_logits.shape[-1])
             window_logits = apply_shaping(window_logits.float(), shaping, owner, drafts)
         if st.all_greedy:

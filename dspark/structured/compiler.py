@@ -46,7 +46,7 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = llguidance.LLTokenizer(
                 self.tokenizer.backend_json(), n_vocab=self.vocab_size,
-                eos_token=list(self.eos_token_ids),
+                eos_token=list(self.eos_token_ids) or None,  # (None: the tokenizer's)
             )  # fmt: skip
         return self._ll_tokenizer
 

@@ -99,6 +99,10 @@ class _Format:
         """Whether a stream's chunk of new text alone is `text_delta_json` of that text."""
         return True
 
+    def take_trailing(self) -> list[dict]:
+        """Choices for an event of their own after the current one (and forgotten here)."""
+        return []
+
     def _ids(self, body: dict, token_ids: list[int]) -> dict:
         if self.return_token_ids:
             body["token_ids"] = token_ids
@@ -200,10 +204,15 @@ class ChatFormat(_Format):
         super().__init__(tokenizer, return_token_ids, num_logprobs, prompt_logprobs, prompt_ids)
         self.tools = tools
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice -> its stream's state
+        self._finishes: list[dict] = []  # finish chunks due after their calls' chunk
 
     @property
     def streams_text_as_is(self) -> bool:
         return self.tools is None
+
+    def take_trailing(self) -> list[dict]:
+        finishes, self._finishes = self._finishes, []
+        return finishes
 
     def response_fields(self, choices: list[Delta]) -> dict:
         """vLLM's chat `prompt_logprobs`, once for the response (every choice has the one
@@ -248,8 +257,12 @@ class ChatFormat(_Format):
         message = {"role": "assistant"} if is_first else {}
         if text or is_first:
             message["content"] = text
-        if calls:
+        if calls:  # OpenAI's order (the client's stream helper needs it): calls, then finish
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                      "stop_reason": delta.stop_reason}  # fmt: skip
+            self._finishes.append(finish)
+            reason = None
         body = {
             "index": index,
             "delta": message,

@@ -288,6 +288,11 @@ class StreamWriter:
         cursor.is_started, cursor.is_ended, cursor.final = True, final is not None, final
         return chunk
 
+    def trailing(self) -> str:
+        """The event due after the current one (a tool call's finish), or ""."""
+        choices = self.prep.fmt.take_trailing()
+        return self.sse([to_json(choice) for choice in choices]) if choices else ""
+
     def failed(self, reason: str) -> str:
         """Every unfinished choice ends with finish_reason "error", then an error event."""
         indices = range(len(self.prep.subs))
@@ -327,9 +332,9 @@ async def stream_response(
                 if trace is not None:
                     _trace_batch(trace, batch, bool(choices))
                 if choices and stream.is_done:
-                    last = writer.sse(choices)
+                    last = writer.sse(choices) + writer.trailing()
                 elif choices:
-                    yield writer.sse(choices)
+                    yield writer.sse(choices) + writer.trailing()
         except Exception as e:  # noqa: BLE001 - this request fails alone; others go on
             logger.exception("request %s failed while streaming", prep.request_id)
             stream.close()

@@ -209,6 +209,7 @@ def _streamed(fmt: ChatFormat, pieces: list[str], reason: str = "stop") -> list[
         chunk = fmt.delta_choice(0, Delta(piece, [i], None, reason if last else None), i == 0)
         if chunk is not None:
             chunks.append(chunk)
+        chunks += fmt.take_trailing()
     return chunks
 
 
@@ -218,16 +219,18 @@ def test_a_stream_sends_the_content_then_the_calls_last():
     chunks = _streamed(_format(_calling("auto")), pieces)
     content = "".join(c["delta"].get("content") or "" for c in chunks)
     assert content == "Let me check."
-    *body, last = chunks
+    *body, calls, finish = chunks  # OpenAI's order: the calls, then the finish alone
     assert all("tool_calls" not in c["delta"] and c["finish_reason"] is None for c in body)
-    assert last["finish_reason"] == "tool_calls"
-    (call,) = last["delta"]["tool_calls"]
+    assert calls["finish_reason"] is None and finish["delta"] == {}
+    assert finish["finish_reason"] == "tool_calls"
+    (call,) = calls["delta"]["tool_calls"]
     assert call["index"] == 0 and _functions([call]) == [("get_weather", {"city": "Paris"})]
     # a constrained output sends no content: the call alone, at the end
     named = _format(_calling({"type": "function", "function": {"name": "get_weather"}}))
     chunks = _streamed(named, ['{"city"', ': "Oslo"', "}"])
-    assert [c["delta"] for c in chunks[:-1]] == [{"role": "assistant", "content": ""}]
-    assert _functions(chunks[-1]["delta"]["tool_calls"]) == [("get_weather", {"city": "Oslo"})]
+    assert [c["delta"] for c in chunks[:-2]] == [{"role": "assistant", "content": ""}]
+    assert _functions(chunks[-2]["delta"]["tool_calls"]) == [("get_weather", {"city": "Oslo"})]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
 def test_a_stream_without_a_call_sends_all_its_text():

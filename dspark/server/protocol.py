@@ -2,12 +2,13 @@
 
 Field names are OpenAI's (and vLLM's for the extensions: top_k, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_ids,
-repetition_penalty, min_p, bad_words) plus dspark's use_speculation. Every bound is declared on
-the field, so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it
-is a 400 naming the field. A field the route does not declare is refused with a 400 naming it
-(unsupported.py: vLLM's fields the engine lacks, such as guided_json, say so; other names list
-the route's fields), where vLLM and OpenAI ignore it: an ignored `guided_json` answers 200 with
-unconstrained text. Declared options the server cannot honour as asked (suffix, prompt_logprobs
+repetition_penalty, min_p, bad_words, prompt_logprobs, structured_outputs) plus dspark's
+use_speculation; structured output's fields are in structured_outputs.py, the tools' in
+tool_calls.py. Every bound is declared on the field, so /openapi.json tells a client (or a
+fuzzer) what is allowed and a value outside it is a 400 naming the field. A field the route does
+not declare is refused with a 400 naming it (unsupported.py: vLLM's fields the engine lacks say
+so, guided_json names what replaced it; other names list the route's fields), where vLLM and
+OpenAI ignore it: an ignored `guided_json` answers 200 with unconstrained text. Declared options the server cannot honour as asked (suffix, prompt_logprobs
 or echo with logprobs while streaming, ...) are accepted at their neutral value and refused
 otherwise with a clear message, never silently dropped; a chat message reaches the template
 with all its fields.

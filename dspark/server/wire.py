@@ -140,9 +140,9 @@ def encode_outputs(outputs: list[DeltaOutput | RequestOutput]) -> list[tuple]:
 
 
 def decode_output(wire: tuple) -> DeltaOutput:
-    request_id, text, token_ids, logprobs, final = wire[:5]
+    final = wire[4]  # (indexed: the tuple may have a sixth element, the prompt logprobs)
     return DeltaOutput(
-        request_id, text, token_ids, logprobs, None if final is None else FinalInfo(*final)
+        wire[0], wire[1], wire[2], wire[3], None if final is None else FinalInfo(*final)
     )
 
 

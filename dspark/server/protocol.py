@@ -8,10 +8,10 @@ tool_calls.py. Every bound is declared on the field, so /openapi.json tells a cl
 fuzzer) what is allowed and a value outside it is a 400 naming the field. A field the route does
 not declare is refused with a 400 naming it (unsupported.py: vLLM's fields the engine lacks say
 so, guided_json names what replaced it; other names list the route's fields), where vLLM and
-OpenAI ignore it: an ignored `guided_json` answers 200 with unconstrained text. Declared options the server cannot honour as asked (suffix, prompt_logprobs
-or echo with logprobs while streaming, ...) are accepted at their neutral value and refused
-otherwise with a clear message, never silently dropped; a chat message reaches the template
-with all its fields.
+OpenAI ignore it: an ignored `guided_json` answers 200 with unconstrained text. Declared
+options the server cannot honour as asked (suffix, prompt_logprobs or echo with logprobs while
+streaming, ...) are accepted at their neutral value and refused otherwise with a clear message,
+never silently dropped; a chat message reaches the template with all its fields.
 """
 
 from __future__ import annotations

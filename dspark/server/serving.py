@@ -302,7 +302,7 @@ class StreamWriter:
             if not self.cursors.get(i, _Cursor()).is_ended
         ]
         error = error_body(500, reason, code="request_failed")
-        return f"{self.sse(choices)}data: {json.dumps(error)}\n\n"
+        return f"{self.sse(choices)}{self.trailing()}data: {json.dumps(error)}\n\n"
 
     def usage_chunk(self) -> str:
         finals = [c.final for c in self.cursors.values() if c.final is not None]

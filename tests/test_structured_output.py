@@ -51,7 +51,7 @@ def _allowed(words: np.ndarray) -> list[int]:
         (dict(regex=""), "structured_outputs.regex must be a non-empty string, got ''"),
         (dict(choice=[]), "structured_outputs.choice must be a non-empty list of non-empty"),
         (dict(choice=["a", 3]), r"choice must be a non-empty list of non-empty strings, got \['a'"),
-        (dict(json=3), r"structured_outputs.json must be a JSON schema \(a dict or its JSON text\)"),
+        (dict(json=3), r"structured_outputs.json must be a JSON schema \(a dict or its JSON"),
         (dict(json="{not json"), "structured_outputs.json is not JSON text: Expecting property"),
         (dict(json_object="yes"), "structured_outputs.json_object must be True or False"),
     ],
@@ -275,6 +275,25 @@ def test_drafts_that_break_the_grammar_are_rejected(tiny_llama_dir, llama_drafte
     assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] == 0
 
 
+def test_a_token_the_grammar_does_not_allow_aborts_the_request(tiny_llama_dir, monkeypatch,
+                                                                 caplog):  # fmt: skip
+    """With the mask switched off (what a desynchronised matcher amounts to) the random target
+    soon samples a token the grammar does not allow: the request ends there, "abort", its
+    output the tokens before it, logged with the matcher's reason and counted; no runaway."""
+    from dspark.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "apply_token_bitmask", lambda logits, *masks: logits)
+    llm = _tiny(tiny_llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=S(regex="[0-9]{30}"))
+    with caplog.at_level("ERROR", logger="dspark.engine.scheduler"):
+        (out,) = llm.generate(["Digits:"], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "abort" and re.fullmatch("[0-9]*", c.text), c
+    assert llm.engine.scheduler.num_grammar_errors == 1
+    assert llm.get_metrics()["structured_output"]["grammar_errors"] == 1
+    assert "breaks its structured output grammar, so it is aborted" in caplog.text
+
+
 def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     """Greedy requests without a constraint give the same tokens beside constrained ones as
     alone; a speculative engine serving none does no grammar work at all: no grammar rows, no
@@ -288,6 +307,7 @@ def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     assert stats["eager_spec_steps_structured_output"] == 0
     assert alone.engine.runner.grammar_masks.filler._executor is None  # (never started)
     assert alone.engine.grammars._ll_tokenizer is None  # (never built)
+    assert "structured_output" not in alone.get_metrics()
 
     beside = _tiny(tiny_llama_dir, llama_drafter)
     constrained = SamplingParams(temperature=0, max_tokens=20, structured_outputs=S(
@@ -305,6 +325,9 @@ def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     # one extra host synchronisation in each step with grammar windows, none in the others
     stats = beside.engine.runner.stats
     assert stats["structured_output_syncs"] == sum(grammar_plans) > 0
+    metrics = beside.get_metrics()["structured_output"]
+    assert metrics["draft_syncs"] == sum(grammar_plans) and metrics["grammars_compiled"] == 1
+    assert metrics["masks_filled"] > 0 and metrics["grammar_errors"] == 0
 
 
 def test_greedy_speculation_with_a_grammar_equals_plain_decoding(tiny_llama_dir, llama_drafter):
@@ -498,3 +521,45 @@ def test_greedy_structured_speculation_equals_plain_decoding(default_llms):
     assert [c.token_ids for c in _chat(spec, texts, params)] == want
     assert spec.get_metrics()["num_accepted_tokens"] > before
     assert spec.engine.runner.stats["structured_output_syncs"] > 0
+
+
+# ---- the GPU: captured steps without grammar rows, the split eager step with them -------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_gpu_grammar_steps_run_split_and_the_others_keep_their_graphs(
+    tiny_llama_dir, llama_drafter, async_scheduling
+):
+    """CUDA graphs on, float32: requests without a constraint alone replay captured
+    speculative steps with no grammar work; beside constrained ones they give the same tokens,
+    the steps with grammar windows run eagerly with one drafts' copy each (the drafts reach
+    the host before the target forward), and greedy constrained output equals plain decoding's
+    under the same constraint (decode graphs, the mask applied after them)."""
+    kw = dict(dtype="float32", device="cuda", num_kv_pages=512, max_num_seqs=8,
+              max_model_len=256, async_scheduling=async_scheduling)  # fmt: skip
+    spec_config = {"model": str(llama_drafter), "num_speculative_tokens": 4}
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["Hello there", "The quick brown fox"]
+    alone = LLM(str(tiny_llama_dir), speculative_config=spec_config, **kw)
+    want = [o.outputs[0].token_ids for o in alone.generate(prompts, free, use_tqdm=False)]
+    stats = alone.engine.runner.stats
+    assert stats["spec_graph_steps"] > 0 and stats["structured_output_syncs"] == 0, dict(stats)
+    assert stats["eager_spec_steps_structured_output"] == 0
+    del alone
+
+    constrained = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=s)
+                   for s in TINY_CONSTRAINTS]  # fmt: skip
+    tiny_prompts = [f"Prompt {i}" for i in range(len(TINY_CONSTRAINTS))]
+    spec = LLM(str(tiny_llama_dir), speculative_config=spec_config, **kw)
+    outs = spec.generate(prompts + tiny_prompts, [free, free] + constrained, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want
+    stats = spec.engine.runner.stats
+    assert stats["eager_spec_steps_structured_output"] > 0
+    assert stats["structured_output_syncs"] > 0 and spec.engine.scheduler.num_grammar_errors == 0
+    got = [o.outputs[0].token_ids for o in outs[2:]]
+    del spec
+    plain = LLM(str(tiny_llama_dir), **kw)
+    assert [o.outputs[0].token_ids for o in plain.generate(tiny_prompts, constrained,
+                                                            use_tqdm=False)] == got  # fmt: skip
+    assert plain.engine.runner.stats["graph_steps"] > 0

@@ -251,7 +251,24 @@ class LLMEngine:
                                self.scheduling_status)  # fmt: skip
         if self.synthetic is not None and self.spec is not None:  # (never unmarked)
             metrics["synthetic"] = self.synthetic.record(self.spec.num_verify)
+        if self.grammars.stats:  # (structured output served: dspark/structured/)
+            metrics["structured_output"] = self._structured_metrics()
         return metrics
+
+    def _structured_metrics(self) -> dict:
+        """Structured output's counters: grammars compiled and found compiled, masks filled
+        and the host seconds it took, the speculative steps that waited for their drafts (the
+        one extra host sync: docs/SPECULATION.md 4.9), requests ended by a grammar error."""
+        stats, filler = self.runner.stats, self.runner.grammar_masks.filler
+        return {
+            **self.grammars.stats,
+            "masks_filled": filler.stats["masks"],
+            "mask_fill_s": filler.fill_s,
+            "rows_masked": stats["structured_output_rows"],
+            "windows_masked": stats["structured_output_windows"],
+            "draft_syncs": stats["structured_output_syncs"],
+            "grammar_errors": self.scheduler.num_grammar_errors,
+        }
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -46,11 +46,11 @@ class WindowGrammar(Protocol):
         ...
 
 
-def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, V] bool
-    """Unpack bitmask rows [N, W] int32 into one bool a token."""
+def disallowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, V] bool
+    """Unpack bitmask rows [N, W] int32 into one bool a token, True where it is not allowed."""
     bits = torch.arange(32, dtype=torch.int32, device=words.device)
-    unpacked = (words[:, :, None] >> bits) & 1  # [N, W, 32] (>> is arithmetic: & 1 is the bit)
-    return unpacked.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+    clear = ((words[:, :, None] >> bits) & 1) == 0  # [N, W, 32] (>> is arithmetic: & 1 the bit)
+    return clear.reshape(words.shape[0], -1)[:, :vocab_size]
 
 
 def apply_token_bitmask(
@@ -59,9 +59,8 @@ def apply_token_bitmask(
     index: torch.Tensor,  # [N] int64: the bitmask row of each logits row, -1: none
 ) -> torch.Tensor:  # [N, V] a new tensor (logits stay as they are: logprobs read them raw)
     """Disallowed tokens -inf (module docstring)."""
-    words = bitmask[index.clamp(min=0)]  # [N, W]
-    allowed = allowed_tokens(words, logits.shape[-1]) | (index < 0)[:, None]
-    return logits.masked_fill(~allowed, float("-inf"))
+    off = disallowed_tokens(bitmask[index.clamp(min=0)], logits.shape[-1])  # [N, V]
+    return logits.masked_fill(off & (index >= 0)[:, None], float("-inf"))
 
 
 def window_index(

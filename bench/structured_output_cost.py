@@ -1,0 +1,216 @@
+"""Host cost of structured output: the grammar's bitmasks per row and window position, and the
+host synchronisations a speculative step adds (docs/SPECULATION.md 4.9).
+
+    python bench/structured_output_cost.py --rows 1,8,32 --k 7 --out structured_output_cost.json
+
+Masks: with the default model's tokenizer (49,152 tokens), each constraint below is walked
+along a valid output; at every prefix, M rows (matchers at different prefixes) get
+  - their next-token mask (a plain row: BitmaskFiller.anchor_bitmasks), and
+  - their K + 1 window masks after K drafts, the output's next K tokens (a window whose
+    drafts the grammar takes: every mask computed; BitmaskFiller.window_bitmasks),
+and the device half, the masks applied to M (K + 1) rows of float32 logits on the CPU
+(sample/token_bitmask.py), and a matcher advanced by one emitted token. Figures are the
+median and the least over the prefixes, in microseconds per row and position (on a shared
+host the least is the closer to the work's own cost: other processes only add).
+
+Syncs: the default model and its shipped drafter (float32, CPU; or --model, --drafter, --device)
+serve the same prompts greedily without and with a JSON schema, once to warm and once timed: the
+speculative steps, those whose windows carry a grammar, the host synchronisations the drafts'
+copy added (runner/grammar_masks.py) and the wall time a step.
+
+On a GPU host without the model (random weights: the sync counts and step times do not depend
+on them; the acceptance does):
+
+    python bench/random_smollm2.py --out rs --tokenizer TOK && \
+    python bench/random_drafter.py --target rs --out rd && \
+    python bench/structured_output_cost.py --tokenizer TOK --model rs --drafter rd \
+        --device cuda --out structured_output_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from dspark import LLM, SamplingParams, StructuredOutputsParams
+from dspark.models.loader import resolve_model
+from dspark.models.tokenizer import Tokenizer, load_tokenizer
+from dspark.sample.token_bitmask import apply_token_bitmask
+from dspark.structured.compiler import GrammarCompiler
+from dspark.structured.masks import BitmaskFiller
+
+S = StructuredOutputsParams
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "city": {"type": "string"}, "tags": {"type": "array",
+                                                        "items": {"type": "string"}}},
+    "required": ["name", "age", "city"],
+}  # fmt: skip
+# (constraint, a valid output to walk)
+CASES = {
+    "json_schema": (
+        StructuredOutputsParams(json=PERSON),
+        '{\n  "name": "Alice Martin",\n  "age": 30,\n  "city": "Paris",\n  "tags": ["engineer",'
+        ' "cyclist", "reader"]\n}',
+    ),
+    "json_object": (
+        StructuredOutputsParams(json_object=True),
+        '{"colours": ["red", "green", "blue"], "count": 3, "nested": {"ok": true}}',
+    ),
+    "regex": (
+        StructuredOutputsParams(regex=r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]( [a-z ]+)?"),
+        "1989-11-09 the wall fell in berlin",
+    ),
+    "choice": (
+        StructuredOutputsParams(choice=["positive", "negative", "neutral", "mixed feelings"]),
+        "mixed feelings",
+    ),
+}
+
+
+def _mask_costs(compiler: GrammarCompiler, spec, text: str, rows: int, k: int) -> dict:
+    tokens = compiler.tokenizer.encode(text, add_special_tokens=False)
+    n = len(tokens)
+    filler = BitmaskFiller(compiler.vocab_size)
+    anchor, window, apply, advance = [], [], [], []
+    for p in range(n):
+        prefixes = [(p + 3 * i) % n for i in range(rows)]  # (rows at different prefixes)
+        matchers = []
+        for q in prefixes:
+            m = compiler.matcher(spec)
+            assert m.advance(tokens[:q]) == q
+            matchers.append(m)
+        drafts = [tokens[q : q + k] for q in prefixes]
+        start = time.perf_counter()
+        filler.anchor_bitmasks(matchers)
+        anchor.append((time.perf_counter() - start) / rows)
+        start = time.perf_counter()
+        bits = filler.window_bitmasks(matchers, drafts, k + 1)
+        masks = sum(1 + len(d) for d in drafts)
+        window.append((time.perf_counter() - start) / masks)
+        logits = torch.randn(rows * (k + 1), compiler.vocab_size)
+        flat = torch.from_numpy(bits.reshape(rows * (k + 1), -1))
+        start = time.perf_counter()
+        apply_token_bitmask(logits, flat, torch.arange(rows * (k + 1)))
+        apply.append((time.perf_counter() - start) / (rows * (k + 1)))
+        m = compiler.matcher(spec)
+        m.advance(tokens[:p])
+        start = time.perf_counter()
+        m.advance(tokens[p : p + 1])
+        advance.append(time.perf_counter() - start)
+
+    def us(values):  # (median, and the least: a loaded host's noise only adds)
+        return [round(statistics.median(values) * 1e6, 2), round(min(values) * 1e6, 2)]
+
+    return {
+        "tokens": n, "rows": rows, "k": k, "plain_mask_us_per_row": us(anchor),
+        "window_mask_us_per_row_position": us(window), "apply_us_per_row_position": us(apply),
+        "advance_us_per_token": us(advance),
+    }  # fmt: skip
+
+
+PROMPTS = [
+    "Describe a person named Alice, 30, from Paris, as JSON with keys name, age, city.",
+    "Give me a JSON object for Bob who is 42 and lives in Berlin (keys: name, age, city).",
+    "Invent a character and give their name, age and home city as JSON.",
+    "Describe your favourite teacher as JSON: name, age, city.",
+]
+
+
+def _syncs(llm: LLM, max_tokens: int, chat: bool) -> dict:
+    """The same prompts greedily without and with a JSON schema: steps, speculative steps,
+    those with grammar windows, the extra host syncs and the wall time a step."""
+    runner = llm.engine.runner
+    counted = {"steps": 0, "spec_steps": 0, "grammar_window_steps": 0}
+    real_launch = runner.launch
+
+    def launch(plan):
+        counted["steps"] += 1
+        counted["spec_steps"] += any(r.num_draft for r in plan.rows)
+        counted["grammar_window_steps"] += any(plan.rows[i].num_draft for i in plan.grammar_rows)
+        return real_launch(plan)
+
+    def run(so):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+        if chat:
+            llm.chat([[{"role": "user", "content": t}] for t in PROMPTS], params, use_tqdm=False)
+        else:
+            llm.generate(PROMPTS, params, use_tqdm=False)
+
+    result = {}
+    for arm, so in (("without_grammar", None), ("with_json_schema", S(json=PERSON))):
+        run(so)  # (warm: the grammar compiled, the kernels built)
+        runner.launch = launch
+        before = dict(counted), runner.stats["structured_output_syncs"]
+        start = time.perf_counter()
+        run(so)
+        seconds = time.perf_counter() - start
+        runner.launch = real_launch
+        steps = {key: counted[key] - before[0][key] for key in counted}
+        syncs = runner.stats["structured_output_syncs"] - before[1]
+        result[arm] = {**steps, "extra_syncs": syncs,
+                       "extra_syncs_per_step": round(syncs / steps["steps"], 3),
+                       "ms_per_step": round(seconds / steps["steps"] * 1e3, 3)}  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,32", help="rows masked together")
+    parser.add_argument("--k", type=int, default=7, help="drafts a window")
+    parser.add_argument("--max-tokens", type=int, default=48, help="of the sync run's requests")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a saved tokenizer directory (default: the default model's)",
+    )
+    parser.add_argument("--model", default="default", help="the sync run's target")
+    parser.add_argument("--drafter", default=None, help="its drafter (default: the shipped one)")
+    parser.add_argument("--device", default="cpu", help="the sync run's device")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    parser.add_argument("--out", default="structured_output_cost.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.tokenizer is None:
+        tokenizer = load_tokenizer(resolve_model("default", None))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = Tokenizer(AutoTokenizer.from_pretrained(args.tokenizer))
+    compiler = GrammarCompiler(tokenizer, 49152, [2])
+    masks = [{"constraint": name, **_mask_costs(compiler, spec, text, rows, args.k)}
+             for name, (spec, text) in CASES.items()
+             for rows in map(int, args.rows.split(","))]  # fmt: skip
+    spec_config = {"method": "dspark"} if args.drafter is None else {"model": args.drafter}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() or os.environ.get("DSPARK_GIT_COMMIT")
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "args": vars(args), "masks": masks,
+              "syncs": _syncs(llm, args.max_tokens, chat=args.model == "default")}  # fmt: skip
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print("us per row (and window position): median / least")
+    names = ("plain_mask_us_per_row", "window_mask_us_per_row_position",
+             "apply_us_per_row_position", "advance_us_per_token")  # fmt: skip
+    print(f"{'constraint':>12} {'rows':>4} {'plain':>15} {'window':>15} {'apply':>15} "
+          f"{'advance':>15}")  # fmt: skip
+    for r in masks:
+        cells = " ".join(f"{r[n][0]:7.1f}/{r[n][1]:7.1f}" for n in names)
+        print(f"{r['constraint']:>12} {r['rows']:4d} {cells}")
+    print(json.dumps(result["syncs"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -66,7 +66,14 @@ from dspark.server.gc_pauses import GCPauses
 from dspark.server.loop_lag import LoopLag
 from dspark.server.phase_times import PhaseTimes
 from dspark.server.request_stream import EngineFailed, RequestStream, StreamPacer
-from dspark.server.wire import EngineInfo, EngineState, EngineStats, decode_output, merge_stats
+from dspark.server.wire import (
+    EngineInfo,
+    EngineState,
+    EngineStats,
+    decode_output,
+    merge_stats,
+    prompt_logprobs_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -441,6 +448,8 @@ class EngineLoop:
             if out.final is not None:
                 del routes[out.request_id]
             stream, index = route
+            if (prompt_logprobs := prompt_logprobs_of(encoded)) is not None:
+                stream.prompt_logprobs[index] = prompt_logprobs
             stream.put(index, out, now)
 
     def _die(self, reason: str) -> None:

@@ -84,13 +84,14 @@ class OutputSender:
 
     def _merge(self, outputs: list[tuple]) -> None:
         """A step's outputs into the pending ones, request by request (the lock held)."""
-        for request_id, text, token_ids, logprobs, final in outputs:
+        for request_id, text, token_ids, logprobs, final, *prompt_logprobs in outputs:
             entry = self._pending.get(request_id)
             if entry is not None and entry[3] is not None:  # a reused id after its final
                 self._flush_locked()
                 entry = None
-            if entry is None:
-                self._pending[request_id] = [text, list(token_ids), _list(logprobs), final]
+            if entry is None:  # (prompt logprobs: only a final-only output's, its one output)
+                entry = [text, list(token_ids), _list(logprobs), final, *prompt_logprobs]
+                self._pending[request_id] = entry
                 continue
             entry[0] += text
             entry[1] += token_ids

@@ -2,15 +2,16 @@
 
 Field names are OpenAI's (and vLLM's for the extensions: top_k, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, return_token_ids,
-repetition_penalty, min_p, bad_words) plus dspark's use_speculation. Every bound is declared on
-the field, so /openapi.json tells a client (or a fuzzer) what is allowed and a value outside it
-is a 400 naming the field. A field the route does not declare is refused with a 400 naming it
-(unsupported.py: vLLM's fields the engine lacks, such as guided_json, say so; other names list
-the route's fields), where vLLM and OpenAI ignore it: an ignored `guided_json` answers 200 with
-unconstrained text. Declared options the engine does not implement (prompt_logprobs, echo with
-logprobs, suffix, tools, tool_choice, ...) are accepted at their neutral value and refused
-otherwise with a clear message, never silently dropped; a chat message reaches the template
-with all its fields.
+repetition_penalty, min_p, bad_words, prompt_logprobs, structured_outputs) plus dspark's
+use_speculation; structured output's fields are in structured_outputs.py, the tools' in
+tool_calls.py. Every bound is declared on the field, so /openapi.json tells a client (or a
+fuzzer) what is allowed and a value outside it is a 400 naming the field. A field the route does
+not declare is refused with a 400 naming it (unsupported.py: vLLM's fields the engine lacks say
+so, guided_json names what replaced it; other names list the route's fields), where vLLM and
+OpenAI ignore it: an ignored `guided_json` answers 200 with unconstrained text. Declared
+options the server cannot honour as asked (suffix, prompt_logprobs or echo with logprobs while
+streaming, ...) are accepted at their neutral value and refused otherwise with a clear message,
+never silently dropped; a chat message reaches the template with all its fields.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dspark.sampling_params import MAX_SEED, SamplingParams
+from dspark.sampling_params import MAX_SEED, SamplingParams, StructuredOutputsParams
 from dspark.server.errors import bad_request
+from dspark.server.structured_outputs import ResponseFormat, StructuredOutputsRequest
+from dspark.server.tool_calls import ToolChoice, Tools
 from dspark.server.unsupported import StrictRequest
 
 MAX_N = 8  # choices per request
@@ -76,6 +79,9 @@ class _Request(StrictRequest):
     ) = None  # fmt: skip
     bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured output (structured_outputs.py): OpenAI's field, vLLM's
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     user: str | None = None
     # dspark: per-request opt-out of speculation; vLLM: the token ids beside the text
     use_speculation: bool = True
@@ -83,15 +89,27 @@ class _Request(StrictRequest):
 
     def check_supported(self) -> None:
         """Refuse options the engine does not implement (400 naming the field)."""
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and self.stream:
             raise bad_request(
-                "prompt_logprobs is not supported by the server (offline LLM.generate only)",
+                "prompt_logprobs is not supported with stream: true (the engine reports a "
+                "prompt's logprobs with its whole output); ask without streaming",
                 "prompt_logprobs",
             )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int):
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The alternatives per prompt position the engine computes (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        index: int,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ):
         """The SamplingParams of choice `index` (0..n-1): a seeded request's choices get seeds
         seed, seed + 1, ... so they differ but stay reproducible."""
         seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
@@ -114,8 +132,10 @@ class _Request(StrictRequest):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
+                prompt_logprobs=self.engine_prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 use_speculation=self.use_speculation,
+                structured_outputs=structured_outputs,
                 output_kind="delta" if self.stream else "final_only",
             )
         except ValueError as e:
@@ -141,15 +161,24 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and self.stream:
             raise bad_request(
-                "echo with logprobs is not supported (the server returns no prompt logprobs)",
+                "echo with logprobs is not supported with stream: true (the echoed prompt's "
+                "logprobs come with the whole output); ask without streaming, or without echo",
                 "echo",
             )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(f"best_of must equal n ({self.n}) or be omitted", "best_of")
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs needs the prompt's logprobs too, as many alternatives as the
+        output's (vLLM's rule)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -214,10 +243,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
@@ -228,9 +253,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, as vLLM's
 
@@ -238,19 +263,6 @@ class ChatCompletionRequest(_Request):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(
-                f"response_format {self.response_format.type!r}: structured output is not "
-                "supported yet; only 'text'",
-                "response_format",
-            )
-        if self.tools:
-            raise bad_request("tools are not supported yet", "tools")
-        if self.tool_choice is not None:  # (OpenAI refuses it without tools too)
-            raise bad_request(
-                "tool_choice is only allowed with tools, which are not supported; omit it",
-                "tool_choice",
-            )
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -262,6 +274,13 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
+
+    def template_kwargs(self, with_tools: bool = True) -> dict[str, Any]:
+        """The chat template's variables: chat_template_kwargs, and the tools (HF's `tools`)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools and with_tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return kwargs
 
 
 def _field_named(message: str) -> str | None:

@@ -126,6 +126,8 @@ class RequestStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: set[int] = set()  # choices whose final output (or failure) was taken
         self._closed = False
+        # choice -> its prompt's logprobs (prompt_logprobs), delivered with its final output
+        self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}
         if pacer is not None:
             pacer.open()
 

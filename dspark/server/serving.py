@@ -27,8 +27,10 @@ from fastapi import Request
 
 from dspark.models.tokenizer import Tokenizer
 from dspark.outputs import DeltaOutput, FinalInfo
+from dspark.sampling_params import StructuredOutputsParams
 from dspark.server.engine_loop import SubRequest
 from dspark.server.errors import APIError, bad_request, error_body
+from dspark.server.prompt_logprobs import PromptLogprobs
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest
 from dspark.server.request_stream import EngineFailed, RequestStream
 from dspark.server.request_trace import RequestTracer
@@ -40,6 +42,8 @@ from dspark.server.responses import (
     to_json,
     usage,
 )
+from dspark.server.structured_outputs import requested_constraint
+from dspark.server.tool_calls import tool_calling
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +68,14 @@ def _encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
 
 
 def _fan_out(
-    body, request_id: str, prompts: list[tuple[list[int], str | None]], max_tokens, num_logprobs
+    body,
+    request_id: str,
+    prompts: list[tuple[list[int], str | None]],
+    max_tokens,
+    num_logprobs,
+    constraint: StructuredOutputsParams | None,
 ) -> list[SubRequest]:
-    params = [body.sampling_params(max_tokens, num_logprobs, j) for j in range(body.n)]
+    params = [body.sampling_params(max_tokens, num_logprobs, j, constraint) for j in range(body.n)]
     return [
         SubRequest(f"{request_id}-{i * body.n + j}", ids, params[j], text)
         for i, (ids, text) in enumerate(prompts)
@@ -102,29 +111,68 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, base_id: s
             prompts.append((_encode_text(tokenizer, prompt, "prompt"), prompt))
         else:
             prompts.append((list(prompt), None))
-    subs = _fan_out(body, request_id, prompts, body.max_tokens, body.logprobs)
+    requested = requested_constraint(body.response_format, body.structured_outputs)
+    constraint = requested[0] if requested else None
+    subs = _fan_out(body, request_id, prompts, body.max_tokens, body.logprobs, constraint)
     echo = None
     if body.echo:  # (a token-id prompt echoes as its text)
         echo = [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
                 for ids, text in prompts]  # fmt: skip
-    fmt = CompletionFormat(tokenizer, body.return_token_ids, body.logprobs, echo, body.n)
+    prompt_logprobs = _prompt_logprobs(body, tokenizer)
+    fmt = CompletionFormat(tokenizer, body.return_token_ids, body.logprobs, echo, body.n,
+                           prompt_logprobs, [ids for ids, _ in prompts])  # fmt: skip
     return _prepared(body, request_id, subs, sum(len(ids) for ids, _ in prompts), fmt)
+
+
+def _prompt_logprobs(body, tokenizer: Tokenizer) -> PromptLogprobs | None:
+    computed = body.engine_prompt_logprobs
+    if computed is None:
+        return None
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return PromptLogprobs(computed, body.prompt_logprobs, text)
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, base_id: str) -> Prepared:
     body.check_supported()
     request_id = f"chatcmpl-{base_id}"
-    try:
-        ids = tokenizer.apply_chat_template(
-            body.conversation(), body.add_generation_prompt, body.chat_template_kwargs
+    tools = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls)
+    requested = requested_constraint(body.response_format, body.structured_outputs)
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None and requested is not None:
+        raise bad_request(
+            f"tool_choice {tools.mode!r} holds the output to tool calls; it cannot be combined "
+            f"with {requested[1]} (which 'auto' and 'none' allow)",
+            "tool_choice",
         )
+    constraint = constraint or (requested[0] if requested else None)
+    ids = _render_chat(body, tokenizer, body.template_kwargs())
+    if tools is not None and tools.mode == "auto":
+        if ids == _render_chat(body, tokenizer, body.template_kwargs(with_tools=False)):
+            raise bad_request(
+                "tools: the model's chat template does not render tools (it has no tool "
+                "format), so with tool_choice 'auto' the model would never see them; use "
+                "tool_choice 'required' or a named function (which hold the output to a call), "
+                "or a model whose template renders tools",
+                "tools",
+            )
+    subs = _fan_out(body, request_id, [(ids, None)], body.effective_max_tokens, body.num_logprobs,
+                    constraint)  # fmt: skip
+    fmt = ChatFormat(tokenizer, body.return_token_ids, body.num_logprobs,
+                     _prompt_logprobs(body, tokenizer), [ids], tools)  # fmt: skip
+    return _prepared(body, request_id, subs, len(ids), fmt)
+
+
+def _render_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, kwargs: dict) -> list[int]:
+    try:
+        return tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt,
+                                             kwargs)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the template's own checks (role order, ...)
         raise bad_request(
             f"messages could not be rendered by the chat template: {e}", "messages"
         ) from None
-    subs = _fan_out(body, request_id, [(ids, None)], body.effective_max_tokens, body.num_logprobs)
-    fmt = ChatFormat(tokenizer, body.return_token_ids, body.num_logprobs)
-    return _prepared(body, request_id, subs, len(ids), fmt)
 
 
 def _prepared(body, request_id, subs, num_prompt_tokens, fmt) -> Prepared:
@@ -167,15 +215,18 @@ async def full_response(prep: Prepared, stream: RequestStream, request: Request,
     finally:
         watcher.cancel()
         stream.close()
-    choices = [prep.fmt.choice(i, _whole(finals[i])) for i in sorted(finals)]
+    wholes = [_whole(finals[i], stream.prompt_logprobs.get(i)) for i in sorted(finals)]
+    choices = [prep.fmt.choice(i, whole) for i, whole in zip(sorted(finals), wholes, strict=True)]
     body = envelope(prep.fmt.object_name, prep.request_id, int(time.time()), model, choices)
+    body.update(prep.fmt.response_fields(wholes))
     body["usage"] = usage([finals[i].final for i in sorted(finals)], prep.num_prompt_tokens)
     return body
 
 
-def _whole(out: DeltaOutput) -> Delta:
+def _whole(out: DeltaOutput, prompt_logprobs: list | None) -> Delta:
     final = out.final
-    return Delta(out.text, out.token_ids, out.logprobs, final.finish_reason, final.stop_reason)
+    return Delta(out.text, out.token_ids, out.logprobs, final.finish_reason, final.stop_reason,
+                 prompt_logprobs)  # fmt: skip
 
 
 # ---- streams --------------------------------------------------------------------------------
@@ -219,7 +270,7 @@ class StreamWriter:
         if cursor is None:
             cursor = self.cursors[index] = _Cursor()
         final, fmt = out.final, self.prep.fmt
-        if cursor.is_started and final is None and not fmt.wants_tokens:
+        if cursor.is_started and final is None and not fmt.wants_tokens and fmt.streams_text_as_is:
             if not out.text:
                 return None
             chunk = fmt.text_delta_json(index, out.text)
@@ -230,9 +281,17 @@ class StreamWriter:
             delta = Delta(out.text, out.token_ids, out.logprobs, reason, stop_reason)
             if not (delta.text or final or (delta.token_ids and fmt.wants_tokens)):
                 return None
-            chunk = to_json(fmt.delta_choice(index, delta, is_first=not cursor.is_started))
+            body = fmt.delta_choice(index, delta, is_first=not cursor.is_started)
+            if body is None:  # (its text held back: tool calling)
+                return None
+            chunk = to_json(body)
         cursor.is_started, cursor.is_ended, cursor.final = True, final is not None, final
         return chunk
+
+    def trailing(self) -> str:
+        """The event due after the current one (a tool call's finish), or ""."""
+        choices = self.prep.fmt.take_trailing()
+        return self.sse([to_json(choice) for choice in choices]) if choices else ""
 
     def failed(self, reason: str) -> str:
         """Every unfinished choice ends with finish_reason "error", then an error event."""
@@ -243,7 +302,7 @@ class StreamWriter:
             if not self.cursors.get(i, _Cursor()).is_ended
         ]
         error = error_body(500, reason, code="request_failed")
-        return f"{self.sse(choices)}data: {json.dumps(error)}\n\n"
+        return f"{self.sse(choices)}{self.trailing()}data: {json.dumps(error)}\n\n"
 
     def usage_chunk(self) -> str:
         finals = [c.final for c in self.cursors.values() if c.final is not None]
@@ -273,9 +332,9 @@ async def stream_response(
                 if trace is not None:
                     _trace_batch(trace, batch, bool(choices))
                 if choices and stream.is_done:
-                    last = writer.sse(choices)
+                    last = writer.sse(choices) + writer.trailing()
                 elif choices:
-                    yield writer.sse(choices)
+                    yield writer.sse(choices) + writer.trailing()
         except Exception as e:  # noqa: BLE001 - this request fails alone; others go on
             logger.exception("request %s failed while streaming", prep.request_id)
             stream.close()

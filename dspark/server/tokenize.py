@@ -2,7 +2,8 @@
 
     /tokenize    {"prompt": text}                   -> {"tokens", "count", "max_model_len",
                  or {"messages": [...]} (the chat       "token_strs"}
-                 template applied first)
+                 template applied first, with
+                 "tools" if given)
     /detokenize  {"tokens": [ids]}                  -> {"prompt": text}
 
 They live at the root, not under /v1, because vLLM serves them there (clients written for vLLM
@@ -21,6 +22,7 @@ from pydantic import Field, model_validator
 from dspark.models.tokenizer import Tokenizer
 from dspark.server.errors import bad_request
 from dspark.server.protocol import MAX_INT32, MAX_MESSAGES, ChatMessage
+from dspark.server.tool_calls import Tools
 from dspark.server.unsupported import StrictRequest
 
 
@@ -37,12 +39,15 @@ class TokenizeRequest(StrictRequest):
     add_generation_prompt: bool = True  # (messages only)
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
     chat_template_kwargs: dict[str, Any] | None = None  # (messages only)
+    tools: Tools | None = None  # (messages only)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt (text) and messages (a chat)")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are rendered by the chat template: send them with messages")
         return self
 
 
@@ -61,10 +66,13 @@ def tokenize(body: TokenizeRequest, tokenizer: Tokenizer, max_model_len: int) ->
         except Exception as e:  # noqa: BLE001 - unencodable text (lone surrogates) is bad input
             raise bad_request(f"prompt could not be tokenized: {e}", "prompt") from None
     else:
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:  # (as a chat completion renders them)
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
         try:
             ids = tokenizer.apply_chat_template(
                 [m.for_template() for m in body.messages], body.add_generation_prompt,
-                body.chat_template_kwargs, add_special_tokens=bool(body.add_special_tokens),
+                kwargs, add_special_tokens=bool(body.add_special_tokens),
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the template's own checks (role order, ...)
             message = f"messages could not be rendered by the chat template: {e}"

@@ -19,26 +19,34 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from dspark.server.errors import APIError
 
-STRUCTURED = "structured output (guided decoding) is not supported yet"
 BEAM = "beam search is not supported"
+TOOLS = "tools are served on /v1/chat/completions only"
+
+
+def _guided(replacement: str) -> str:
+    return (
+        f"vLLM's guided_* fields were replaced by structured_outputs; send "
+        f'{{"structured_outputs": {replacement}}}'
+    )
+
 
 # field -> why it is refused
 UNSUPPORTED: dict[str, str] = {
-    "structured_outputs": STRUCTURED,
-    "guided_json": STRUCTURED,
-    "guided_regex": STRUCTURED,
-    "guided_choice": STRUCTURED,
-    "guided_grammar": STRUCTURED,
-    "guided_decoding_backend": STRUCTURED,
-    "guided_whitespace_pattern": STRUCTURED,
-    "structural_tag": STRUCTURED,
+    "guided_json": _guided('{"json": SCHEMA}'),
+    "guided_regex": _guided('{"regex": REGEX}'),
+    "guided_choice": _guided('{"choice": [...]}'),
+    "guided_grammar": _guided('{"grammar": GRAMMAR}'),
+    "guided_decoding_backend": "the structured output backend is the engine's (llguidance); "
+    "omit it",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON whitespace "
+    "is the grammar's: flexible)",
+    "structural_tag": "structural tags are not supported; use structured_outputs",
     "use_beam_search": BEAM,
     "length_penalty": f"length_penalty applies to beam search; {BEAM}",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
     "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
     "allowed_token_ids": "allowed_token_ids is not supported yet",
     "bad_words": "bad_words is not supported yet",
-    "prompt_logprobs": "prompt_logprobs is not supported yet",
     "logits_processors": "custom logits processors are not supported",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported; "
     "special tokens are decoded as the tokenizer joins them",
@@ -59,9 +67,9 @@ UNSUPPORTED: dict[str, str] = {
     "reasoning_effort": "reasoning options are not supported",
     "include_reasoning": "reasoning options are not supported",
     "thinking_token_budget": "reasoning options are not supported",
-    "parallel_tool_calls": "tools are not supported yet",
-    "tools": "tools are not supported yet",
-    "tool_choice": "tools are not supported yet",
+    "parallel_tool_calls": TOOLS,
+    "tools": TOOLS,
+    "tool_choice": TOOLS,
     "functions": "functions (OpenAI's deprecated tools) are not supported",
     "function_call": "function_call (OpenAI's deprecated tool_choice) is not supported",
     "audio": "audio output is not supported",

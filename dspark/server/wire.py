@@ -13,6 +13,7 @@ rebuilt on the server's side, and the stats snapshot as a tuple of EngineStats' 
     engine -> server   (READY, EngineInfo)                    once, when the engine is built
                        (ADDED, ((ack_id, error | None), ..), stats)   error: (kind, message)
                        (STEP, (output tuple, ..), stats)      one per step
+                                 output tuple = DeltaOutput's fields [+ prompt logprobs]
                        (FAILED, reason)                       then the process exits
                        (STOPPED,)                             the answer to STOP, its last
 
@@ -119,22 +120,35 @@ def kept_parts(stats: tuple, spec, requests) -> tuple:
 
 
 def encode_outputs(outputs: list[DeltaOutput | RequestOutput]) -> list[tuple]:
-    """A step's outputs as tuples: deltas as they are, final-only outputs as one whole delta."""
+    """A step's outputs as tuples: deltas as they are, final-only outputs as one whole delta.
+    A final-only output with prompt logprobs carries them as a sixth element (only such a
+    request has them: the engine refuses prompt_logprobs on a delta request)."""
     wire = []
     for out in outputs:
+        prompt_logprobs = None
         if isinstance(out, RequestOutput):
             assert out.finished, f"{out.request_id}: only delta or final outputs are served"
+            prompt_logprobs = out.prompt_logprobs
             out = DeltaOutput.of_final(out)
         request_id, text, token_ids, logprobs, final = out
-        wire.append((request_id, text, token_ids, logprobs, None if final is None else (*final,)))
+        final = None if final is None else (*final,)
+        if prompt_logprobs is None:
+            wire.append((request_id, text, token_ids, logprobs, final))
+        else:
+            wire.append((request_id, text, token_ids, logprobs, final, prompt_logprobs))
     return wire
 
 
 def decode_output(wire: tuple) -> DeltaOutput:
-    request_id, text, token_ids, logprobs, final = wire
+    final = wire[4]  # (indexed: the tuple may have a sixth element, the prompt logprobs)
     return DeltaOutput(
-        request_id, text, token_ids, logprobs, None if final is None else FinalInfo(*final)
+        wire[0], wire[1], wire[2], wire[3], None if final is None else FinalInfo(*final)
     )
+
+
+def prompt_logprobs_of(wire: tuple) -> list[dict[int, float] | None] | None:
+    """The prompt logprobs an encoded output carries (RequestOutput.prompt_logprobs), or None."""
+    return wire[5] if len(wire) > 5 else None
 
 
 class FrameReader:

@@ -207,7 +207,7 @@ def test_errors_the_client_sees(server):
         client.completions.create(model=MODEL, prompt="x", presence_penalty=2.5)
     # vLLM's sampling extensions, sent as extra fields: bounds are 400s naming the field
     for name, value in (("min_p", 1.5), ("repetition_penalty", 0.0), ("bad_words", [""]),
-                        ("logit_bias", {"5": 101}), ("prompt_logprobs", 2)):  # fmt: skip
+                        ("logit_bias", {"5": 101}), ("prompt_logprobs", 21)):  # fmt: skip
         with pytest.raises(openai.BadRequestError, match=name) as e:
             client.completions.create(model=MODEL, prompt="x", extra_body={name: value})
         assert e.value.body["param"].startswith(name), e.value.body
@@ -253,7 +253,7 @@ def test_validation_errors_are_400_in_the_envelope(server):
         _post(server, {"prompt": "x", "top_p": 0}),
         _post(server, {"prompt": [49151, 10**6]}),  # outside the vocabulary: the engine's check
         _post(server, {"prompt": "x", "stream_options": {"include_usage": True}}),  # no stream
-        _post(server, {"prompt": "x", "echo": True, "logprobs": 1}),
+        _post(server, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}),
         _post(server, content=b'{"prompt": "\\ud800"}'),  # a lone surrogate
     ):
         assert response.status_code == 400, response.text

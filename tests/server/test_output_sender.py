@@ -27,6 +27,8 @@ def test_a_blocked_send_merges_the_steps_behind_it_and_keeps_order():
     time.sleep(0.2)  # the sender thread is now blocked in that send
     sender.post_step([("a", "He", [5], [-0.5], None)], ("stats", 1))
     sender.post_step([("a", "llo", [7], [-0.25], None), ("b", "Hi", [9], None, None)], ("stats", 2))
+    # a final-only output with its prompt's logprobs (a sixth element) keeps them in a merge
+    sender.post_step([("c", "Yo", [4], None, ("stop", 2), [None, {3: -0.5}])], ("stats", 2))
     sender.post_step([("a", "!", [2], [-1.0], ("length", 4))], ("stats", 3))
     sender.post_step([("a", "new", [8], None, None)], ("stats", 4))  # the id reused after its final
     sender.send((wire.STOPPED,))
@@ -41,11 +43,12 @@ def test_a_blocked_send_merges_the_steps_behind_it_and_keeps_order():
         [
             ("a", "Hello!", [5, 7, 2], [-0.5, -0.25, -1.0], ("length", 4)),
             ("b", "Hi", [9], None, None),
+            ("c", "Yo", [4], None, ("stop", 2), [None, {3: -0.5}]),
         ],
         ("stats", 3),
     )
     assert steps[2] == (wire.STEP, [("a", "new", [8], None, None)], ("stats", 4))
-    assert sender.num_steps_posted == 5 and sender.num_step_messages == 3
+    assert sender.num_steps_posted == 6 and sender.num_step_messages == 3
     # the thread's own clock: 4 messages sent, the first blocked until the reader came
     assert sender.times.counts["message"] == 4 and sender.times.seconds["message"] > 0.1
 

@@ -31,14 +31,37 @@ def test_shaping_fields_reach_the_sampling_params(route):
     assert [sp.seed for sp in params] == [3, 4]  # choice j: seed + j, as vLLM's children
 
 
-def test_unsupported_echo_with_logprobs_and_prompt_logprobs_are_refused():
-    CompletionRequest(prompt="x", echo=True).check_supported()  # echo alone is served
-    echo = CompletionRequest(prompt="x", echo=True, logprobs=1)
-    prompt_logprobs = CompletionRequest(prompt="x", prompt_logprobs=1)
-    for body, field in ((echo, "echo"), (prompt_logprobs, "prompt_logprobs")):
+def test_prompt_logprobs_and_echo_with_logprobs_are_refused_only_when_streaming():
+    """The engine reports a prompt's logprobs with a whole output: served whole, refused (by
+    name) on a stream."""
+    CompletionRequest(prompt="x", echo=True, stream=True).check_supported()  # no logprobs
+    for whole in (CompletionRequest(prompt="x", echo=True, logprobs=1),
+                  CompletionRequest(prompt="x", prompt_logprobs=1)):  # fmt: skip
+        whole.check_supported()
+    echo = CompletionRequest(prompt="x", echo=True, logprobs=1, stream=True)
+    prompt_logprobs = CompletionRequest(prompt="x", prompt_logprobs=1, stream=True)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], prompt_logprobs=0,
+                                 stream=True)  # fmt: skip
+    for body, field in ((echo, "echo"), (prompt_logprobs, "prompt_logprobs"),
+                        (chat, "prompt_logprobs")):  # fmt: skip
         with pytest.raises(APIError) as e:
             body.check_supported()
-        assert field in str(e.value.message) and e.value.param == field
+        assert "stream" in str(e.value.message) and e.value.param == field
+
+
+def test_echo_with_logprobs_asks_the_engine_for_the_prompts_logprobs():
+    """As vLLM: as many alternatives per prompt position as per output token, or the
+    request's own prompt_logprobs if larger."""
+    cases = [
+        (dict(echo=True, logprobs=3), 3),
+        (dict(echo=True, logprobs=1, prompt_logprobs=4), 4),
+        (dict(echo=True), None),
+        (dict(logprobs=3), None),
+        (dict(prompt_logprobs=0), 0),
+    ]
+    for fields, computed in cases:
+        params = CompletionRequest(prompt="x", **fields).sampling_params(4, None, 0)
+        assert params.prompt_logprobs == computed, fields
 
 
 def test_a_sampling_params_error_names_its_field():

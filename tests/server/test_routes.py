@@ -68,11 +68,14 @@ def test_tokenize_messages_applies_the_chat_template(live):
     assert usage.usage.prompt_tokens == body["count"]
 
 
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
 def test_tokenize_and_detokenize_refuse_bad_input_by_field(live):
     cases = [
         ("/tokenize", {}, None),  # neither prompt nor messages
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None),
-        ("/tokenize", {"prompt": "x", "tools": [{}]}, "tools"),
+        ("/tokenize", {"prompt": "x", "tools": [TOOL]}, None),  # tools need messages
         ("/tokenize", {"prompt": "x", "promt": "x"}, "promt"),
         ("/detokenize", {"tokens": [-1]}, "tokens.0"),
         ("/detokenize", {"tokens": [1, 10**6]}, "tokens.1"),  # outside the vocabulary
@@ -93,26 +96,25 @@ def test_tokenize_and_detokenize_refuse_bad_input_by_field(live):
 
 def test_unimplemented_and_unknown_fields_are_refused_by_name(live):
     client = _client(live)
-    for extra in ({"guided_json": {"type": "object"}}, {"structured_outputs": {"regex": "a+"}},
-                  {"guided_regex": "a+"}, {"guided_choice": ["a", "b"]},
-                  {"guided_grammar": "root ::= 'a'"}):  # fmt: skip
+    # vLLM's guided_* fields (gone from vLLM): the 400 says what replaces each
+    guided = [({"guided_json": {"type": "object"}}, '"json": SCHEMA'),
+              ({"guided_regex": "a+"}, '"regex": REGEX'),
+              ({"guided_choice": ["a", "b"]}, '"choice": [...]'),
+              ({"guided_grammar": "root ::= 'a'"}, '"grammar": GRAMMAR')]  # fmt: skip
+    for extra, replacement in guided:
         (name,) = extra
-        with pytest.raises(openai.BadRequestError, match="not supported yet") as e:
+        with pytest.raises(openai.BadRequestError, match="replaced by structured_outputs") as e:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra)
-        assert e.value.body["param"] == name
-        with pytest.raises(openai.BadRequestError, match="not supported yet"):
+        assert e.value.body["param"] == name and replacement in e.value.message
+        with pytest.raises(openai.BadRequestError, match="replaced by structured_outputs"):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                            max_tokens=2, extra_body=extra)  # fmt: skip
-    for response_format in (
-        {"type": "json_object"},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-    ):
-        with pytest.raises(openai.BadRequestError, match="not supported yet") as e:
-            client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                response_format=response_format,
-            )  # fmt: skip
-        assert e.value.body["param"] == "response_format"
+    for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                  {"tool_choice": "auto"}, {"parallel_tool_calls": False}):  # fmt: skip
+        (name,) = extra
+        with pytest.raises(openai.BadRequestError, match="chat/completions only") as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == name
     with pytest.raises(openai.BadRequestError, match="beam search is not supported") as e:
         client.completions.create(model=MODEL, prompt="x", extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="temprature: unknown field") as e:

@@ -24,6 +24,7 @@ COMMANDS = {
     "serving": [["phases"], ["sender-cost"]],
     "latency": [["prefill-silence"], ["prefix-caching"]],
     "startup_time": [[]],
+    "structured_output": [[]],
     "real_target_shapes": [[]],
     "tensor_parallel": [[]],
 }

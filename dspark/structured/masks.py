@@ -19,7 +19,7 @@ probability is 0) and no later position of the window can emit:
     position 2: all (unused)       judges "7"            (after a rejection: never read)
     position 3: all (unused)       the bonus after "7"   (never reached)
 
-The host's cost per mask is measured (`bench/structured_output_cost.py`, docs/PERFORMANCE.md).
+The host's cost per mask is measured (`bench/structured_output.py`, docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

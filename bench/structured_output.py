@@ -1,7 +1,7 @@
 """Host cost of structured output: the grammar's bitmasks per row and window position, and the
 host synchronisations a speculative step adds (docs/SPECULATION.md 4.9).
 
-    python bench/structured_output_cost.py --rows 1,8,32 --k 7 --out structured_output_cost.json
+    python bench/structured_output.py --rows 1,8,32 --k 7 --out structured_output_cost.json
 
 Masks: with the default model's tokenizer (49,152 tokens), each constraint below is walked
 along a valid output; at every prefix, M rows (matchers at different prefixes) get
@@ -23,7 +23,7 @@ on them; the acceptance does):
 
     python bench/random_smollm2.py --out rs --tokenizer TOK && \
     python bench/random_drafter.py --target rs --out rd && \
-    python bench/structured_output_cost.py --tokenizer TOK --model rs --drafter rd \
+    python bench/structured_output.py --tokenizer TOK --model rs --drafter rd \
         --device cuda --out structured_output_cost.json
 """
 

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("dspark").setLevel(logging.INFO)  # start-up facts (KV capacity) always
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"dspark: error: {e}", file=sys.stderr)
         return 2
 

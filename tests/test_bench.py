@@ -315,6 +315,31 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
     assert tpot.get_legend_handles_labels()[1] == ["plain p50", "k2 p50"]
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to"),
+        RuntimeError("Triton Error [CUDA]: out of memory"),
+    ],
+)
+def test_out_of_memory_with_several_arms_says_they_are_resident(
+    tiny_llama_dir, tmp_path, monkeypatch, error
+):
+    from dspark.benchmarks import offline_sweep
+
+    def build(config, results):
+        raise error
+
+    monkeypatch.setattr(offline_sweep, "build_llms", build)
+    arms = json.dumps({"plain": None, "k2": {"num_speculative_tokens": 2}})
+    args = _cpu_bench(tiny_llama_dir, tmp_path / "x.json", "--arms", arms)
+    with pytest.raises(MemoryError, match=r"2 arms \(plain, k2\).*separate `dspark bench` calls"):
+        args.func(args)  # (`dspark bench` prints it as "dspark: error: ...")
+    one = _cpu_bench(tiny_llama_dir, tmp_path / "y.json")  # one arm: the error as it came
+    with pytest.raises(type(error)):
+        one.func(one)
+
+
 def test_an_arm_sets_its_own_engine_options():
     from dspark.benchmarks.offline_config import split_arm
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.attention_metadata import single_prefill_metadata
+from dspark.engine.kv_cache import allocate_kv_caches
 from dspark.models.llama import build_model
 from dspark.models.loader import load_checkpoint, resolve_model
 from tests.helpers import full_logits
@@ -56,6 +58,25 @@ def test_tiny_hf_checkpoint_logits_and_hidden_states(tmp_path, smollm_hf_tokeniz
                                rtol=1e-4)  # fmt: skip
     torch.testing.assert_close(last, ref.hidden_states[2][0], atol=1e-4, rtol=1e-4)
     assert out.hidden_states[0].data_ptr() == out.features[:, HIDDEN:].data_ptr()
+
+
+def test_logits_go_into_a_given_buffer(tmp_path, smollm_hf_tokenizer):
+    # a captured graph set's shared logits (runner/cuda_graph.graph_logits): a bfloat16 model
+    # writes float32 logits into the buffer's first rows, the same values as its own tensor
+    d = make_tiny_llama(tmp_path / "llama", smollm_hf_tokenizer, "llama")
+    config, weights = load_checkpoint(resolve_model(str(d)))
+    model = build_model(config, weights, torch.bfloat16, torch.device("cpu"))
+    ids = smollm_hf_tokenizer.encode("The quick brown fox")
+    own = full_logits(model, ids, page_size=4).logits
+    buffer = torch.full((len(ids) + 3, config.vocab_size), float("nan"))
+    kv = allocate_kv_caches(config, 3, 4, torch.bfloat16, torch.device("cpu"))
+    attn = single_prefill_metadata(len(ids), 4, torch.device("cpu"))
+    with torch.no_grad():
+        out = model(torch.tensor(ids), torch.arange(len(ids)), attn, kv, logits_out=buffer)
+    assert own.dtype == out.logits.dtype == torch.float32
+    assert out.logits.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[: len(ids)], own, atol=0, rtol=0)
+    assert buffer[len(ids) :].isnan().all()  # (the rows past the step's are not written)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,11 @@ HF ratios compare against it. Without --arms there is one arm, --speculative-con
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import torch
@@ -134,7 +136,8 @@ def run_offline_bench(
         "dir": str(prompts_dir) if prompts_dir else None,
         "num_loaded": len(conversations),
     }
-    llms = build_llms(config, results) if config.use_dspark else {}
+    with resident_arms_hint(config):
+        llms = build_llms(config, results) if config.use_dspark else {}
     tokenizer = (
         next(iter(llms.values())).get_tokenizer()
         if llms
@@ -148,7 +151,8 @@ def run_offline_bench(
     if llms:
         # the warm-up takes the list's last prompts, so it never pre-runs a measured one
         warmup = render(tokenizer, conversations[-WARMUP_REQUESTS:], config.max_prompt_len)
-        record_arms(results, config, run_arms_sweep(llms, config, batches, warmup))
+        with resident_arms_hint(config):
+            record_arms(results, config, run_arms_sweep(llms, config, batches, warmup))
         del llms  # the peer gets the whole device
         release_memory()
     if config.use_hf:
@@ -161,6 +165,23 @@ def run_offline_bench(
     if (overhead := format_overhead_table(results)) is not None:
         print(overhead)
     return results
+
+
+@contextlib.contextmanager
+def resident_arms_hint(config: BenchConfig) -> Iterator[None]:
+    """Out of device memory with several arms: say that every arm's engine is resident at once
+    (Qwen3-8B's weights alone are 16 GB an arm) and what to do instead."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        arms = config.arm_configs()
+        if len(arms) < 2 or "out of memory" not in str(e):
+            raise
+        raise MemoryError(
+            f"out of device memory with {len(arms)} arms ({', '.join(arms)}): every arm's engine "
+            "(weights, KV cache, graphs) is resident at once; run the arms in separate "
+            "`dspark bench` calls, or give each a smaller --kv-cache-memory-gb"
+        ) from e
 
 
 def record_arms(results: dict, config: BenchConfig, sweeps: dict[str, dict]) -> None:

@@ -26,9 +26,8 @@ logger = logging.getLogger(__name__)
 
 # sampler temporaries per sampled row: logits, probs, sorted logits, uniforms (float32 x vocab)
 SAMPLER_BUFFERS = 6
-# what the captured speculative steps keep in the graphs' pool per verified position, in float32
-# rows of the vocabulary: each graph's outputs (its logits) and the sampled step's temporaries
-# (sampler_bytes)
+# what the captured speculative steps keep per verified position, in float32 rows of the
+# vocabulary: the graphs' pool and their shared logits (sampler_bytes)
 GRAPH_POOL_BUFFERS = 13
 # ... and for each captured tail size past the first (speculative_config["mixed_prefill_tokens"]
 # as a list): the mixed step's three sampling modes, ~2 rows each
@@ -118,16 +117,19 @@ def sampler_bytes(
       (one softmax over those 4,096 rows is 768 MiB; without this reserve a sampled verify at
       G = 512 ran out of memory on the H200)
 
-    With speculative graphs (spec_graphs), GRAPH_POOL_BUFFERS rows more per position: the
-    graphs share one pool, captured largest first, and every graph's outputs stay live in it,
-    among them its logits, [8 G, V] float32 for a step of G windows (K = 7). The ladder's sizes
-    halve, so each graph a size holds about 2 x 4 B per verified position of the largest G and
-    vocabulary entry; each later cell's eager run before its capture needs the sampler's
-    temporaries again beside the pool. On an H100 (80 GB), max_num_seqs 256 and K = 7, five
-    graphs a size (the full block in three sampling modes, the mixed step in two) held
-    3.96 GiB (~42 B per position and entry) when the next cell's eager run failed to find
-    1.13 GiB, with only the first reserve made. With the mixed step captured in three modes
-    too, six graphs a size: ~48 B or 12 rows, and one row of slack:
+    With speculative graphs (spec_graphs), GRAPH_POOL_BUFFERS rows more per position, sized
+    when every graph kept its own logits live in the graphs' one pool, [8 G, V] float32 for a
+    step of G windows (K = 7). The ladder's sizes halve, so each graph a size held about
+    2 x 4 B per verified position of the largest G and vocabulary entry; each later cell's
+    eager run before its capture needs the sampler's temporaries again beside the pool. On an
+    H100 (80 GB), max_num_seqs 256 and K = 7, five graphs a size (the full block in three
+    sampling modes, the mixed step in two) held 3.96 GiB (~42 B per position and entry) when
+    the next cell's eager run failed to find 1.13 GiB, with only the first reserve made. With
+    the mixed step captured in three modes too, six graphs a size: ~48 B or 12 rows, and one
+    row of slack. The graphs now write one shared logits buffer (runner/cuda_graph.py,
+    graph_logits), so the pool holds one capture's temporaries and this reserve is larger
+    than they need; it stays until the pool the capture logs ("captured ... (pool X GiB)") is
+    measured on a GPU with a large vocabulary:
 
       max_num_seqs 256, K 7, vocab 49,152, graphs: (6 + 13) x 256 x 8 x 49,152 x 4 B = 7.1 GiB
 

@@ -161,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,  # [N] rows of T to score; None: all
         hidden_layers: tuple[int, ...] = (),
         lm_head: bool = True,  # False: final_hidden instead of logits (drafter training)
+        logits_out: torch.Tensor | None = None,  # [>= N, vocab] float32: logits go to its rows
     ) -> ModelOutput:
         x = self.embed_tokens(input_ids)  # [T, d]
         features, hidden_states = self._tap_buffers(x, hidden_layers)
@@ -177,7 +178,11 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(x, residual)
         if not lm_head:
             return ModelOutput(None, hidden_states, features, final_hidden=h)
-        logits = self.lm_head(h).float()  # [N, vocab]
+        logits = self.lm_head(h)  # [N, vocab]
+        if logits_out is None:
+            logits = logits.float()
+        else:  # (a captured graph set's one output buffer: runner/cuda_graph.py)
+            logits = logits_out[: logits.shape[0]].copy_(logits)
         return ModelOutput(logits, hidden_states, features)
 
     def _tap_buffers(

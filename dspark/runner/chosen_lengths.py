@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.runner.spec_graphs import trimmed_layout
 from dspark.spec.ragged import FullWidthWindows, TrimmedCell
@@ -54,6 +56,7 @@ def trimmed_target(
     run_model: Callable,  # (layout, hidden_layers) -> ModelOutput
     num_rows: int,
     num_tokens: int,
+    logits_out: torch.Tensor | None = None,  # the graph set's logits (captured steps)
 ) -> tuple[TargetStep, TrimmedCell]:
     """The target of num_rows full-width windows cut to num_tokens tokens: drafts go into the
     full-width ids, the target reads the compacted ones."""
@@ -65,7 +68,7 @@ def trimmed_target(
     )  # fmt: skip
     layout = trimmed_layout(num_rows, num_tokens, width)
     target = TargetStep(
-        run=lambda: run_model(layout, spec.taps),
+        run=lambda: run_model(layout, spec.taps, logits_out),
         input_ids=b.input_ids[:t],
         positions=b.positions[:num_tokens],
         slot_mapping=b.slot_mapping[:num_tokens],

@@ -2,8 +2,9 @@
 
 Captured at start-up, largest first, sharing one memory pool; never captured on the fly. A live
 decode batch of B rows replays the smallest G >= B, with rows B..G-1 as pad rows on the scratch
-page (InputBuffers.write_pad_rows). Inputs are the persistent InputBuffers; the output is each
-graph's own logits tensor [G, vocab], valid until the next replay.
+page (InputBuffers.write_pad_rows). Inputs are the persistent InputBuffers; the output is the
+first rows of one logits buffer [rows of the largest graph, vocab] that every graph of the set
+writes (graph_logits), valid until the next replay of any of them.
 
 With a tail size P, each G also gets a mixed graph (G, P): G decode rows, then a tail of prefill
 chunks of up to P tokens in all (requests admitted while the others decode). It is the layout
@@ -50,6 +51,27 @@ def capture_stream() -> torch.cuda.Stream:
     set keeps each set's workspace its own; with it that error did not recur.
     """
     return torch.cuda.Stream()
+
+
+def graph_logits(num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The one float32 logits buffer [rows of the set's largest step, vocab] that every graph of
+    a set writes its logits into (its first rows).
+
+    A graph keeps its outputs at fixed addresses. Kept per graph, the logits alone would hold a
+    float32 vocabulary row per scored position in every graph: for Qwen3-8B's 151,936 entries,
+    256 windows of K + 1 = 8 positions are 1.2 GB a graph, and the speculative set's three
+    sampling modes, mixed steps and smaller sizes held 16.2 GB, so the K = 7 capture ran out of
+    memory on an 80 GB H100 (docs/PERFORMANCE.md, Real targets). Graphs of a set never replay
+    at once, and whatever reads a step's logits is queued behind that step, before the next
+    replay: one buffer serves them all. It lives outside the graphs' pool, which then holds one
+    capture's temporaries (reused by the next capture) and each graph's small outputs."""
+    return torch.empty(num_rows, vocab_size, device=device)
+
+
+def pool_gb(device: torch.device) -> float:
+    """Memory the caching allocator holds now (graph pools included), in GiB: read before and
+    after a graph set's capture, the set's own share."""
+    return torch.cuda.memory_reserved(device) / 2**30
 
 
 def captured(run: Callable, args: tuple, pool, stream: torch.cuda.Stream):
@@ -100,9 +122,10 @@ def decode_layout(num_rows: int) -> StepLayout:
 class DecodeGraphs:
     def __init__(
         self,
-        forward: Callable[[StepLayout], torch.Tensor],  # runs the model on the buffers
+        forward: Callable[..., torch.Tensor],  # (layout, logits_out): the model on the buffers
         buffers: InputBuffers,
         sizes: list[int],
+        vocab_size: int,
         tail_tokens: int = 0,  # P of the mixed graphs (0: none)
     ) -> None:
         self.buffers = buffers
@@ -110,12 +133,15 @@ class DecodeGraphs:
         self.tail_tokens = tail_tokens
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (G, P; 0: no tail)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        tail_rows = graph_tail_rows(tail_tokens) if tail_tokens else 0
+        self.logits = graph_logits(self.sizes[-1] + tail_rows, vocab_size, buffers.device)
         self._capture(forward)
 
     @torch.inference_mode()
-    def _capture(self, forward: Callable[[StepLayout], torch.Tensor]) -> None:
+    def _capture(self, forward: Callable[..., torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream()
+        before = pool_gb(self.buffers.device)
         tails = (self.tail_tokens, 0) if self.tail_tokens else (0,)
         with no_garbage_collection():
             for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
@@ -127,13 +153,16 @@ class DecodeGraphs:
                         self.buffers.write_pad_rows(0, 0, g)
                         self.buffers.np("logits_indices")[:g] = range(g)
                     self.buffers.upload(layout)
+                    logits = self.logits[: layout.num_logits]
                     self._graphs[g, tail], self._outputs[g, tail] = captured(
-                        forward, (layout,), pool, stream
+                        forward, (layout, logits), pool, stream
                     )
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs: %s%s", len(self._graphs), self.sizes,
+        logger.info("captured %d decode CUDA graphs: %s%s (pool %.2f GiB)",
+                    len(self._graphs), self.sizes,
                     f", with and without a tail of {self.tail_tokens} prefill tokens"
-                    if self.tail_tokens else "")  # fmt: skip
+                    if self.tail_tokens else "",
+                    pool_gb(self.buffers.device) - before)  # fmt: skip
 
     def output(self, size: int, tail: int = 0) -> torch.Tensor:  # [G (+ R with a tail), vocab]
         """The logits graph (size, tail) writes on every replay (a fixed address)."""

@@ -63,17 +63,24 @@ class ModelForward:
     ) -> None:
         self.model, self.kv_caches, self.buffers, self.spec = model, kv_caches, buffers, spec
 
-    def __call__(self, layout: StepLayout) -> torch.Tensor:  # [N, vocab]
+    def __call__(
+        self, layout: StepLayout, logits_out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [N, vocab]
         """A plain step's logits; with speculation, its tokens also join the drafter's context
         (pad rows write to the scratch page)."""
         if self.spec is None:
-            return self.run_model(layout).logits
-        out = self.run_model(layout, self.spec.taps)
+            return self.run_model(layout, (), logits_out).logits
+        out = self.run_model(layout, self.spec.taps, logits_out)
         b, t = self.buffers, layout.num_tokens
         self.spec.append_context(out.features, b.positions[:t], b.slot_mapping[:t])
         return out.logits
 
-    def run_model(self, layout: StepLayout, hidden_layers: tuple[int, ...] = ()):
+    def run_model(
+        self,
+        layout: StepLayout,
+        hidden_layers: tuple[int, ...] = (),
+        logits_out: torch.Tensor | None = None,  # a graph set's shared logits (cuda_graph.py)
+    ):
         b = self.buffers
         return self.model(
             b.input_ids[: layout.num_tokens],
@@ -82,6 +89,7 @@ class ModelForward:
             self.kv_caches,
             b.logits_indices[: layout.num_logits],
             hidden_layers,
+            logits_out=logits_out,
         )
 
 
@@ -159,7 +167,7 @@ class ModelRunner:
                                " buffers: steps that admit run eagerly", max(graph_sizes),
                                tail, self.buffers.input_ids.shape[0])  # fmt: skip
                 tail = 0
-            graphs = DecodeGraphs(self._forward, self.buffers, graph_sizes, tail)
+            graphs = DecodeGraphs(self._forward, self.buffers, graph_sizes, self.vocab_size, tail)
             if sampled_decode_graphs_enabled():  # (off under DSPARK_REFERENCE_OPS)
                 self.sampled_graphs = SampledDecodeGraphs(graphs, self.sampling_rows)
         # staging owns the ladder and the decode graphs (it picks the graph a step fits; launch

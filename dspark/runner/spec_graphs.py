@@ -20,7 +20,8 @@ while others draft.)
 Trimmed cells (G, V) (spec/ragged.py) are captured beside each G's full block, in every
 sampling mode: the same staged inputs, cut on the device to V target tokens after drafting.
 
-Captured at start-up, largest first, sharing one memory pool, like the decode graphs.
+Captured at start-up, largest first, sharing one memory pool and one logits buffer (its first
+rows: cuda_graph.graph_logits), like the decode graphs.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.runner.cuda_graph import capture_stream, captured, no_garbage_collection
+from dspark.runner.cuda_graph import capture_stream, captured, no_garbage_collection, pool_gb
 from dspark.runner.input_buffers import StepLayout
 from dspark.spec.spec_buffers import FILTERED, GREEDY, TEMPERATURE, SamplingMode
 from dspark.spec.spec_decoder import SpecStepOutput
@@ -103,6 +104,7 @@ class SpecGraphs:
     def _capture(self, step, prepare) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream()
+        before = pool_gb(torch.device("cuda"))
         with no_garbage_collection():
             for g in reversed(self.sizes):
                 for key in self._keys(g):
@@ -113,9 +115,10 @@ class SpecGraphs:
                     )
         torch.cuda.synchronize()
         logger.info("captured %d speculative CUDA graphs: sizes %s x %d sampling modes, mixed "
-                    "steps with tails of %s tokens, trimmed cells %s", len(self._graphs),
-                    self.sizes, len(self.modes), list(self.tails),
-                    {g: list(v) for g, v in self.trimmed.items()})  # fmt: skip
+                    "steps with tails of %s tokens, trimmed cells %s (pool %.2f GiB)",
+                    len(self._graphs), self.sizes, len(self.modes), list(self.tails),
+                    {g: list(v) for g, v in self.trimmed.items()},
+                    pool_gb(torch.device("cuda")) - before)  # fmt: skip
 
     def replay(
         self, size: int, mode: SamplingMode, tail: int = 0, trimmed: int | None = None

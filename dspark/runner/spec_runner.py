@@ -36,6 +36,7 @@ import torch
 from dspark.request import TokenLogprobs
 from dspark.runner.chosen_lengths import trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
+from dspark.runner.cuda_graph import graph_logits
 from dspark.runner.grammar_masks import GrammarMasks
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
@@ -97,7 +98,10 @@ class SpecRunner:
             self.trimmed_widths = ()
         trimmed = {g: tuple(g * w for w in self.trimmed_widths) for g in sizes}
         self.graphs = None
+        self.graph_logits: torch.Tensor | None = None  # every captured step's logits rows
         if sizes:
+            rows = max(sizes) * width + (graph_tail_rows(max(tails)) if tails else 0)
+            self.graph_logits = graph_logits(rows, vocab_size, self.device)
             self.graphs = SpecGraphs(self._graph_step, self._prepare_graph, sizes, tails,
                                      trimmed=trimmed)  # fmt: skip
         # lay steps of windows out K + 1 wide (on with graphs; a test turns it on eagerly)
@@ -319,10 +323,15 @@ class SpecRunner:
             write_continuations(b, sb, rows, next_pos[src], next_tok[src], limits, width)
         self.stats["continuation_windows"] += len(limits)
 
-    def _target_step(self, layout: StepLayout, block_table: torch.Tensor) -> TargetStep:
+    def _target_step(
+        self,
+        layout: StepLayout,
+        block_table: torch.Tensor,
+        logits_out: torch.Tensor | None = None,  # the graph set's logits (captured steps)
+    ) -> TargetStep:
         b, t = self.buffers, layout.num_tokens
         return TargetStep(
-            run=lambda: self.run_model(layout, self.spec.taps),
+            run=lambda: self.run_model(layout, self.spec.taps, logits_out),
             input_ids=b.input_ids[:t],
             positions=b.positions[:t],
             slot_mapping=b.slot_mapping[:t],
@@ -453,13 +462,19 @@ class SpecRunner:
         self, size: int, tail: int, trimmed: int | None, mode: SamplingMode
     ) -> SpecStepOutput:
         width = 1 + self.spec.num_verify
+
+        def logits(n: int) -> torch.Tensor | None:  # the set's buffer (cuda_graph.py)
+            return None if self.graph_logits is None else self.graph_logits[:n]
+
         if trimmed is not None:
-            target, cell = self._trimmed_step(size, trimmed)
+            target, cell = trimmed_target(self.buffers, self.spec, self.run_model, size, trimmed,
+                                          logits(trimmed))  # fmt: skip
             return self.spec.step(size, mode, target, None, cell)
         if tail:  # a mixed step: the windows' logits come first
             layout = capture_layout(size, width, tail, graph_tail_rows(tail))
             index = slice(0, size * width)
         else:
             layout, index = window_layout(size, width), None
-        return self.spec.step(size, mode, self._target_step(layout, self.buffers.block_table),
-                              index)  # fmt: skip
+        target = self._target_step(layout, self.buffers.block_table,
+                                   logits(layout.num_logits))  # fmt: skip
+        return self.spec.step(size, mode, target, index)

@@ -87,10 +87,14 @@ def test_the_captured_step_function_runs_eagerly_on_pad_windows(tiny_vocab_dir, 
     runner = llm.engine.runner
     caches = runner.kv_caches + runner.spec.kv_caches  # [2, pages, page_size, nkv, hd] each
     before = [kv[:, 1:].clone() for kv in caches]  # every page but the scratch page
-    for mode, trimmed in itertools.product((GREEDY, FILTERED), (None, 4 * 2)):
+    shared = torch.empty(4 * (DRAFT_LEN + 1), runner.vocab_size)  # the set's logits on a GPU
+    cases = itertools.product((GREEDY, FILTERED), (None, 4 * 2), (None, shared))
+    for mode, trimmed, logits in cases:
+        runner.spec_runner.graph_logits = logits
         runner.spec_runner._prepare_graph(4)
         out = runner.spec_runner._graph_step(4, 0, trimmed, mode)
-        assert out.logits.shape[0] == trimmed or 4 * (DRAFT_LEN + 1)
+        assert out.logits.shape[0] == (trimmed or 4 * (DRAFT_LEN + 1))
+        assert (out.logits.data_ptr() == shared.data_ptr()) == (logits is not None)
         assert out.tokens.shape == (4, DRAFT_LEN + 1) and out.num_accepted.shape == (4,)
         assert ((0 <= out.num_accepted) & (out.num_accepted <= DRAFT_LEN)).all()
         if trimmed:  # a trimmed cell of pad windows: no candidate, every row verifies none

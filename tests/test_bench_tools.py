@@ -94,3 +94,36 @@ def test_random_models_write_a_target_and_drafters_for_it(tmp_path):
     random_models.main(["drafter", "--target", str(target), "--out", str(tmp_path / "d")])
     config = DrafterConfig.from_dict(json.loads((tmp_path / "d" / "config.json").read_text()))
     assert config.draft_len == 7 and config.target_layers == (1, 3)  # taps within 4 layers
+
+
+def test_prefix_caching_ttft_counts_equal_replies_and_fails_on_a_difference_in_float32(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    latency = bench_module("latency")
+    out = tmp_path / "ttft.json"
+    argv = ["prefix-caching", "--model", str(tiny_llama_dir), "--device", "cpu", "--turns", "3",
+            "--user-words", "20", "--max-tokens", "6", "--repeats", "2", "--max-model-len", "512",
+            "--out", str(out)]  # fmt: skip
+    latency.main(argv)
+    result = json.loads(out.read_text())
+    assert result["equal_replies"] == result["replies"] == 6
+    assert result["on"]["prompt_tokens"] == result["off"]["prompt_tokens"]
+    assert result["on"]["prefix_cache_hits"] > 0
+    run_arm = latency.run_arm
+
+    def one_reply_differs(args, caching, history=None):  # (as half precision may do)
+        arm = run_arm(args, caching, history)
+        if caching:
+            arm["replies"][1][0][2] += 1
+        return arm
+
+    monkeypatch.setattr(latency, "run_arm", one_reply_differs)
+    with pytest.raises(SystemExit, match="1 of 6 replies differ with caching on"):
+        latency.main(argv)  # float32 on the CPU: outputs must be equal
+    result = json.loads(out.read_text())  # written before failing
+    assert result["equal_replies"] == 5
+    diffs = [row["first_difference"] for row in result["turns"]]
+    assert diffs == [[None, None], [2, None], [None, None]]
+    # the conversations continued on the caching-off arm's replies: the same prompts
+    assert result["on"]["prompt_tokens"] == result["off"]["prompt_tokens"]
+    latency.main([*argv, "--no-require-equal"])

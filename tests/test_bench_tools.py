@@ -16,7 +16,7 @@ from tests.helpers import bench_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 COMMANDS = {
-    "kernels": [["attention"], ["fused-ops"]],
+    "kernel_timing": [["attention"], ["fused-ops"]],
     "step_profile": [["plain"], ["spec"]],
     "policy": [["trace"], ["replay"], ["host-cost"]],
     "random_models": [["smollm2"], ["drafter"], ["qwen3"]],
@@ -43,7 +43,7 @@ def test_every_command_parses_its_help(script, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCH))  # (scripts import their neighbours)
     module = bench_module(script)
     for command in COMMANDS[script]:
-        argv = ["--help"] if script == "kernels" else [*command, "--help"]  # (one parser)
+        argv = ["--help"] if script == "kernel_timing" else [*command, "--help"]  # (one parser)
         monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
         with pytest.raises(SystemExit) as exit_:
             module.main()
@@ -55,7 +55,7 @@ def test_every_command_parses_its_help(script, monkeypatch, capsys):
 def test_kernel_benchmarks_run_on_the_interpreter(which, tmp_path):
     """In a process of its own: --smoke sets TRITON_INTERPRET before the kernels are imported."""
     out = tmp_path / "smoke.json"
-    done = subprocess.run([sys.executable, str(BENCH / "kernels.py"), which, "--smoke",
+    done = subprocess.run([sys.executable, str(BENCH / "kernel_timing.py"), which, "--smoke",
                            "--out", str(out)], capture_output=True, text=True,
                           cwd=BENCH.parent, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr

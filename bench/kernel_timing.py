@@ -1,9 +1,10 @@
 """Kernel micro-benchmarks at SmolLM2-135M's shapes: each Triton kernel against the code it
-replaces.
+replaces. (Not named kernels.py: a script's folder comes first on sys.path, and transformers
+imports the Hugging Face `kernels` package where it is installed.)
 
-    python bench/kernels.py attention --out kernels_attention.json
-    python bench/kernels.py fused-ops --out kernels_fused_ops.json
-    python bench/kernels.py attention --smoke --out smoke.json   # CPU, interpreter, tiny
+    python bench/kernel_timing.py attention --out kernels_attention.json
+    python bench/kernel_timing.py fused-ops --out kernels_fused_ops.json
+    python bench/kernel_timing.py attention --smoke --out smoke.json   # CPU, interpreter, tiny
 
 attention  ragged paged attention (9 heads, 3 kv heads, head_dim 64, bf16, page size 16): the
            Triton kernel against the PyTorch reference, and against torch SDPA on a dense

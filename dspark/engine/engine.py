@@ -42,10 +42,12 @@ in-flight step is finished before it is scheduled.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
 import weakref
+from collections.abc import Iterator
 
 from dspark.config import EngineConfig
 from dspark.distributed.launch import Workers, join_as_worker, rank_device, start_workers
@@ -110,120 +112,125 @@ class LLMEngine:
         self._workers: Workers | None = None
         if tp is None and config.tensor_parallel_size > 1:
             tp, self._workers = start_workers(config, config.torch_device(), run_worker)
-        self.tp = tp
-        self.device = rank_device(config.torch_device(), tp.rank) if tp else config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
-        self.model_config = model_config
-        self.tokenizer: Tokenizer = load_tokenizer(source)
-        backend = config.attention_backend_for(self.device)
-        self.model: LlamaForCausalLM = build_model(
-            model_config, weights, self.dtype, self.device, backend, tp
-        )
-        del weights
-        drafter_dir, target_hash = resolve_drafter(config, source)
-        use_graphs = config.use_cuda_graphs and self.device.type == "cuda" and backend == "triton"
-        self.kv_plan = plan_kv(
-            config, self.model, self.dtype, self.device, drafter_layers(drafter_dir),
-            verified_positions(drafter_dir), spec_graphs=use_graphs and drafter_dir is not None,
-            num_tails=len(tail_sizes(config.spec())) if drafter_dir is not None else 1, tp=tp,
-        )  # fmt: skip
-        self.max_model_len = self.kv_plan.max_model_len
-        kv_caches = allocate_kv_caches(  # (this rank's KV heads: the shard's config)
-            self.model.config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
-        )
-        self.allocator = PageAllocator(self.kv_plan.num_pages)
-        # prefix caching: pages keyed by the drafter too, whose context they carry
-        # (engine/prefix_cache.py); None: off
-        self.prefix_cache = None
-        if config.enable_prefix_caching:
-            drafter_key = checkpoint_hash(ModelSource(drafter_dir)) if drafter_dir else ""
-            self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
-        self.spec = build_spec(
-            config, self.model, self.model.config, self.kv_plan.num_pages, self.dtype, self.device,
-            drafter_dir, target_hash, backend, synthetic,
-        )  # fmt: skip
-        if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
-            logger.warning("CUDA graphs need the triton attention backend: running eagerly")
-        self.runner = ModelRunner(
-            self.model,
-            kv_caches,
-            config.page_size,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            self.max_model_len,
-            self.device,
-            graph_ladder(config.max_num_seqs) if use_graphs else None,
-            spec=self.spec,
-            mixed_tails=tail_sizes(config.spec()) if self.spec else (),
-            decode_tail_tokens=config.mixed_prefill_tokens,
-            trimmed_widths=config.spec().trimmed_widths if self.spec else (),
-        )
-        if self.device.type == "cuda":  # a step's Triton compiles, counted and logged
-            COMPILE_WATCH.install()
-        spec_runner = self.runner.spec_runner
-        self.scheduler = Scheduler(
-            self.allocator,
-            config.page_size,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            draft_len=self.spec.draft_len if self.spec else 0,
-            max_verify=self.spec.num_verify if self.spec else 0,
-            # the captured mixed steps' tails: prefill beside windows or decode rows that
-            # keeps the step's graph
-            mixed_limits=spec_runner.mixed_limits if spec_runner is not None else None,
-            decode_mixed_limits=self.runner.decode_mixed_limits,
-            prefix_cache=self.prefix_cache,
-        )
-        self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
-        self.stats_log = StatsLogger(config.log_stats_interval_s)
-        self.eos_token_id = (
-            model_config.eos_token_ids[0]
-            if model_config.eos_token_ids
-            else self.tokenizer.eos_token_id
-        )
-        # structured output's grammars, compiled once per constraint for this tokenizer
-        eos_ids = model_config.eos_token_ids or (self.eos_token_id,)
-        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size,
-                                        [t for t in eos_ids if t is not None])  # fmt: skip
-        self._seed_rng = random.Random(config.seed)
-        self._requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, Detokenizer] = {}
-        self._cursors: dict[str, DeltaCursor] = {}  # the delta requests' (engine/delta.py)
-        self._aborted: list[Request] = []
-        self.async_scheduling = config.async_scheduling
-        self._in_flight: InFlightStep | None = None
-        self._step_periods = StepPeriods()  # which step periods are realised costs
-        self._last_arrivals = False  # the last decided step admitted or prefilled (realised costs)
-        # tensor parallelism (engine/tp_steps.py): rank 0's changes since the last header, in
-        # order: ("add", Request fields) | ("abort", id); a worker follows rank 0's steps
-        self._tp_steps = TPSteps(tp) if tp is not None else None
-        self._is_follower = tp is not None and not tp.is_driver
-        self._tp_changes: list[tuple] = []
-        self._stopped = False  # (a worker told to stop)
-        if self._workers is not None:
-            self._stop_workers = weakref.finalize(self, _stop_workers, self._tp_steps,
-                                                  self._workers)  # fmt: skip
-        # last: a start-up profile (engine/startup_profile.py) steps this engine, undecided
-        self.policy, self.policy_trace = None, None
-        self.policy, self.scheduling_status = build_policy(
-            config, self.spec, spec_runner, drafter_dir, self.cost_fingerprint,
-            measure=lambda: (
-                measure_at_startup(self)
-                if self.tp is None
-                else (None, "not with tensor parallelism (run `dspark profile -tp N`)")
-            ),
-        )  # fmt: skip
-        self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)  # (DSPARK_POLICY_TRACE)
-        logger.info(
-            "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
-            source.path,
-            self.device,
-            str(self.dtype).removeprefix("torch."),
-            self.kv_plan.num_pages - 1,
-            config.page_size,
-            self.max_model_len,
-        )
+        with _workers_stopped_on_error(self._workers):  # (no rank left running, no group)
+            self.tp = tp
+            device = config.torch_device()
+            self.device = rank_device(device, tp.rank) if tp else device
+            self.dtype = config.torch_dtype(self.device)
+            self.model_config = model_config
+            self.tokenizer: Tokenizer = load_tokenizer(source)
+            backend = config.attention_backend_for(self.device)
+            self.model: LlamaForCausalLM = build_model(
+                model_config, weights, self.dtype, self.device, backend, tp
+            )
+            del weights
+            drafter_dir, target_hash = resolve_drafter(config, source)
+            on_cuda = self.device.type == "cuda"
+            use_graphs = config.use_cuda_graphs and on_cuda and backend == "triton"
+            self.kv_plan = plan_kv(
+                config, self.model, self.dtype, self.device, drafter_layers(drafter_dir),
+                verified_positions(drafter_dir), spec_graphs=use_graphs and drafter_dir is not None,
+                num_tails=len(tail_sizes(config.spec())) if drafter_dir is not None else 1, tp=tp,
+            )  # fmt: skip
+            self.max_model_len = self.kv_plan.max_model_len
+            kv_caches = allocate_kv_caches(  # (this rank's KV heads: the shard's config)
+                self.model.config, self.kv_plan.num_pages, config.page_size, self.dtype, self.device
+            )
+            self.allocator = PageAllocator(self.kv_plan.num_pages)
+            # prefix caching: pages keyed by the drafter too, whose context they carry
+            # (engine/prefix_cache.py); None: off
+            self.prefix_cache = None
+            if config.enable_prefix_caching:
+                drafter_key = checkpoint_hash(ModelSource(drafter_dir)) if drafter_dir else ""
+                self.prefix_cache = PrefixCache(self.allocator, config.page_size, drafter_key)
+            self.spec = build_spec(
+                config, self.model, self.model.config, self.kv_plan.num_pages, self.dtype,
+                self.device, drafter_dir, target_hash, backend, synthetic,
+            )  # fmt: skip
+            if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
+                logger.warning("CUDA graphs need the triton attention backend: running eagerly")
+            self.runner = ModelRunner(
+                self.model,
+                kv_caches,
+                config.page_size,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                self.max_model_len,
+                self.device,
+                graph_ladder(config.max_num_seqs) if use_graphs else None,
+                spec=self.spec,
+                mixed_tails=tail_sizes(config.spec()) if self.spec else (),
+                decode_tail_tokens=config.mixed_prefill_tokens,
+                trimmed_widths=config.spec().trimmed_widths if self.spec else (),
+            )
+            if self.device.type == "cuda":  # a step's Triton compiles, counted and logged
+                COMPILE_WATCH.install()
+            spec_runner = self.runner.spec_runner
+            self.scheduler = Scheduler(
+                self.allocator,
+                config.page_size,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                draft_len=self.spec.draft_len if self.spec else 0,
+                max_verify=self.spec.num_verify if self.spec else 0,
+                # the captured mixed steps' tails: prefill beside windows or decode rows that
+                # keeps the step's graph
+                mixed_limits=spec_runner.mixed_limits if spec_runner is not None else None,
+                decode_mixed_limits=self.runner.decode_mixed_limits,
+                prefix_cache=self.prefix_cache,
+            )
+            self.drafter_dir, self._target_hash = drafter_dir, target_hash  # (None: no drafter)
+            self.stats_log = StatsLogger(config.log_stats_interval_s)
+            self.eos_token_id = (
+                model_config.eos_token_ids[0]
+                if model_config.eos_token_ids
+                else self.tokenizer.eos_token_id
+            )
+            # structured output's grammars, compiled once per constraint for this tokenizer
+            eos_ids = model_config.eos_token_ids or (self.eos_token_id,)
+            self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size,
+                                            [t for t in eos_ids if t is not None])  # fmt: skip
+            self._seed_rng = random.Random(config.seed)
+            self._requests: dict[str, Request] = {}
+            self._detokenizers: dict[str, Detokenizer] = {}
+            self._cursors: dict[str, DeltaCursor] = {}  # the delta requests' (engine/delta.py)
+            self._aborted: list[Request] = []
+            self.async_scheduling = config.async_scheduling
+            self._in_flight: InFlightStep | None = None
+            self._step_periods = StepPeriods()  # which step periods are realised costs
+            # the last decided step admitted or prefilled (realised costs)
+            self._last_arrivals = False
+            # tensor parallelism (engine/tp_steps.py): rank 0's changes since the last header, in
+            # order: ("add", Request fields) | ("abort", id); a worker follows rank 0's steps
+            self._tp_steps = TPSteps(tp) if tp is not None else None
+            self._is_follower = tp is not None and not tp.is_driver
+            self._tp_changes: list[tuple] = []
+            self._stopped = False  # (a worker told to stop)
+            if self._workers is not None:
+                self._stop_workers = weakref.finalize(self, _stop_workers, self._tp_steps,
+                                                      self._workers)  # fmt: skip
+            # last: a start-up profile (engine/startup_profile.py) steps this engine, undecided
+            self.policy, self.policy_trace = None, None
+            self.policy, self.scheduling_status = build_policy(
+                config, self.spec, spec_runner, drafter_dir, self.cost_fingerprint,
+                measure=lambda: (
+                    measure_at_startup(self)
+                    if self.tp is None
+                    else (None, "not with tensor parallelism (run `dspark profile -tp N`)")
+                ),
+            )  # fmt: skip
+            # (DSPARK_POLICY_TRACE)
+            self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)
+            logger.info(
+                "dspark engine: %s on %s (%s), KV cache %d pages x %d tokens, max_model_len %d",
+                source.path,
+                self.device,
+                str(self.dtype).removeprefix("torch."),
+                self.kv_plan.num_pages - 1,
+                config.page_size,
+                self.max_model_len,
+            )
 
     def cost_fingerprint(self) -> dict:
         """What a cost table measured on this engine must record (docs/SPECULATION.md 6)."""
@@ -600,6 +607,20 @@ class LLMEngine:
 def _has_stop_strings(emitted: list) -> bool:
     """Whether an update's requests detokenize for stops (decided alike on every rank)."""
     return any(req.sampling_params.stop_strings for req, _, _ in emitted)
+
+
+@contextlib.contextmanager
+def _workers_stopped_on_error(workers: Workers | None) -> Iterator[None]:
+    """Rank 0's construction failed after it started the workers (a drafter for another
+    target, no memory for the KV cache): stop them and leave the group, so that the error is
+    all that remains and a later engine in this process can start its own."""
+    try:
+        yield
+    except BaseException:
+        if workers is not None:
+            workers.stop()  # (they fail alike, or are killed after JOIN_TIMEOUT_S)
+            destroy_tensor_parallel()
+        raise
 
 
 def _stop_workers(steps: TPSteps, workers: Workers) -> None:

@@ -65,7 +65,7 @@ def deepspec_drafter_config(
     """The DrafterConfig a DeepSpec config.json describes, checked against the live target
     (`identity` is the target's own: the weights are compared in deepspec_state_dict)."""
 
-    tc = target.config
+    tc = target.checkpoint_config  # (the whole model's, under tensor parallelism too)
     if tc.architecture != TARGET_ARCHITECTURE:
         raise DeepSpecFormatError(
             f"a {DEEPSPEC_ARCHITECTURE} drafter drafts for {TARGET_ARCHITECTURE} targets, "
@@ -129,12 +129,13 @@ def deepspec_state_dict(
     tensors: dict[str, torch.Tensor], config: DrafterConfig, target: LlamaForCausalLM
 ) -> dict[str, torch.Tensor]:
     """DeepSpec's tensor names -> DSparkDrafter's state dict, after checking that its frozen
-    embedding and LM head are the target's."""
+    embedding and LM head are the target's (under tensor parallelism, each rank the rows of
+    its vocabulary shard: together the whole)."""
     out = dict(tensors)
     embed, lm_head = out.pop("embed_tokens.weight"), out.pop("lm_head.weight", None)
-    _check_same("embed_tokens", embed, target.embed_tokens.weight)
+    _check_same("embed_tokens", embed, target.embed_tokens.weight, target)
     if lm_head is not None:
-        _check_same("lm_head", lm_head, target.lm_head.weight)
+        _check_same("lm_head", lm_head, target.lm_head.weight, target)
     out["mask_embedding"] = embed[config.mask_token_id].clone()
     out["context_norm.weight"] = out.pop("hidden_norm.weight")
     for i in range(config.num_layers):
@@ -155,10 +156,23 @@ def deepspec_state_dict(
     return out
 
 
-def _check_same(name: str, stored: torch.Tensor, live: torch.Tensor) -> None:
+def _check_same(
+    name: str, stored: torch.Tensor, live: torch.Tensor, target: LlamaForCausalLM
+) -> None:
+    """stored [V, d] against the target's live rows: all of them, or with tensor parallelism
+    this rank's shard (rows rank * S .. of S a rank; the last rank's past V are padding).
 
-    if stored.shape != live.shape or not torch.equal(stored.to(live), live):
+      V 10, 4 ranks: S 3; rank 3 holds rows 9..11 and compares row 9 only
+    """
+    full = (target.checkpoint_config.vocab_size, target.checkpoint_config.hidden_size)
+    whole, mine, rows = tuple(stored.shape), stored, live
+    if target.tp is not None and whole == full:
+        start = target.tp.rank * live.shape[0]
+        count = max(0, min(live.shape[0], full[0] - start))
+        mine, rows = stored[start : start + count], live[:count]
+    if mine.shape != rows.shape or not torch.equal(mine.to(rows), rows):
+        target_shape = full if target.tp is not None else tuple(live.shape)
         raise DrafterMismatchError(
-            f"the drafter's frozen {name} {tuple(stored.shape)} differs from the loaded "
-            f"target's {tuple(live.shape)}: it was trained for another target"
+            f"the drafter's frozen {name} {whole} differs from the loaded target's "
+            f"{target_shape}: it was trained for another target"
         )

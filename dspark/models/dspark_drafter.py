@@ -286,11 +286,6 @@ class DSparkDrafter(nn.Module):
         directory = Path(directory)
         hf = read_drafter_config(directory)
         tensors = None
-        if is_deepspec(hf) and target.tp is not None:
-            raise ValueError(
-                f"{directory} is a DeepSeek-format drafter: it is checked against the target's "
-                "whole embedding and head, so it runs with tensor_parallel_size 1 only"
-            )
         if is_deepspec(hf):  # DeepSeek's layout: identity by the frozen embedding and head
             identity = target_identity(target, target_weights_hash)
             config = deepspec_drafter_config(hf, target, identity)

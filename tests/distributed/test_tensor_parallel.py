@@ -15,9 +15,15 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.distributed.launch import WorkerDiedError
+from dspark.models.drafter_config import DrafterMismatchError
 from dspark.policy.cost_table import CostTable
 from tests.policy.helpers import by_table
-from tests.tiny_models import make_tiny_drafter, make_tiny_llama, make_tiny_vocab_tokenizer
+from tests.tiny_models import (
+    make_deepspec_drafter,
+    make_tiny_drafter,
+    make_tiny_llama,
+    make_tiny_vocab_tokenizer,
+)
 
 KW = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=4, max_model_len=256)
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9], [9], [4, 4, 4, 4, 10, 11]]
@@ -83,6 +89,33 @@ def test_fixed_k_speculation_equals_one_rank_plain(tiny_vocab_dir, drafter):
         got = llm.generate(PROMPTS, params, use_tqdm=False)
         assert llm.get_metrics()["num_drafts"] > 0
     assert _tokens(got) == _tokens(plain)
+
+
+@pytest.mark.parametrize("markov_rank", [8, 0], ids=["dspark", "dflash"])
+def test_a_deepspec_drafter_on_a_sharded_qwen3_equals_one_rank_plain(
+    qwen3_dir, tmp_path, markov_rank
+):
+    """DeepSeek's released layout (Qwen3DSparkModel) for a Qwen3 target, both sharded."""
+    d = make_deepspec_drafter(qwen3_dir, tmp_path / "drafter", taps=(0,), block_size=4,
+                              markov_rank=markov_rank)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = _generate(qwen3_dir, params, 1)
+    spec = {"model": str(d), "num_speculative_tokens": 3, "scheduling": False}
+    with LLM(str(qwen3_dir), tensor_parallel_size=2, speculative_config=spec, **KW) as llm:
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.get_metrics()["num_drafts"] > 0
+    assert _tokens(got) == _tokens(plain)
+
+
+def test_a_deepspec_drafter_for_another_target_is_refused_on_every_rank(qwen3_dir, tmp_path):
+    """Each rank compares its vocabulary rows of the frozen embedding with the target's."""
+    d = make_deepspec_drafter(qwen3_dir, tmp_path / "drafter", taps=(0,), block_size=4)
+    # the same shapes, other weights
+    other = make_tiny_llama(tmp_path / "other", make_tiny_vocab_tokenizer(), arch="qwen3",
+                            initializer_range=0.5)  # fmt: skip
+    spec = {"model": str(d), "num_speculative_tokens": 3, "scheduling": False}
+    with pytest.raises(DrafterMismatchError, match="trained for another target"):
+        LLM(str(other), tensor_parallel_size=2, speculative_config=spec, **KW)
 
 
 def test_seeded_sampled_speculation_is_identical(tiny_vocab_dir, drafter):

@@ -60,16 +60,14 @@ def target_config(s: dict) -> dict:
     }  # fmt: skip
 
 
-def target_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    h, i, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+def layer_shapes(c: dict, prefix: str, num_layers: int) -> dict[str, tuple[int, ...]]:
+    """A Qwen3 decoder layer's tensors (the target's and the DeepSpec drafter's alike), for
+    layers prefix0 .. prefix{num_layers - 1}."""
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    shapes = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (v, h),
-    }
-    for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
+    shapes = {}
+    for n in range(num_layers):
+        p = f"{prefix}{n}."
         shapes |= {
             f"{p}self_attn.q_proj.weight": (q, h), f"{p}self_attn.k_proj.weight": (kv, h),
             f"{p}self_attn.v_proj.weight": (kv, h), f"{p}self_attn.o_proj.weight": (h, q),
@@ -79,6 +77,16 @@ def target_shapes(c: dict) -> dict[str, tuple[int, ...]]:
             f"{p}post_attention_layernorm.weight": (h,),
         }  # fmt: skip
     return shapes
+
+
+def target_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    h, v = c["hidden_size"], c["vocab_size"]
+    shapes = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
+    return shapes | layer_shapes(c, "model.layers.", c["num_hidden_layers"])
 
 
 def random_tensor(shape: tuple[int, ...], device: str, seed: int) -> torch.Tensor:
@@ -151,23 +159,12 @@ def write_drafter(directory: Path, target_dir: Path, config: dict, s: dict, devi
         return
     directory.mkdir(parents=True, exist_ok=True)
     weights = SafetensorsWeights(sorted(target_dir.glob("*.safetensors")))
-    h, hd, v = config["hidden_size"], config["head_dim"], config["vocab_size"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    i = config["intermediate_size"]
+    h, v = config["hidden_size"], config["vocab_size"]
     shapes = {"fc.weight": (h, len(s["taps"]) * h), "hidden_norm.weight": (h,), "norm.weight": (h,),
               "markov_head.markov_w1.weight": (v, MARKOV_RANK),
               "markov_head.markov_w2.weight": (v, MARKOV_RANK),
               "confidence_head.proj.weight": (1, h + MARKOV_RANK)}  # fmt: skip
-    for n in range(s["draft_layers"]):
-        p = f"layers.{n}."
-        shapes |= {
-            f"{p}self_attn.q_proj.weight": (q, h), f"{p}self_attn.k_proj.weight": (kv, h),
-            f"{p}self_attn.v_proj.weight": (kv, h), f"{p}self_attn.o_proj.weight": (h, q),
-            f"{p}self_attn.q_norm.weight": (hd,), f"{p}self_attn.k_norm.weight": (hd,),
-            f"{p}mlp.gate_proj.weight": (i, h), f"{p}mlp.up_proj.weight": (i, h),
-            f"{p}mlp.down_proj.weight": (h, i), f"{p}input_layernorm.weight": (h,),
-            f"{p}post_attention_layernorm.weight": (h,),
-        }  # fmt: skip
+    shapes |= layer_shapes(config, "layers.", s["draft_layers"])
     tensors = {
         n: random_tensor(shape, device, 1000 + j) for j, (n, shape) in enumerate(shapes.items())
     }

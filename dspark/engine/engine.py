@@ -147,7 +147,7 @@ class LLMEngine:
                 config, self.model, self.model.config, self.kv_plan.num_pages, self.dtype,
                 self.device, drafter_dir, target_hash, backend, synthetic,
             )  # fmt: skip
-            if config.use_cuda_graphs and self.device.type == "cuda" and not use_graphs:
+            if config.use_cuda_graphs and on_cuda and not use_graphs:
                 logger.warning("CUDA graphs need the triton attention backend: running eagerly")
             self.runner = ModelRunner(
                 self.model,
@@ -163,7 +163,7 @@ class LLMEngine:
                 decode_tail_tokens=config.mixed_prefill_tokens,
                 trimmed_widths=config.spec().trimmed_widths if self.spec else (),
             )
-            if self.device.type == "cuda":  # a step's Triton compiles, counted and logged
+            if on_cuda:  # a step's Triton compiles, counted and logged
                 COMPILE_WATCH.install()
             spec_runner = self.runner.spec_runner
             self.scheduler = Scheduler(

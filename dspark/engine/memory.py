@@ -126,10 +126,10 @@ def sampler_bytes(
     sampling modes, the mixed step in two) held 3.96 GiB (~42 B per position and entry) when
     the next cell's eager run failed to find 1.13 GiB, with only the first reserve made. With
     the mixed step captured in three modes too, six graphs a size: ~48 B or 12 rows, and one
-    row of slack. The graphs now write one shared logits buffer (runner/cuda_graph.py,
-    graph_logits), so the pool holds one capture's temporaries and this reserve is larger
-    than they need; it stays until the pool the capture logs ("captured ... (pool X GiB)") is
-    measured on a GPU with a large vocabulary:
+    row of slack. The graphs write one shared logits buffer (runner/cuda_graph.py,
+    graph_logits), so the pool holds one capture's temporaries and this reserve, sized before
+    that buffer, is larger than they need; it stays until what the capture logs ("captured
+    ... (X GiB reserved by the capture)") is measured on a GPU with a large vocabulary:
 
       max_num_seqs 256, K 7, vocab 49,152, graphs: (6 + 13) x 256 x 8 x 49,152 x 4 B = 7.1 GiB
 

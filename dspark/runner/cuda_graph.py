@@ -68,9 +68,9 @@ def graph_logits(num_rows: int, vocab_size: int, device: torch.device) -> torch.
     return torch.empty(num_rows, vocab_size, device=device)
 
 
-def pool_gb(device: torch.device) -> float:
+def reserved_gb(device: torch.device | None = None) -> float:
     """Memory the caching allocator holds now (graph pools included), in GiB: read before and
-    after a graph set's capture, the set's own share."""
+    after a graph set's capture, what the capture took (its pool and its eager runs' cache)."""
     return torch.cuda.memory_reserved(device) / 2**30
 
 
@@ -141,7 +141,7 @@ class DecodeGraphs:
     def _capture(self, forward: Callable[..., torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream()
-        before = pool_gb(self.buffers.device)
+        before = reserved_gb(self.buffers.device)
         tails = (self.tail_tokens, 0) if self.tail_tokens else (0,)
         with no_garbage_collection():
             for g in reversed(self.sizes):  # largest first: later graphs reuse its pool blocks
@@ -158,11 +158,11 @@ class DecodeGraphs:
                         forward, (layout, logits), pool, stream
                     )
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs: %s%s (pool %.2f GiB)",
+        logger.info("captured %d decode CUDA graphs: %s%s (%.2f GiB reserved by the capture)",
                     len(self._graphs), self.sizes,
                     f", with and without a tail of {self.tail_tokens} prefill tokens"
                     if self.tail_tokens else "",
-                    pool_gb(self.buffers.device) - before)  # fmt: skip
+                    reserved_gb(self.buffers.device) - before)  # fmt: skip
 
     def output(self, size: int, tail: int = 0) -> torch.Tensor:  # [G (+ R with a tail), vocab]
         """The logits graph (size, tail) writes on every replay (a fixed address)."""

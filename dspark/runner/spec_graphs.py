@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.runner.cuda_graph import capture_stream, captured, no_garbage_collection, pool_gb
+from dspark.runner.cuda_graph import capture_stream, captured, no_garbage_collection, reserved_gb
 from dspark.runner.input_buffers import StepLayout
 from dspark.spec.spec_buffers import FILTERED, GREEDY, TEMPERATURE, SamplingMode
 from dspark.spec.spec_decoder import SpecStepOutput
@@ -104,7 +104,7 @@ class SpecGraphs:
     def _capture(self, step, prepare) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream()
-        before = pool_gb(torch.device("cuda"))
+        before = reserved_gb()
         with no_garbage_collection():
             for g in reversed(self.sizes):
                 for key in self._keys(g):
@@ -115,10 +115,11 @@ class SpecGraphs:
                     )
         torch.cuda.synchronize()
         logger.info("captured %d speculative CUDA graphs: sizes %s x %d sampling modes, mixed "
-                    "steps with tails of %s tokens, trimmed cells %s (pool %.2f GiB)",
+                    "steps with tails of %s tokens, trimmed cells %s (%.2f GiB reserved by the "
+                    "capture)",
                     len(self._graphs), self.sizes, len(self.modes), list(self.tails),
                     {g: list(v) for g, v in self.trimmed.items()},
-                    pool_gb(torch.device("cuda")) - before)  # fmt: skip
+                    reserved_gb() - before)  # fmt: skip
 
     def replay(
         self, size: int, mode: SamplingMode, tail: int = 0, trimmed: int | None = None

@@ -10,8 +10,8 @@ synchronous engine would give it, so outputs do not change), either
 N is updated before N+1, so update() of a continuation reads where the request stands then.
 
 Mixed steps in the pipeline: a step of windows scheduled ahead may also admit waiting requests
-into a captured mixed step's tail
-(their prompt tokens are on the host), and a mixed step may have a step scheduled behind it.
+into a captured mixed step's tail, or carry there the next chunk of a prompt chunked over
+steps (prompt tokens are on the host), and a mixed step may have a step scheduled behind it.
 There, a request whose prefill the tail completed has its first token in flight (a
 PENDING_TOKEN with no window): it gets no row (deferred), and its first window one step later,
 the window the synchronous engine gives it. That step's lag behind the other requests can move
@@ -67,9 +67,9 @@ def ahead_blocker(s: SchedulerView, max_rows: int) -> str | None:
     unresolved (None: nothing; max_rows: the most windows one step can lay out).
 
     Scheduled ahead, every row is a window the synchronous engine would give its request
-    too, or a waiting request's prefill in a mixed step's captured tail (a request that
-    stops in the in-flight step frees its seat one step later than it would synchronously),
-    no plain row, a token
+    too, or a prefill chunk in a mixed step's captured tail (a waiting request's, or the next
+    of a prompt chunked over steps, after a window; a request that stops in the in-flight
+    step frees its seat one step later than it would synchronously), no plain row, a token
     budget no window can exhaust, and the pages for the most every request can reach free
     now (preempting on a worst-case guess would preempt where the synchronous engine does
     not). A request in flight whose next window max_tokens or max_model_len shortens,
@@ -90,7 +90,19 @@ def ahead_blocker(s: SchedulerView, max_rows: int) -> str | None:
     if len(s.running) * (1 + s.max_verify) > s.max_num_batched_tokens:
         return "token_budget"
     pages = rows = 0  # rows: the requests with a window in the next step
+    tail_tokens = s.mixed_limits[1] if s.mixed_limits is not None else 0
+    head = chunked = False  # head: a window so far; chunked: a prompt chunk joins the tail
     for req in s.running:
+        if req.is_prefilling and not req.num_windows_in_flight:
+            # a prompt chunked over steps: its next chunk joins the tail as an admission
+            # would, if a window comes before it (Scheduler.schedule caps a chunk after the
+            # head to the tail's limits; before it, the chunk would run uncapped)
+            if not head or not _admits_ahead(s):
+                return "plain_rows"
+            pages += pages_for(min(req.num_tokens, req.num_computed_tokens + tail_tokens),
+                               s.page_size) - len(req.page_ids)  # fmt: skip
+            chunked = True
+            continue
         if req.num_windows_in_flight:
             most = continuing_most(s, req)
             if most is None:
@@ -109,9 +121,14 @@ def ahead_blocker(s: SchedulerView, max_rows: int) -> str | None:
             if not s.empty_window(req):
                 return "plain_rows"
             most = req.num_tokens  # its anchor's slot
+        else:
+            head = True
         pages += pages_for(most, s.page_size) - len(req.page_ids)
     if admissible and not rows:
         return "waiting_requests"  # no window to put an admission's tail behind
+    # (windows after a chunk in the running order draw on the budget the chunk leaves)
+    if chunked and len(s.running) * (1 + s.max_verify) + tail_tokens > s.max_num_batched_tokens:
+        return "token_budget"
     return "kv_pages" if pages > s.allocator.num_free else None
 
 

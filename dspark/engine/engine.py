@@ -24,8 +24,9 @@ anchor_pos + num_accepted + 1, both known only on the device (the runner writes 
 N+1's inputs there, runner/continuations.py), or a request whose anchor is on the host.
 The host reserves pages for the most N can emit. Anything the host needs N's count for finishes
 N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a plain step in
-flight before a drafting one, drafting turned off, plain rows (prefill, opted out, min_tokens;
-a request's last token is not one: it is verified as an empty window among the windows),
+flight before a drafting one, drafting turned off, plain rows (opted out, min_tokens, a prompt
+chunk no window precedes or no captured mixed tail takes; a request's last token is not one: it
+is verified as an empty window among the windows),
 a waiting request that could be admitted (unless a captured mixed step's tail takes it:
 engine/ahead.py), a token budget the windows could exhaust, too few free pages for the
 worst case (Scheduler.ahead_blocker). A continuation whose request nears

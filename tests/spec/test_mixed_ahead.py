@@ -63,6 +63,9 @@ def test_admissions_ahead_and_steps_behind_mixed_ones_equal_sync(tiny_vocab_dir,
     assert stats["spec_steps_launched_ahead_admitting"] > 0, dict(stats)  # not vacuous
     assert stats["spec_steps_launched_behind_mixed"] > 0, dict(stats)
     assert e.scheduler.num_first_windows_deferred > 0
+    # the 20-token prompt's second chunk joins the tail of a step launched ahead: no step
+    # waits for the one before it because of a prompt chunked over steps
+    assert stats["spec_steps_not_ahead_plain_rows"] == 0, dict(stats)
     assert stats["spec_graph_steps_mixed"] > 0 if padded else stats["mixed_spec_steps"] > 0
     counts = llm.get_metrics()["async_spec_steps"]  # (the same counters, reported)
     assert counts["admitting"] == stats["spec_steps_launched_ahead_admitting"]

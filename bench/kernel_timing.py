@@ -1,4 +1,4 @@
-"""Kernel micro-benchmarks at SmolLM2-135M's shapes: each Triton kernel against the code it
+"""Kernel micro-benchmarks at SmolLM2-135M's shapes (the GEMV at Qwen3-8B's too): each Triton kernel
 replaces. (Not named kernels.py: a script's folder comes first on sys.path, and transformers
 imports the Hugging Face `kernels` package where it is installed.)
 
@@ -18,6 +18,15 @@ fused-ops  the fused elementwise kernels (RMSNorm, residual add + RMSNorm, rotar
            column then pays the host cost of every op it is made of) and do_bench_cudagraph
            for the same calls replayed from a CUDA graph (GPU time alone, as the captured
            decode step sees it). GB/s: the bytes the op must move over the graph time.
+
+gemv       the one-to-eight-row GEMV (kernels/gemv_triton.py) against F.linear (cuBLAS) at the
+           projections of SmolLM2-135M and Qwen3-8B (bf16), T in {1, 2, 4, 8} rows, each
+           replayed from a CUDA graph over enough copies of the weight (a layer stack's chain)
+           that L2 holds none of them; GB/s is the weight bytes over that time, beside the
+           device's measured copy bandwidth (each way of a device-to-device copy), so a
+           projection's fraction of its bandwidth floor reads off directly.
+
+    python bench/kernel_timing.py gemv --out kernels_gemv.json
 
 --smoke times one call with a wall clock instead (there is no CUDA timer) on tiny shapes in
 float32 on the CPU interpreter, so its numbers mean nothing: it only proves the script runs end
@@ -321,7 +330,90 @@ def fused_ops(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[li
     return rows, shapes
 
 
-BENCHMARKS = {"attention": attention, "fused-ops": fused_ops}
+# ---- GEMV ---------------------------------------------------------------------------------
+
+# (name, N, K) of each projection: nn.Linear's [out, in]
+GEMV_SHAPES = {
+    "smollm2-135m": [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576),
+                     ("down", 576, 1536)],
+    "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
+                 ("down", 4096, 12288), ("lm_head", 151936, 4096)],
+}  # fmt: skip
+L2_DEFEAT_BYTES = 512 << 20  # weight copies per chain: at least this many bytes, at least 2
+
+
+@dataclass
+class GemvRow:
+    model: str
+    proj: str
+    n: int
+    k: int
+    num_tokens: int
+    triton_us: float | None  # per call, replayed from a CUDA graph; None: smoke
+    cublas_us: float | None
+    triton_gbps: float | None  # weight bytes / time
+    cublas_gbps: float | None
+    max_abs_err: float
+
+
+def copy_gbps(device: torch.device) -> float:
+    """Each way of a 1 GiB device-to-device copy (read + write bytes / 2 over the time): the
+    bandwidth floor a GEMV's weight read is held to."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src), smoke=False)
+    return src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def bench_gemv_case(model: str, proj: str, n: int, k: int, T: int, dtype: torch.dtype,
+                    device: torch.device, smoke: bool) -> GemvRow:  # fmt: skip
+    from dspark.kernels.gemv_triton import gemv
+
+    weight_bytes = n * k * torch.finfo(dtype).bits // 8
+    copies = 1 if smoke else max(2, -(-L2_DEFEAT_BYTES // weight_bytes))
+    weights = [torch.randn(n, k, dtype=dtype, device=device) * k**-0.5 for _ in range(copies)]
+    x = torch.randn(T, k, dtype=dtype, device=device)
+    out = torch.empty(T, n, dtype=dtype, device=device)
+    err = max_err(gemv(x, weights[0], out=out), F.linear(x, weights[0]))
+
+    def triton_chain() -> None:
+        for w in weights:
+            gemv(x, w, out=out)
+
+    def cublas_chain() -> None:
+        for w in weights:
+            torch.mm(x, w.t(), out=out)
+
+    if smoke:
+        return GemvRow(model, proj, n, k, T, None, None, None, None, err)
+    t_us = graph_ms(triton_chain, smoke) * 1e3 / copies
+    c_us = graph_ms(cublas_chain, smoke) * 1e3 / copies
+    return GemvRow(model, proj, n, k, T, t_us, c_us, weight_bytes / t_us / 1e3,
+                   weight_bytes / c_us / 1e3, err)  # fmt: skip
+
+
+def gemv_bench(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[list, dict]:
+    shapes = {"smollm2-135m": [("qkv", 24, 16)]} if smoke else GEMV_SHAPES
+    token_counts = (1, 2) if smoke else (1, 2, 4, 8)
+    rows = [bench_gemv_case(model, proj, n, k, T, dtype, device, smoke)
+            for model, projections in shapes.items() for proj, n, k in projections
+            for T in token_counts]  # fmt: skip
+    bandwidth = None if smoke else copy_gbps(device)
+    if bandwidth is not None:
+        print(f"copy bandwidth (each way): {bandwidth:.0f} GB/s")
+    print(f"{'model':13} {'proj':8} {'T':>2} {'triton us':>10} {'cuBLAS us':>10} "
+          f"{'tri GB/s':>9} {'cuB GB/s':>9} {'tri/floor':>9} {'err':>8}")  # fmt: skip
+    for r in rows:
+        if r.triton_us is None:
+            print(f"{r.model:13} {r.proj:8} {r.num_tokens:2d} (smoke) err {r.max_abs_err:.1e}")
+            continue
+        print(f"{r.model:13} {r.proj:8} {r.num_tokens:2d} {r.triton_us:10.1f} {r.cublas_us:10.1f}"
+              f" {r.triton_gbps:9.0f} {r.cublas_gbps:9.0f}"
+              f" {r.triton_gbps / bandwidth:9.2f} {r.max_abs_err:8.1e}")  # fmt: skip
+    return rows, {"projections": shapes, "copy_gbps_each_way": bandwidth}
+
+
+BENCHMARKS = {"attention": attention, "fused-ops": fused_ops, "gemv": gemv_bench}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
-"""Kernel micro-benchmarks at SmolLM2-135M's shapes (the GEMV at Qwen3-8B's too): each Triton kernel
-replaces. (Not named kernels.py: a script's folder comes first on sys.path, and transformers
-imports the Hugging Face `kernels` package where it is installed.)
+"""Kernel micro-benchmarks at SmolLM2-135M's shapes (the GEMV at Qwen3-8B's too): each Triton
+kernel against the code it replaces. (Not named kernels.py: a script's folder comes first on
+sys.path, and transformers imports the Hugging Face `kernels` package where it is installed.)
 
     python bench/kernel_timing.py attention --out kernels_attention.json
     python bench/kernel_timing.py fused-ops --out kernels_fused_ops.json

@@ -82,7 +82,7 @@ from dspark.outputs import DeltaOutput, RequestOutput
 from dspark.policy.cost_table import make_fingerprint
 from dspark.policy.realised_costs import StepPeriods
 from dspark.policy.trace import PolicyTrace
-from dspark.request import FinishReason, Request, RequestStatus
+from dspark.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from dspark.runner.cuda_graph import graph_ladder
 from dspark.runner.model_runner import ModelRunner
 from dspark.sampling_params import MAX_SEED, SamplingParams
@@ -464,10 +464,14 @@ class LLMEngine:
                 if not self.runner.can_feed(plan, previous):
                     outputs, previous = self._finish(previous), None
             elif previous is not None:  # behind a step of windows: windows, then admissions
+                # the tail: prefill chunks, every input token on the host (a prompt's, or a
+                # preempted request's recompute, whose cached pages may leave one token)
                 tail = [r for r in plan.rows if not (r.num_draft or r.empty_window)]
-                assert all(r.start < r.request.num_prompt_tokens for r in tail), (
-                    "ahead_blocker let a plain row by"
-                )
+                assert all(
+                    not r.request.num_windows_in_flight
+                    and PENDING_TOKEN not in r.request.token_ids[r.start : r.start + r.num_tokens]
+                    for r in tail
+                ), "ahead_blocker let a row by whose input is in flight"
                 stats = self.runner.stats
                 stats["spec_steps_launched_ahead"] += 1
                 stats["spec_steps_launched_ahead_admitting"] += bool(tail)

@@ -73,3 +73,31 @@ def test_admissions_ahead_and_steps_behind_mixed_ones_equal_sync(tiny_vocab_dir,
     assert counts["first_windows_deferred"] == e.scheduler.num_first_windows_deferred
     assert e.allocator.num_free == e.allocator.num_usable
     assert not e.scheduler.has_unfinished and e._in_flight is None
+
+
+def test_chunks_ahead_under_page_pressure_equal_sync(tiny_vocab_dir, drafter):
+    """Prompts of up to 50 tokens chunked over a 16-token tail, on 12 KV pages for 6 seats:
+    chunks ride in steps launched ahead while requests are preempted and recomputed; the
+    tokens equal the synchronous engine's and every page returns."""
+    import random
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 12) for _ in range(rng.randrange(3, 50))] for _ in range(24)]
+    params = [SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, ignore_eos=True,
+                             max_tokens=rng.randrange(5, 30)) for i in range(24)]  # fmt: skip
+
+    def run(async_scheduling: bool):
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=12,
+                  max_num_seqs=6, max_model_len=128, async_scheduling=async_scheduling,
+                  speculative_config={"model": str(drafter), "num_speculative_tokens": 3})  # fmt: skip
+        llm.engine.runner.spec_runner.uniform_windows = True
+        llm.engine.runner.spec_runner.max_tail_tokens = TAIL
+        llm.engine.scheduler.mixed_limits = (TAIL_ROWS, TAIL)
+        return llm, llm.generate(prompts, params, use_tqdm=False)
+
+    _, expected = run(False)
+    llm, got = run(True)
+    assert _seen(got) == _seen(expected)
+    stats, e = llm.engine.runner.stats, llm.engine
+    assert stats["spec_steps_launched_ahead_admitting"] > 0 and e.scheduler.num_preemptions > 0
+    assert e.allocator.num_free == e.allocator.num_usable

@@ -87,9 +87,10 @@ def test_chunks_ahead_under_page_pressure_equal_sync(tiny_vocab_dir, drafter):
                              max_tokens=rng.randrange(5, 30)) for i in range(24)]  # fmt: skip
 
     def run(async_scheduling: bool):
+        spec = {"model": str(drafter), "num_speculative_tokens": 3}
         llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=12,
                   max_num_seqs=6, max_model_len=128, async_scheduling=async_scheduling,
-                  speculative_config={"model": str(drafter), "num_speculative_tokens": 3})  # fmt: skip
+                  speculative_config=spec)  # fmt: skip
         llm.engine.runner.spec_runner.uniform_windows = True
         llm.engine.runner.spec_runner.max_tail_tokens = TAIL
         llm.engine.scheduler.mixed_limits = (TAIL_ROWS, TAIL)

@@ -207,7 +207,13 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Does the request shape its logits beyond temperature, top-k and top-p?"""
-        return self.has_penalties or self.min_p > 0.0 or bool(self.logit_bias or self.bad_words)
+        return self.shapes_raw_logits or self.min_p > 0.0
+
+    @property
+    def shapes_raw_logits(self) -> bool:
+        """Does the request shape its logits before temperature (penalties, logit_bias, bad
+        words: a row of sample/logits_shaping.py's tensors)?"""
+        return self.has_penalties or bool(self.logit_bias or self.bad_words)
 
     def bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> list[list[int]]:
         """The token sequences bad_words bans, as vLLM tokenises them: each word (leading

@@ -12,14 +12,17 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.request import Request
 from dspark.sample.logits_shaping import (
+    LogitsShaping,
     apply_min_p,
     apply_penalties,
     apply_shaping,
+    apply_window_shaping,
     banned_by_bad_words,
     build_shaping,
     window_draft_counts,
+    window_shaping_index,
 )
-from tests.helpers import assert_matches_distribution, full_logits
+from tests.helpers import assert_matches_distribution, assert_same_logprobs, full_logits
 
 VOCAB = 12  # the tiny word-level model's
 
@@ -70,19 +73,34 @@ def _request(prompt, outputs, **params) -> Request:
 
 
 def test_shaping_of_a_row_from_its_tokens_bias_and_bans():
-    """logit_bias adds, a bad word bans, counts are outputs before `end` only."""
+    """logit_bias adds, a bad word bans, counts are outputs before `end` only; the tensors hold
+    the shaping row alone (step row 1), and the other row's logits pass untouched."""
     req = _request([5, 6], [9, 9, 4], frequency_penalty=1.0, logit_bias={2: 3.0, 9: -1.5})
     req.bad_words_token_ids = [[9, 11], [8]]
     plain = _request([1], [2], temperature=0.5)  # a row in the same step that shapes nothing
-    s = build_shaping([req, plain], [4, 2], VOCAB, torch.device("cpu"))
+    s = build_shaping([plain, req], [2, 4], VOCAB, torch.device("cpu"))
+    assert s.rows.tolist() == [1] and s.output_counts.shape == s.bias.shape == (1, VOCAB)
     assert s.output_counts[0, 9] == 2 and s.output_counts[0].sum() == 2  # [9, 9]; 4 not yet
     assert s.prompt_mask[0].nonzero().flatten().tolist() == [5, 6]
     assert s.bias[0, 2] == 3.0 and s.bias[0, 9] == -1.5
     assert s.bias[0, 11] == -math.inf and s.bias[0, 8] == -math.inf  # outputs end in 9
-    assert not s.bias[1].any() and not s.output_counts[1].any() and s.min_p is None
+    assert s.min_p is None
     logits = torch.zeros(2, VOCAB)
+    logits[0, 3] = -0.0  # (x + 0 would make it +0.0: untouched keeps the sign bit)
     out = apply_shaping(logits, s)
-    assert out[0, 9] == -1.5 - 2.0 and out[0, 2] == 3.0 and out[1].eq(0).all()
+    assert out[1, 9] == -1.5 - 2.0 and out[1, 2] == 3.0
+    assert out[0].eq(0).all() and out[0].signbit().tolist() == logits[0].signbit().tolist()
+    assert not logits.any(), "apply_shaping makes a new tensor"
+
+
+def test_min_p_alone_is_every_rows_float_and_no_shaping_row():
+    rows = [_request([1], [], min_p=0.2), _request([1], [], presence_penalty=0.5)]
+    s = build_shaping(rows, [1, 1], VOCAB, torch.device("cpu"))
+    assert s.rows.tolist() == [1] and s.min_p.tolist() == pytest.approx([0.2, 0.0])
+    s = build_shaping(rows[:1], [1], VOCAB, torch.device("cpu"))
+    assert s.rows.numel() == 0 and s.bias.shape == (0, VOCAB)
+    logits = torch.randn(1, VOCAB)
+    assert torch.equal(apply_shaping(logits, s), logits)
 
 
 def test_window_tokens_count_the_drafts_before_them():
@@ -92,6 +110,39 @@ def test_window_tokens_count_the_drafts_before_them():
     counts = window_draft_counts(drafts, torch.zeros(4, dtype=torch.int64), torch.arange(4), 6)
     assert counts[:, 4].tolist() == [0, 1, 2, 2] and counts[:, 2].tolist() == [0, 0, 0, 1]
     assert counts.sum(1).tolist() == [0, 1, 2, 3]
+
+
+def test_window_shaping_index_on_the_docstring_example():
+    """cu [0, 3, 4, 6], shaping windows [0, 2], W 3: tokens [0, 1, 2, 4, 5] and the spare (6)
+    for window 2's slot past its two tokens."""
+    cu = torch.tensor([0, 3, 4, 6])
+    index, owner, offset = window_shaping_index(torch.tensor([0, 2]), cu, 3, spare=6)
+    assert index.tolist() == [0, 1, 2, 4, 5, 6]
+    assert owner.tolist() == [0, 0, 0, 1, 1, 1] and offset.tolist() == [0, 1, 2, 0, 1, 2]
+
+
+def test_window_shaping_shapes_the_shaping_windows_tokens_only():
+    """Windows of 3, 1 and 2 tokens (K = 2), windows 0 and 2 shaping: each of their tokens j is
+    shaped as one row with its outputs and drafts 1..j, bit for bit; window 1's token and the
+    pad token after the windows are the logits as given."""
+    windows = [  # (prompt, outputs, shaping) of each
+        ([1], [3, 3], dict(presence_penalty=0.5, logit_bias={4: 1.0})),
+        ([2], [5], {}),
+        ([6], [7, 8], dict(frequency_penalty=0.75, repetition_penalty=1.5)),
+    ]
+    reqs = [_request(prompt, outputs, **kw) for prompt, outputs, kw in windows]
+    shaping = build_shaping(reqs, [len(r.token_ids) for r in reqs], VOCAB, torch.device("cpu"))
+    assert shaping.rows.tolist() == [0, 2]
+    drafts = torch.tensor([[3, 9], [0, 0], [8, 8]])  # [R, K]
+    cu = torch.tensor([0, 3, 4, 6])
+    logits = torch.randn(7, VOCAB)  # [Tw, V], token 6 a pad
+    out = apply_window_shaping(logits, shaping, drafts, cu)
+    for token, window, j in [(0, 0, 0), (1, 0, 1), (2, 0, 2), (4, 2, 0), (5, 2, 1)]:
+        prompt, outputs, kw = windows[window]
+        alone = _request(prompt, outputs + drafts[window, :j].tolist(), **kw)
+        one = build_shaping([alone], [len(alone.token_ids)], VOCAB, torch.device("cpu"))
+        assert torch.equal(out[token], apply_shaping(logits[token : token + 1], one)[0])
+    assert torch.equal(out[[3, 6]], logits[[3, 6]])
 
 
 @pytest.mark.parametrize(
@@ -191,6 +242,48 @@ def test_engine_pair_distribution_with_shaping(tiny_vocab_dir, name):
     assert (exact - unshaped).abs().sum() > 0.1, "the shaping hardly moves the law"
     assert_matches_distribution(counts, exact * NUM_SAMPLES)
     assert llm.engine.runner.stats["pytorch_sampling_steps_logits_shaping"] > 0
+
+
+def record_shaping(monkeypatch, module) -> list[tuple[int, LogitsShaping]]:
+    """(number of rows, the shaping) of each build_shaping call `module` makes."""
+    built = []
+
+    def build(reqs, *args):
+        built.append((len(reqs), shaping := build_shaping(reqs, *args)))
+        return shaping
+
+    monkeypatch.setattr(module, "build_shaping", build)
+    return built
+
+
+ONE_SHAPED = dict(presence_penalty=1.5, repetition_penalty=1.5, logit_bias={4: 2.0})
+MANY_PROMPTS = [[2, 3, 4, 3], [5, 6], [9, 9, 1], [7], [3, 5, 8, 8], [4, 4], [10, 2], [6, 11, 3]]
+
+
+def test_one_shaping_row_among_many(tiny_vocab_dir, monkeypatch):
+    """Eight greedy rows decoding together, row 3 shaping its logits: each step's tensors hold
+    that row alone, the seven others emit the tokens and logprobs of a run where no row shapes,
+    and row 3 those of its run alone."""
+    from dspark.sample import sampling_rows
+
+    built = record_shaping(monkeypatch, sampling_rows)
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=128,
+              max_num_seqs=8)  # fmt: skip
+    base = dict(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(**base, **(ONE_SHAPED if i == 3 else {})) for i in range(8)]
+    shaped = llm.generate(MANY_PROMPTS, params, use_tqdm=False)
+    outs = [o.outputs[0] for o in shaped]
+    assert built and all(n == 8 and s.rows.tolist() == [3] and s.bias.shape[0] == 1
+                         for n, s in built)  # fmt: skip
+    unshaped = [o.outputs[0] for o in llm.generate(MANY_PROMPTS, SamplingParams(**base),
+                                                   use_tqdm=False)]  # fmt: skip
+    for i in (0, 1, 2, 4, 5, 6, 7):
+        assert outs[i].token_ids == unshaped[i].token_ids
+        assert outs[i].logprobs == unshaped[i].logprobs
+    assert outs[3].token_ids != unshaped[3].token_ids, "the shaping should change row 3"
+    alone = llm.generate([MANY_PROMPTS[3]], params[3], use_tqdm=False)
+    assert outs[3].token_ids == alone[0].outputs[0].token_ids
+    assert_same_logprobs([shaped[3]], alone)
 
 
 def test_greedy_with_penalties_avoids_repeats(tiny_vocab_dir):

@@ -69,13 +69,15 @@ def draft_block(
         probs = None if st.all_greedy else torch.empty_like(base)
         prev = anchors
         is_greedy = st.temperature == 0
-        # slot k is shaped with the outputs and drafts 1..k-1: the prefix verification judges
-        # it under (sample/logits_shaping.py)
-        draft_counts = None if shaping is None else torch.zeros_like(base[:, 0])  # [R, V]
+        # a shaping row's slot k is shaped with its outputs and drafts 1..k-1: the prefix
+        # verification judges it under (sample/logits_shaping.py)
+        draft_counts = None
+        if shaping is not None:
+            draft_counts = base.new_zeros(len(shaping.rows), base.shape[-1])  # [S, V]
         for k in range(K):
             logits = base[:, k] + drafter.markov_bias(prev)  # [R, V]
             if shaping is not None:
-                logits = apply_shaping(logits, shaping, draft_counts=draft_counts)
+                logits = apply_shaping(logits, shaping, draft_counts)
             if st.all_greedy:
                 tokens[:, k] = logits.argmax(dim=-1)
             else:
@@ -84,8 +86,9 @@ def draft_block(
                 tokens[:, k] = torch.where(is_greedy, logits.argmax(dim=-1), inverse_cdf(p, u))
                 probs[:, k] = p
             prev = tokens[:, k]
-            if draft_counts is not None:
-                draft_counts.scatter_add_(1, prev[:, None], torch.ones_like(draft_counts[:, :1]))
+            if draft_counts is not None:  # (the shaping rows' drafts)
+                drafted = prev[shaping.rows][:, None]  # [S, 1]
+                draft_counts.scatter_add_(1, drafted, torch.ones_like(draft_counts[:, :1]))
     conf = None
     if drafter.confidence is not None:  # slot k from h[k] and x[k-1]: [anchor, x1 .. x(K-1)]
         prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # [R, K]

@@ -39,7 +39,7 @@ import torch
 
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.policy.survival import survival
-from dspark.sample.logits_shaping import LogitsShaping, apply_shaping, window_draft_counts
+from dspark.sample.logits_shaping import LogitsShaping, apply_window_shaping
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.sample.token_bitmask import (
     WindowGrammar,
@@ -312,14 +312,12 @@ class SpecDecoder:
         # owner row of each window token (shape-static: no host sync, capturable)
         token = torch.arange(window_logits.shape[0], device=dev)
         owner = torch.searchsorted(cu[1:], token, right=True).clamp(max=R - 1)
-        if masks is not None or shaping is not None:
-            offset = (token - cu[owner]).clamp(min=0)  # [Tw] 0 the anchor, j draft j
         if masks is not None:  # first: the shaping below only moves allowed tokens
+            offset = (token - cu[owner]).clamp(min=0)  # [Tw] 0 the anchor, j draft j
             index = window_index(masks, owner, offset)
             window_logits = apply_token_bitmask(window_logits, masks.bitmask.flatten(0, 1), index)
         if shaping is not None:  # token j of a window: outputs and drafts 1..j (the drafter's)
-            drafts = window_draft_counts(block.tokens, owner, offset, window_logits.shape[-1])
-            window_logits = apply_shaping(window_logits.float(), shaping, owner, drafts)
+            window_logits = apply_window_shaping(window_logits, shaping, block.tokens, cu)
         if st.all_greedy:
             return verify_greedy(window_logits, block.tokens, verify_len, cu)
         per_token = SamplingTensors(

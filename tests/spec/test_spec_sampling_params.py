@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from tests.helpers import assert_matches_distribution
+from tests.helpers import assert_matches_distribution, assert_same_logprobs
 from tests.test_sampling_params_shaping import (
+    MANY_PROMPTS,
+    ONE_SHAPED,
     PROMPT,
     SHAPED,
     VOCAB,
     assert_raw_prompt_logprobs,
     exact_pair_probs,
+    record_shaping,
 )
 from tests.tiny_models import make_tiny_drafter
 
@@ -104,6 +107,36 @@ def test_greedy_with_shaping_equals_plain_decoding(
     assert stats["spec_steps_logits_shaping"] > 0
     if shaped == "static" and async_scheduling:  # (eager steps of continuation windows)
         assert stats["continuation_windows"] > 0, stats
+
+
+def test_one_shaping_window_among_many(tiny_vocab_dir, vocab_drafter, monkeypatch):
+    """Eight greedy requests drafting together, request 3 shaping its logits: each speculative
+    step's tensors hold its window alone, the seven others emit the tokens and logprobs of a
+    run where no request shapes, and request 3 those of plain decoding alone."""
+    from dspark.runner import spec_runner
+
+    built = record_shaping(monkeypatch, spec_runner)
+    kw = dict(num_kv_pages=256, max_num_seqs=8, max_model_len=64)
+    base = dict(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(**base, **(ONE_SHAPED if i == 3 else {})) for i in range(8)]
+    llm = _spec_llm(tiny_vocab_dir, vocab_drafter, **kw)
+    shaped = llm.generate(MANY_PROMPTS, params, use_tqdm=False)
+    assert llm.engine.get_metrics()["num_accepted_tokens"] > 0
+    assert any(n > 1 for n, _ in built)
+    # (a step whose windows leave request 3 out, a plain row beside them, builds none)
+    assert {(s.bias.shape[0], s.output_counts.shape[0]) for _, s in built} <= {(0, 0), (1, 1)}
+    assert sum(len(s.rows) for _, s in built) > 0
+    unshaped = llm.generate(MANY_PROMPTS, SamplingParams(**base), use_tqdm=False)
+    others = [0, 1, 2, 4, 5, 6, 7]
+    assert [shaped[i].outputs[0].token_ids for i in others] == [
+        unshaped[i].outputs[0].token_ids for i in others
+    ]
+    assert_same_logprobs([shaped[i] for i in others], [unshaped[i] for i in others])
+    plain = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", **kw)
+    alone = plain.generate([MANY_PROMPTS[3]], params[3], use_tqdm=False)
+    assert shaped[3].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert shaped[3].outputs[0].token_ids != unshaped[3].outputs[0].token_ids
+    assert_same_logprobs([shaped[3]], alone)
 
 
 def test_prompt_logprobs_beside_windows(tiny_vocab_dir, vocab_drafter):

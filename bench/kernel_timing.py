@@ -23,8 +23,9 @@ gemv       the one-to-eight-row GEMV (kernels/gemv_triton.py) against F.linear (
            projections of SmolLM2-135M and Qwen3-8B (bf16), T in {1, 2, 4, 8} rows, each
            replayed from a CUDA graph over enough copies of the weight (a layer stack's chain)
            that L2 holds none of them; GB/s is the weight bytes over that time, beside the
-           device's measured copy bandwidth (each way of a device-to-device copy), so a
-           projection's fraction of its bandwidth floor reads off directly.
+           device's measured copy bandwidth (bytes read + written by a device-to-device copy,
+           as bench/real_target_shapes.py measures it), so a projection's fraction of its
+           bandwidth floor reads off directly.
 
     python bench/kernel_timing.py gemv --out kernels_gemv.json
 
@@ -357,12 +358,13 @@ class GemvRow:
 
 
 def copy_gbps(device: torch.device) -> float:
-    """Each way of a 1 GiB device-to-device copy (read + write bytes / 2 over the time): the
-    bandwidth floor a GEMV's weight read is held to."""
+    """A 1 GiB device-to-device copy's bytes read + written over its time, graph-replayed: the
+    bandwidth a GEMV's weight read is held to. (The first result, in
+    bench/results/kernels_gemv_h100/, recorded half of it, one way, as copy_gbps_each_way.)"""
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     ms = graph_ms(lambda: dst.copy_(src), smoke=False)
-    return src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
 def bench_gemv_case(model: str, proj: str, n: int, k: int, T: int, dtype: torch.dtype,
@@ -400,7 +402,7 @@ def gemv_bench(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[l
             for T in token_counts]  # fmt: skip
     bandwidth = None if smoke else copy_gbps(device)
     if bandwidth is not None:
-        print(f"copy bandwidth (each way): {bandwidth:.0f} GB/s")
+        print(f"copy bandwidth (read + written): {bandwidth:.0f} GB/s")
     print(f"{'model':13} {'proj':8} {'T':>2} {'triton us':>10} {'cuBLAS us':>10} "
           f"{'tri GB/s':>9} {'cuB GB/s':>9} {'tri/floor':>9} {'err':>8}")  # fmt: skip
     for r in rows:
@@ -410,7 +412,7 @@ def gemv_bench(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[l
         print(f"{r.model:13} {r.proj:8} {r.num_tokens:2d} {r.triton_us:10.1f} {r.cublas_us:10.1f}"
               f" {r.triton_gbps:9.0f} {r.cublas_gbps:9.0f}"
               f" {r.triton_gbps / bandwidth:9.2f} {r.max_abs_err:8.1e}")  # fmt: skip
-    return rows, {"projections": shapes, "copy_gbps_each_way": bandwidth}
+    return rows, {"projections": shapes, "copy_gbps": bandwidth}
 
 
 BENCHMARKS = {"attention": attention, "fused-ops": fused_ops, "gemv": gemv_bench}

@@ -1,10 +1,11 @@
 """nn.Linear whose few-row calls run the GEMV kernel (triton backend on a GPU).
 
-A decoder layer's projections at a small decode batch are latency-bound cuBLAS launches;
+A small model's projections at a small decode batch are latency-bound cuBLAS launches;
 kernels/gemv_triton.py does them in fewer microseconds and, launched with PDL, overlaps its
-weight fetch with the kernel before it. The row count is known on the host from x's shape (and
-fixed inside a CUDA graph), so each call takes one path; parameters and state-dict names are
-nn.Linear's.
+weight fetch with the kernel before it. A large weight is bandwidth-bound, and there cuBLAS
+reads faster: the GEMV is taken only for weights up to GEMV_MAX_WEIGHT_ELEMENTS. The row count
+is known on the host from x's shape (and fixed inside a CUDA graph), so each call takes one
+path; parameters and state-dict names are nn.Linear's.
 
 DSPARK_REFERENCE_OPS turns the GEMV off (F.linear everywhere).
 """
@@ -22,8 +23,18 @@ from dspark import envs
 # every row lost: a step at batch 8 took 1,474 us against 1,001, and the speculative step at G = 1
 # (8-token windows) 1,790 against 1,292 (H200). Since, 2-8 rows share each W tile in registers; not
 # yet measured, so the default stays 1.
+# Kernel by kernel, graph-replayed on an H100 (bench/kernel_timing.py gemv;
+# bench/results/kernels_gemv_h100/) 2 rows beat cuBLAS at all four of SmolLM2's projections and
+# 4 rows at three: a step at batch 2 or 4 is still to time before this moves.
 GEMV_ROWS = 1
 GEMV_MAX_ROWS = 8  # gemv_triton.GEMV_MAX_ROWS (not imported: the CPU path needs no triton)
+# The largest weight (elements, of this rank's shard) that takes the GEMV. On an H100, one row,
+# graph-replayed over weights L2 does not hold (bench/results/kernels_gemv_h100/): at SmolLM2's
+# projections (0.7-3.5 MB in bf16) the GEMV took 2.1-2.8 us against cuBLAS's 3.5-5.1; at
+# Qwen3-8B's (34-201 MB) it lost every one, qkv 23.3 against 20.1 us, o 18.1 / 16.1, gate_up
+# 81.5 / 68.5, down 52.3 / 37.9 (cuBLAS reading 2.1-2.9 TB/s): 1.2 ms of a 36-layer step. The
+# bound, 4M elements (8 MiB in bf16), lies between the two; no size between was measured.
+GEMV_MAX_WEIGHT_ELEMENTS = 4 << 20
 
 
 def gemv_rows() -> int:
@@ -34,7 +45,8 @@ def gemv_rows() -> int:
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, use_triton: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.gemv_rows = gemv_rows() if use_triton else 0
+        small = in_features * out_features <= GEMV_MAX_WEIGHT_ELEMENTS
+        self.gemv_rows = gemv_rows() if use_triton and small else 0
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         return x.is_cuda and 0 < x.shape[0] <= self.gemv_rows

@@ -101,12 +101,17 @@ def test_pdl_is_off_on_the_cpu_and_for_reference_ops(monkeypatch, set_envs):
 
 
 def test_linear_takes_the_gemv_only_on_cuda_rows_it_beats_cublas(set_envs):
-    """The model's projections (layers/linear.py): the GEMV on CUDA up to GEMV_ROWS rows,
-    F.linear otherwise; DSPARK_REFERENCE_OPS or the torch backend never take it."""
+    """The model's projections (layers/linear.py): the GEMV on CUDA up to GEMV_ROWS rows for
+    weights up to GEMV_MAX_WEIGHT_ELEMENTS, F.linear otherwise; DSPARK_REFERENCE_OPS or the
+    torch backend never take it."""
     layer = linear.Linear(16, 8, True, use_triton=True)
     assert layer.gemv_rows == linear.GEMV_ROWS
     assert not layer.takes_gemv(torch.randn(1, 16))  # a CPU tensor
     assert linear.Linear(16, 8, False, use_triton=False).gemv_rows == 0
+    # a bandwidth-bound weight (Qwen3-8B's o_proj, say) goes to cuBLAS
+    big = linear.GEMV_MAX_WEIGHT_ELEMENTS // 1024 + 1
+    assert linear.Linear(1024, big, False, use_triton=True).gemv_rows == 0
+    assert linear.Linear(1024, big - 1, False, use_triton=True).gemv_rows == linear.GEMV_ROWS
     set_envs(reference_ops=True)
     assert linear.Linear(16, 8, False, use_triton=True).gemv_rows == 0
     x = torch.randn(3, 16)

@@ -37,7 +37,9 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-@dataclass
+# eq=False: a request is an entity, equal only to itself; the generated field-by-field __eq__
+# made every `running.remove(req)` (and `in`) compare hundreds of requests' fields
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -357,16 +357,6 @@ class GemvRow:
     max_abs_err: float
 
 
-def copy_gbps(device: torch.device) -> float:
-    """A 1 GiB device-to-device copy's bytes read + written over its time, graph-replayed: the
-    bandwidth a GEMV's weight read is held to. (The first result, in
-    bench/results/kernels_gemv_h100/, recorded half of it, one way, as copy_gbps_each_way.)"""
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), smoke=False)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
-
-
 def bench_gemv_case(model: str, proj: str, n: int, k: int, T: int, dtype: torch.dtype,
                     device: torch.device, smoke: bool) -> GemvRow:  # fmt: skip
     from dspark.kernels.gemv_triton import gemv
@@ -400,7 +390,11 @@ def gemv_bench(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[l
     rows = [bench_gemv_case(model, proj, n, k, T, dtype, device, smoke)
             for model, projections in shapes.items() for proj, n, k in projections
             for T in token_counts]  # fmt: skip
-    bandwidth = None if smoke else copy_gbps(device)
+    bandwidth = None
+    if not smoke:  # bytes read + written by a large copy, as real_target_shapes.py's floors
+        from real_target_shapes import copy_bandwidth_gbs
+
+        bandwidth = copy_bandwidth_gbs(device.type)
     if bandwidth is not None:
         print(f"copy bandwidth (read + written): {bandwidth:.0f} GB/s")
     print(f"{'model':13} {'proj':8} {'T':>2} {'triton us':>10} {'cuBLAS us':>10} "

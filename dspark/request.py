@@ -37,8 +37,8 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-# eq=False: a request is an entity, equal only to itself; the generated field-by-field __eq__
-# made every `running.remove(req)` (and `in`) compare hundreds of requests' fields
+# eq=False: a request is an entity, equal only to itself; a generated field-by-field __eq__
+# would make every `running.remove(req)` (and `in`) compare hundreds of requests' fields
 @dataclass(eq=False)
 class Request:
     request_id: str

@@ -93,7 +93,7 @@ def ahead_blocker(s: SchedulerView, max_rows: int) -> str | None:
     tail_tokens = s.mixed_limits[1] if s.mixed_limits is not None else 0
     head = chunked = False  # head: a window so far; chunked: a prompt chunk joins the tail
     for req in s.running:
-        if req.is_prefilling and not req.num_windows_in_flight:
+        if not req.num_windows_in_flight and req.is_prefilling:
             # a prompt chunked over steps: its next chunk joins the tail as an admission
             # would, if a window comes before it (Scheduler.schedule caps a chunk after the
             # head to the tail's limits; before it, the chunk would run uncapped)

@@ -21,10 +21,10 @@ from dspark import envs
 # Rows up to which the projections take the GEMV. At one row it beats cuBLAS (a random-weight
 # SmolLM2 step at batch 1: 670 us against 867). Up to 8 rows its version that loaded W again for
 # every row lost: a step at batch 8 took 1,474 us against 1,001, and the speculative step at G = 1
-# (8-token windows) 1,790 against 1,292 (H200). Since, 2-8 rows share each W tile in registers,
-# and kernel by kernel (graph-replayed, H100, bench/results/kernels_gemv_h100/) 2 rows beat cuBLAS
-# at all four of SmolLM2's projections and 4 rows at three; a step at batch 2 or 4 is still to
-# time, so the default stays 1.
+# (8-token windows) 1,790 against 1,292 (H200). The kernel shares each W tile over 2-8 rows in
+# registers, and kernel by kernel (graph-replayed, H100, bench/results/kernels_gemv_h100/) 2
+# rows beat cuBLAS at all four of SmolLM2's projections and 4 rows at three; a step at batch 2
+# or 4 is still to time, so the default stays 1.
 GEMV_ROWS = 1
 GEMV_MAX_ROWS = 8  # gemv_triton.GEMV_MAX_ROWS (not imported: the CPU path needs no triton)
 # The largest weight (elements, of this rank's shard) that takes the GEMV. On an H100, one row,

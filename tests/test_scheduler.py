@@ -11,8 +11,8 @@ from dspark.sampling_params import SamplingParams
 from dspark.step_plan import SCRATCH_PAGE, SampledTokens
 
 
-def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+def _req(rid: str, prompt_len: int, max_tokens: int = 4, temperature: float = 0.0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     return Request(rid, list(range(3, 3 + prompt_len)), params, 0, eos_token_id=2, arrival_time=0.0)
 
 
@@ -81,6 +81,36 @@ def test_preemption_recomputes_the_newest_request_and_frees_everything_at_the_en
     assert a.finish_reason == b.finish_reason == FinishReason.LENGTH
     assert a.num_output_tokens == b.num_output_tokens == 10
     assert s.allocator.num_free == s.allocator.num_usable
+
+
+def test_sampling_requests_are_counted_while_they_run():
+    """num_sampling (what the drafting policy prices a step by) counts the running requests
+    that sample, through admission, preemption, re-admission and finish."""
+    s = _scheduler(num_pages=7, budget=32, max_model_len=64)  # 6 usable pages: b is preempted
+    a, b = _req("a", 8, max_tokens=10), _req("b", 8, max_tokens=10, temperature=1.0)
+    s.add(a)
+    s.add(b)
+    assert s.num_sampling == 0  # (waiting)
+    seen = set()
+    while s.has_unfinished:
+        _step(s)
+        running = sum(r.sampling_params.temperature > 0 for r in s.running)
+        assert s.num_sampling == running
+        seen.add(running)
+    assert b.num_preemptions > 0 and seen == {0, 1} and s.num_sampling == 0
+
+
+def test_prefilled_says_whether_the_last_plan_admitted_or_prefilled():
+    s = _scheduler(budget=16)
+    s.add(_req("a", 20))
+    assert _step(s).rows[0].num_tokens == 16 and s.prefilled  # admitted, a first chunk
+    _step(s)
+    assert s.prefilled  # its last chunk
+    _step(s)
+    assert not s.prefilled  # a decode row
+    s.add(_req("b", 3))
+    _step(s)
+    assert s.prefilled
 
 
 def test_finish_frees_pages_and_abort_of_a_waiting_request():

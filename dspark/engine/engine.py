@@ -200,8 +200,6 @@ class LLMEngine:
             self.async_scheduling = config.async_scheduling
             self._in_flight: InFlightStep | None = None
             self._step_periods = StepPeriods()  # which step periods are realised costs
-            # the last decided step admitted or prefilled (realised costs)
-            self._last_arrivals = False
             # tensor parallelism (engine/tp_steps.py): rank 0's changes since the last header, in
             # order: ("add", Request fields) | ("abort", id); a worker follows rank 0's steps
             self._tp_steps = TPSteps(tp) if tp is not None else None
@@ -431,7 +429,7 @@ class LLMEngine:
         now = time.perf_counter()
         reqs = self.scheduler.running
         running = [r.request_id for r in reqs]
-        sampled = any(r.sampling_params.temperature > 0 for r in reqs)
+        sampled = self.scheduler.num_sampling > 0
         decision = self.policy.decide(running, sampled)
         self.scheduler.drafting = decision.drafting
         self.scheduler.trimmed_cell = decision.trimmed_cell
@@ -444,8 +442,8 @@ class LLMEngine:
                                       counted, now)  # fmt: skip
         recorded = time.perf_counter()
         if counted is not None:  # (the period is the previous decision's step)
-            self.policy.record_step(*counted, arrivals=self._last_arrivals)
-        self._last_arrivals = self.scheduler.has_arrivals()  # (priced apart: realised_costs.py)
+            # (the decided step: the last schedule(); priced apart: realised_costs.py)
+            self.policy.record_step(*counted, arrivals=self.scheduler.prefilled)
         host = self.policy.host_time  # the scheduling overhead, per step in the bench
         host["decide_s"] += (traced - now) + (time.perf_counter() - recorded)
         host["trace_s"] += recorded - traced

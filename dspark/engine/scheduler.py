@@ -97,6 +97,13 @@ class Scheduler:
         self.num_first_windows_deferred = 0
         # unfinished requests with structured output: while 0, no step looks for grammar rows
         self.num_structured = 0
+        # running requests that sample (temperature > 0): the drafting policy prices a step by
+        # the sampled cells while any runs (kept here: counting them costs a pass over 256
+        # requests a step)
+        self.num_sampling = 0
+        # whether the last schedule() admitted a request or carried a prefill chunk (the
+        # drafting policy prices such steps apart: policy/realised_costs.py)
+        self.prefilled = False
         # requests ended at a token their grammar does not allow (update(): masking should
         # make it impossible; logged with the matcher's reason)
         self.num_grammar_errors = 0
@@ -115,18 +122,13 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------------
 
-    def has_arrivals(self) -> bool:
-        """Will the next step admit waiting requests or prefill running ones?"""
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return True
-        return any(r.is_prefilling for r in self.running)
-
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted_before = self.num_preemptions
         page_size, running = self.page_size, RequestStatus.RUNNING
         is_decode = True  # every row so far one token that samples
+        prefilled = False  # a row so far admits or prefills
         # a mixed step: its head (windows in a drafting step, decode rows in a plain one),
         # then a tail of the other rows (prefill chunks; plain decode rows beside windows)
         drafting = bool(self.draft_len) and self.drafting
@@ -199,6 +201,7 @@ class Scheduler:
             rows.append(ScheduledRow(req, start, n, start + n == num_tokens))
             budget -= n
             is_decode = is_decode and n == 1 and start + n == num_tokens
+            prefilled = True
             num_tail += 1
             tail_tokens_left -= n
         cache = self.prefix_cache
@@ -221,6 +224,8 @@ class Scheduler:
             if req.scheduled_time is None:  # (a preempted request's queue time ended before)
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
+            self.num_sampling += req.sampling_params.temperature > 0
+            prefilled = True
             row = ScheduledRow.of(req, n)
             rows.append(row)
             budget -= n
@@ -232,6 +237,7 @@ class Scheduler:
             rows = [r for r, h in zip(rows, head, strict=True) if h] + [
                 r for r, h in zip(rows, head, strict=True) if not h
             ]
+        self.prefilled = prefilled
         trimmed = self.trimmed_cell if drafting else None
         grammar_rows = ()
         if self.num_structured:
@@ -309,6 +315,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         # recomputation: drop the KV, keep the tokens; the request re-prefills prompt + outputs
         self.running.remove(req)
+        self.num_sampling -= req.sampling_params.temperature > 0
         self.allocator.free(req.page_ids)
         req.page_ids = []
         req.num_computed_tokens = req.num_published_pages = 0
@@ -497,6 +504,7 @@ class Scheduler:
         self.num_structured -= req.grammar is not None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self.num_sampling -= req.sampling_params.temperature > 0
         elif req in self.waiting:
             self.waiting.remove(req)
         self.allocator.free(req.page_ids)

@@ -266,18 +266,20 @@ class SurvivalEstimates:
         mean = self.population_mean()
         target = float(k) if mean is None else mean  # (no population yet: what unseen counts)
         decay, rho = self._regression_decay, self.persistence
+        step, sums, stale = self.step, self._survival_sums, float(k)
         totals, kinds = [], []
         for rid in request_ids:
-            seen = self._survival_sums.get(rid)
+            seen = sums.get(rid)
             if seen is None:
                 totals.append(unseen)
                 kinds.append(unseen_kind)
             elif seen[1] < fresh_since:
-                totals.append(float(k))
+                totals.append(stale)
                 kinds.append(STALE)
             else:
-                own = min(k, scale * seen[0])
-                totals.append(target + (own - target) * rho * decay ** (self.step - seen[1]))
+                own = scale * seen[0]
+                totals.append(target + ((k if own > k else own) - target) * rho
+                              * decay ** (step - seen[1]))  # fmt: skip
                 kinds.append(FRESH)
         return totals, kinds
 

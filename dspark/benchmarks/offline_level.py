@@ -172,7 +172,8 @@ def _spec_delta(before: dict, after: dict) -> dict:
             "launched_ahead": a["launched_ahead"] - b.get("launched_ahead", 0),
             "not_ahead": {k: n for k, n in not_ahead.items() if n},
         }
-        for key in ("admitting", "behind_mixed"):  # (mixed steps ahead, where counted)
+        # (mixed steps ahead, drafting steps behind a plain one, where counted)
+        for key in ("admitting", "behind_mixed", "after_plain"):
             if n := a.get(key, 0) - b.get(key, 0):
                 d["async_spec_steps"][key] = n
     if "drafting_policy" in after:  # steps with and without drafting at this level

@@ -22,9 +22,13 @@ launched behind a drafting step N still in flight. Its rows are windows of two k
 continuation, whose anchor is the last token its request's window in N emits, at position
 anchor_pos + num_accepted + 1, both known only on the device (the runner writes them into
 N+1's inputs there, runner/continuations.py), or a request whose anchor is on the host.
-The host reserves pages for the most N can emit. Anything the host needs N's count for finishes
-N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a plain step in
-flight before a drafting one, drafting turned off, plain rows (opted out, min_tokens, a prompt
+The host reserves pages for the most N can emit. A drafting step launches behind a plain step
+N too: each window's anchor is the token N samples for its request, at a position the host
+knows, fed on the device into the target's input and the drafter's anchor (ModelRunner.can_feed
+judges the plan; SpecRunner._feed_anchors). Anything the host needs N's count for finishes
+N first, the reason counted in runner.stats["spec_steps_not_ahead_<reason>"]: a drafting step
+behind a plain one that cannot take its inputs there (after_plain_step), drafting turned off,
+plain rows (opted out, min_tokens, a prompt
 chunk no window precedes or no captured mixed tail takes; a request's last token is not one: it
 is verified as an empty window among the windows),
 a waiting request that could be admitted (unless a captured mixed step's tail takes it:
@@ -456,11 +460,21 @@ class LLMEngine:
         if previous is not None and (reason := self._ahead_blocker(previous, drafting)):
             self.runner.stats[f"spec_steps_not_ahead_{reason}"] += 1
             outputs, previous = self._finish(previous), None
+        behind_plain = previous is not None and not previous.window_rows
+        # behind a plain step, a request whose token it samples gets its window now, the
+        # anchor taken there on the device (can_feed judges the plan)
+        self.scheduler.anchors_in_flight = behind_plain and drafting
         plan = self.scheduler.schedule()
+        self.scheduler.anchors_in_flight = False
         if not plan.is_empty:
-            if previous is not None and not previous.window_rows:
+            if behind_plain:
+                windows = drafting and any(r.num_draft for r in plan.rows)
                 if not self.runner.can_feed(plan, previous):
                     outputs, previous = self._finish(previous), None
+                    if windows:
+                        self.runner.stats["spec_steps_not_ahead_after_plain_step"] += 1
+                elif windows:
+                    self.runner.stats["spec_steps_launched_ahead_after_plain"] += 1
             elif previous is not None:  # behind a step of windows: windows, then admissions
                 # the tail: prefill chunks, every input token on the host (a prompt's, or a
                 # preempted request's recompute, whose cached pages may leave one token)
@@ -492,7 +506,7 @@ class LLMEngine:
         a step of windows only by full windows, of the requests whose anchors are known or
         come out of its verification (Scheduler.ahead_blocker)."""
         if not previous.window_rows:
-            return "after_plain_step" if drafting else None  # (anchors needed on the host)
+            return None  # (its one token a row is fed on the device: can_feed judges the plan)
         if not drafting:
             return "drafting_off"
         return self.scheduler.ahead_blocker(self.runner.spec_runner.max_uniform_rows)

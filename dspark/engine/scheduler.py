@@ -77,6 +77,10 @@ class Scheduler:
         self.max_verify = draft_len if max_verify is None else max_verify
         # False: the next schedule() gives no request a window (the drafting policy's choice)
         self.drafting = True
+        # True while the engine schedules behind a plain step in flight: a request whose last
+        # token that step samples gets its window now, the anchor taken on the device (else
+        # it waits a step: engine/ahead.py, behind a mixed step)
+        self.anchors_in_flight = False
         # the drafting policy's trimmed cell (G, V) for the next schedule()'s windows, or None
         self.trimmed_cell: tuple[int, int] | None = None
         # totals since start (the stats line reads their increments)
@@ -163,8 +167,8 @@ class Scheduler:
             num_tokens = len(tokens)
             if tokens[-1] == PENDING_TOKEN and num_tokens >= req.max_num_tokens:
                 continue  # its pending token is its last: it ends once the value arrives
-            if drafting and tokens[-1] == PENDING_TOKEN:  # behind a mixed step (engine/ahead.py)
-                self.num_first_windows_deferred += 1
+            if drafting and tokens[-1] == PENDING_TOKEN and not self.anchors_in_flight:
+                self.num_first_windows_deferred += 1  # behind a mixed step (engine/ahead.py)
                 continue
             num_draft = self.num_draft(req, budget) if drafting else 0
             if num_draft > 0:  # the drafter block writes K slots from the anchor on

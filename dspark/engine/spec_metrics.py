@@ -64,6 +64,9 @@ def spec_metrics(
         "admitting": stats["spec_steps_launched_ahead_admitting"],
         "behind_mixed": stats["spec_steps_launched_behind_mixed"],
         "first_windows_deferred": scheduler.num_first_windows_deferred,
+        # drafting steps launched behind a plain step, their anchors fed on the device
+        "after_plain": stats["spec_steps_launched_ahead_after_plain"],
+        "fed_anchor_windows": stats["fed_anchor_windows"],
         "not_ahead": {k.removeprefix("spec_steps_not_ahead_"): n for k, n in stats.items()
                       if k.startswith("spec_steps_not_ahead_")},
     }  # fmt: skip

@@ -325,12 +325,13 @@ class ModelRunner:
             return logits[: len(logit_rows)]
         return logits[host_to_device(logit_rows, torch.int64, self.device)]
 
-    @staticmethod
-    def can_feed(plan: StepPlan, previous: InFlightStep) -> bool:
+    def can_feed(self, plan: StepPlan, previous: InFlightStep) -> bool:
         """May `plan` launch before `previous` is collected? A pending token may only be the
-        one input of a decode row, fed from `previous` (a preempted request re-admitted at once
-        would need its pending token on the host). Nor may a request whose penalties or bad
-        words read its outputs (sample/logits_shaping.py builds them on the host)."""
+        one input of a decode row, or the anchor of a window (not a continuation) in a step
+        that lays its windows out first (a step may launch behind it), fed from `previous` (a
+        preempted request re-admitted at once would need its pending token on the host). Nor
+        may a request whose penalties or bad words read its outputs (sample/logits_shaping.py
+        builds them on the host)."""
         if any(r.request.reads_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
                for r in plan.rows):  # fmt: skip
             return False
@@ -338,14 +339,25 @@ class ModelRunner:
             pending = [r.request.serial for r in plan.rows
                        if r.request.token_ids[r.start] == PENDING_TOKEN]  # fmt: skip
         else:
-            pending = []
+            pending, windows, fed_rows = [], False, False
             for row in plan.rows:
                 tokens = row.request.token_ids
-                if row.num_tokens == 1:
+                if row.num_draft or row.empty_window:
+                    if row.is_continuation:
+                        return False
+                    windows = True
                     if tokens[row.start] == PENDING_TOKEN:
                         pending.append(row.request.serial)
+                elif row.num_tokens == 1:
+                    if tokens[row.start] == PENDING_TOKEN:
+                        pending.append(row.request.serial)
+                        fed_rows = True
                 elif PENDING_TOKEN in tokens[row.start : row.end]:
                     return False
+            # a drafting step: its plain rows are its tail (host inputs only), and a step
+            # launched ahead lays its windows out first (a step may launch behind it)
+            if windows and (fed_rows or not self.stager.lays_windows_first(plan)):
+                return False
         if not pending:
             return True
         if previous.sampled_serials is None:

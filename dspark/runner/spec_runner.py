@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from dspark.request import TokenLogprobs
+from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.chosen_lengths import trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.cuda_graph import graph_logits
@@ -217,11 +217,15 @@ class SpecRunner:
     ) -> SpecStepOutput:
         cu, plan_rows, vocab_size = layout.cu_num_tokens_cpu, plan.rows, self.vocab_size
         rows = []
+        fed = []  # (window, its anchor's token index) of anchors the step before samples
         for i in window_rows:  # (a few hundred a step at high load: WindowRow by new_tuple)
             req, start, _, _, num_draft, is_continuation, _ = plan_rows[i]
             sp = req.sampling_params
             # (a continuation's anchor is written on the device: see _feed_continuations)
             anchor = PAD_TOKEN_ID if is_continuation else req.token_ids[start]
+            if anchor == PENDING_TOKEN:  # (launched behind the plain step that samples it)
+                fed.append((len(rows), cu[i]))
+                anchor = PAD_TOKEN_ID
             top_k = sp.top_k if sp.top_k > 0 else vocab_size
             fields = (anchor, start, num_draft, cu[i], i, sp.temperature, top_k, sp.top_p, req.seed)
             rows.append(new_tuple(WindowRow, fields))
@@ -245,6 +249,7 @@ class SpecRunner:
             self.spec.stage(rows, graph_size, pad_token_offset=cu[len(plan.rows)],
                             window_width=width, block_table=table)  # fmt: skip
             self._feed_continuations(plan, width, serials)
+            self._feed_anchors(fed)
             self.stats["spec_graph_steps"] += 1
             self.stats["spec_graph_steps_mixed"] += bool(graph_tail)
             if graph_tail and len(self.graphs.tails) > 1:  # which of several sizes it took
@@ -253,6 +258,7 @@ class SpecRunner:
             return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width, serials)
+        self._feed_anchors(fed)
         self.stats["eager_spec_steps"] += 1
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
@@ -322,6 +328,21 @@ class SpecRunner:
         else:
             write_continuations(b, sb, rows, next_pos[src], next_tok[src], limits, width)
         self.stats["continuation_windows"] += len(limits)
+
+    def _feed_anchors(self, fed: list[tuple[int, int]]) -> None:
+        """The drafter's anchors of windows launched behind the plain step that samples them:
+        the token ModelRunner fed into the target's input there (`_feed_pending`), read back
+        from it on the device.
+
+          fed [(0, 0), (2, 16)] (window, its anchor's token index): anchors[[0, 2]] =
+          input_ids[[0, 16]]
+        """
+        if not fed:
+            return
+        pairs = np.array(fed, dtype=np.int64).T.copy()  # [2, n]: windows, token indices
+        windows, tokens = host_to_device(pairs, torch.int64, self.device)
+        self.spec.buffers.anchors[windows] = self.buffers.input_ids[tokens]
+        self.stats["fed_anchor_windows"] += len(fed)
 
     def _target_step(
         self,

@@ -29,7 +29,13 @@ from dspark.runner.cuda_graph import DecodeGraphs
 from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.runner.mixed_layout import graph_tail_rows, stage_tail, write_tail_pads
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
-from dspark.runner.shapes import decode_size, mixed_decode_shape, prompt_scored
+from dspark.runner.shapes import (
+    decode_size,
+    leading_windows,
+    mixed_decode_shape,
+    prompt_scored,
+    window_width,
+)
 from dspark.runner.spec_runner import SpecRunner
 from dspark.spec.spec_decoder import SpecDecoder
 from dspark.step_plan import PAD_SLOT, PAD_TOKEN_ID, StepPlan
@@ -103,6 +109,19 @@ class StepStager:
         if key is not None:
             return self._stage_mixed_decode(plan, reqs, serials, *key)
         return self._stage_rows(plan, reqs, serials)
+
+    def lays_windows_first(self, plan: StepPlan) -> bool:
+        """Will stage() lay the plan's windows out K + 1 wide in its first rows (all windows,
+        or windows and then a tail), so that a step may launch behind it?"""
+        runner = self.spec_runner
+        if runner is None or not runner.uniform_windows or plan.is_decode:
+            return False
+        if prompt_scored(plan)[0]:
+            return False
+        num_verify, capacity = self.spec.num_verify, runner.capacity
+        if window_width(plan, num_verify, capacity) is not None:
+            return True
+        return leading_windows(plan, num_verify, capacity, runner.max_tail_tokens)[0] is not None
 
     def _stage_decode(self, plan: StepPlan, reqs: list, serials: np.ndarray) -> Staged:
         """A decode step, by numpy over the rows: row i feeds token `start` of its request at
@@ -196,7 +215,7 @@ class StepStager:
         """
         b, n = self.buffers, len(plan.rows)
         t = n * width
-        starts = self._write_windows(plan.rows, width)
+        starts, num_fed = self._write_windows(plan.rows, serials, width)
         graph_size = self.spec_runner.graph_size(plan, width)
         size = n if graph_size is None else graph_size
         if size > n:  # pad windows on the scratch page; every token is scored
@@ -205,14 +224,18 @@ class StepStager:
         seq_lens = (starts + width).tolist() + [width] * (size - n)
         layout = StepLayout(size * width, size, size * width,
                             tuple(range(0, (size + 1) * width, width)), tuple(seq_lens),
-                            window_width=width)  # fmt: skip
+                            num_fed=num_fed, window_width=width)  # fmt: skip
         no_rows = np.empty(0, dtype=np.int64)
         return Staged(layout, graph_size, reqs, serials, no_rows, no_rows,
                       window_rows=tuple(range(n)))  # fmt: skip
 
-    def _write_windows(self, rows: tuple, width: int) -> np.ndarray:
+    def _write_windows(
+        self, rows: tuple, serials: np.ndarray, width: int
+    ) -> tuple[np.ndarray, int]:
         """Rows 0..n-1 of the step, windows of `width` tokens from token 0 on (see
-        _stage_windows), every token scored; returns their anchors' positions [n]."""
+        _stage_windows), every token scored; returns their anchors' positions [n] and how
+        many anchors are fed on the device: a window launched behind the plain step that
+        samples its anchor (`_stage_feed`; SpecRunner gives the drafter the same token)."""
         b, ps, n = self.buffers, self.page_size, len(rows)
         t = n * width
         starts = np.array([r.start for r in rows], dtype=np.int64)  # [n]
@@ -224,6 +247,8 @@ class StepStager:
         ids = np.zeros((n, width), dtype=np.int64)
         ids[:, 0] = [PAD_TOKEN_ID if r.is_continuation else r.request.token_ids[r.start]
                      for r in rows]  # fmt: skip
+        fed = np.flatnonzero(ids[:, 0] == PENDING_TOKEN)
+        num_fed = self._stage_feed(fed * width, serials[fed]) if fed.size else 0
         b.np("input_ids")[:t] = ids.reshape(-1)
         b.np("positions")[:t] = positions.reshape(-1)
         b.np("slot_mapping")[:t] = slots.reshape(-1)
@@ -231,7 +256,7 @@ class StepStager:
         b.np("seq_lens")[:n] = starts + width
         b.np("logits_indices")[:t] = self._arange[:t]
         self.stats["empty_windows"] += int(empty.sum())
-        return starts
+        return starts, num_fed
 
     def _stage_mixed(
         self, plan: StepPlan, reqs: list, serials: np.ndarray, num_windows: int
@@ -243,7 +268,7 @@ class StepStager:
         b, n, width = self.buffers, num_windows, 1 + self.spec.num_verify
         self.stats["mixed_spec_steps"] += 1
         t_windows = n * width
-        self._write_windows(plan.rows[:n], width)
+        _, num_fed = self._write_windows(plan.rows[:n], serials[:n], width)
         tail = stage_tail(b, plan.rows[n:], n, t_windows, self.page_size)
         m, t_live = len(plan.rows) - n, t_windows + tail.num_tokens
         window_logits = list(range(t_windows))
@@ -262,7 +287,7 @@ class StepStager:
         rows = G + tail_rows  # (the host mirrors: what the staging above wrote)
         cu, seq_lens = b.np("cu_num_tokens")[: rows + 1], b.np("seq_lens")[:rows]
         layout = StepLayout(G * width + P, rows, len(logits), tuple(cu.tolist()),
-                            tuple(seq_lens.tolist()), window_width=width,
+                            tuple(seq_lens.tolist()), num_fed=num_fed, window_width=width,
                             tail_rows=tail_rows)  # fmt: skip
         sampled = np.array([n + k for k in tail.sampled], dtype=np.int64)
         ends = np.array(tail.sampled_ends, dtype=np.int64)
@@ -314,6 +339,9 @@ class StepStager:
                 # never accepted, whose KV goes to the scratch page (the request owns the
                 # anchor's slot only: its last token)
                 end = start + window_width
+                if req.token_ids[start] == PENDING_TOKEN:  # (behind the step that samples it)
+                    fed_dst.append(cu[-1])
+                    fed_rows.append(i)
                 ids += [req.token_ids[start]] + [0] * (window_width - 1)
                 logits_idx += range(cu[-1], cu[-1] + window_width)
                 positions += range(start, end)
@@ -340,6 +368,9 @@ class StepStager:
                     # start is the latest the anchor can be, every host value an upper bound)
                     end = start + (window_width or row.num_tokens)
                     anchor = PAD_TOKEN_ID if row.is_continuation else req.token_ids[start]
+                    if anchor == PENDING_TOKEN:  # (behind the step that samples it)
+                        fed_dst.append(cu[-1])
+                        fed_rows.append(i)
                     ids += [anchor] + [0] * (end - start - 1)
                     logits_idx += range(cu[-1], cu[-1] + end - start)  # all scored
                 else:

@@ -92,6 +92,59 @@ def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
     assert not e.scheduler.has_unfinished and e._in_flight is None
 
 
+def _switching(llm: LLM, params: list[SamplingParams], period: int):
+    """Drafting on for `period` steps, off for `period`, ...: each finished request's
+    (tokens, text, finish reason, stop reason, logprobs)."""
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        engine.scheduler.drafting = (step // period) % 2 == 0
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                                        c.logprobs)  # fmt: skip
+        step += 1
+    return done
+
+
+@pytest.mark.parametrize("period", [1, 3])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(num_kv_pages=256, max_num_batched_tokens=64, max_num_seqs=8),
+     dict(num_kv_pages=7, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4)],
+    ids=["roomy", "preemption"],
+)  # fmt: skip
+def test_drafting_steps_launched_behind_plain_steps_equal_sync(tiny_vocab_dir, drafter, kw,
+                                                               period):  # fmt: skip
+    """Drafting switched on and off as the policy switches it: a drafting step is launched
+    behind the plain step in flight, its windows' anchors (the tokens that step samples)
+    taken there on the device. Stops, min_tokens, a request that never drafts, seeded
+    sampling and preemption give the outputs of the synchronous engine switched alike."""
+    sync = _llm(tiny_vocab_dir, drafter, False, **kw)
+    params = _params(sync)
+    expected = _switching(sync, params, period)
+    fast = _llm(tiny_vocab_dir, drafter, True, **kw)
+    got = _switching(fast, params, period)
+    assert got.keys() == expected.keys()
+    for rid in expected:
+        g, e = got[rid], expected[rid]
+        assert g[:4] == e[:4], rid
+        assert (g[4] is None) == (e[4] is None)
+        for lg, le in zip(g[4] or [], e[4] or [], strict=True):
+            assert lg.keys() == le.keys()
+            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
+    stats, e = fast.engine.runner.stats, fast.engine
+    assert stats["spec_steps_launched_ahead_after_plain"] > 0, dict(stats)  # not vacuous
+    assert stats["fed_anchor_windows"] > 0
+    assert e.allocator.num_free == e.allocator.num_usable
+    assert not e.scheduler.has_unfinished and e._in_flight is None
+    if kw["num_kv_pages"] == 7:
+        assert e.scheduler.num_preemptions > 0
+
+
 def test_switched_off_runs_drafting_steps_synchronously(tiny_vocab_dir, drafter):
     llm = _llm(tiny_vocab_dir, drafter, False, num_kv_pages=64)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

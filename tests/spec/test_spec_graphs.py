@@ -101,6 +101,37 @@ def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, 
     assert runs[True] == runs[False]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "temperature"])
+def test_drafting_steps_behind_plain_steps_on_graphs_equal_eager(tiny_vocab_dir, vocab_drafter,
+                                                                 temperature):  # fmt: skip
+    """Drafting switched off and on every few steps with graphs and async scheduling: a
+    drafting step replays its graph behind the plain step in flight, its windows' anchors fed
+    there on the device; the tokens equal the eager synchronous run's switched alike."""
+    params = SamplingParams(temperature=temperature, seed=11, max_tokens=48, ignore_eos=True)
+    runs, stats = {}, None
+    for graphs in (False, True):
+        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
+                  max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
+                  async_scheduling=graphs,
+                  speculative_config={"model": str(vocab_drafter)})  # fmt: skip
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS12):
+            engine.add_request(str(i), prompt, params)
+        done, step = {}, 0
+        while engine.has_unfinished_requests():
+            engine.scheduler.drafting = (step // 3) % 2 == 0
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        runs[graphs] = done
+        stats = engine.runner.stats
+        assert engine.allocator.num_free == engine.allocator.num_usable
+    assert stats["spec_steps_launched_ahead_after_plain"] > 0, dict(stats)
+    assert stats["fed_anchor_windows"] > 0 and stats["spec_graph_steps"] > 0, dict(stats)
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize("tails", [8, [4, 8]], ids=["one_tail", "two_tails"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "temperature"])
 def test_mixed_graphs_replay_equals_eager(tiny_vocab_dir, vocab_drafter, temperature, tails):

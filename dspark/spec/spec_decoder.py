@@ -120,8 +120,8 @@ class SpecDecoder:
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.synthetic = synthetic
         if synthetic is not None:  # (made once: a captured step cannot copy from the host)
-            self._synthetic_rates = synthetic.device_rates(self.draft_len, device)  # [K]
-            self._synthetic_logits = synthetic.unit_logits(self.draft_len, device)  # [K]
+            self._synthetic_rates = synthetic.device_rates(self.num_verify, device)  # [K]
+            self._synthetic_logits = synthetic.unit_logits(self.num_verify, device)  # [K]
         self.reset_metrics()
         # called once per verified step with (verify_len, num_accepted, raw confidence logits
         # [R, K] on the host), live windows in plan order: calibration records through this
@@ -234,22 +234,29 @@ class SpecDecoder:
         block_table: torch.Tensor,  # [R, W] the window rows' pages
         shaping: LogitsShaping | None = None,
     ) -> DraftBlock:
-        b, R = self.buffers, num_rows
+        """The block of K = num_verify drafts a row: the backbone runs over the whole
+        drafter block (draft_len slots, which attend to each other), the LM head, the Markov
+        head and the confidence head over the first K slots only, the ones a window can
+        verify (K = 3 of a block of 7: three slots' vocabulary logits, not seven)."""
+        b, R, K = self.buffers, num_rows, self.num_verify
         anchors = b.anchors[:R]
         hidden = self.drafter.block_hidden(
             anchors, b.block_positions[: R * self.draft_len], b.block_metadata(R, block_table),
             self.kv_caches,
         )  # fmt: skip
-        block = draft_block(self.drafter, hidden, anchors, b.anchor_pos[:R], st, shaping)
-        # slot k < verify_len goes to its window token; the others rewrite the anchor itself
-        slots = torch.arange(self.draft_len, device=self.device)
+        block = draft_block(self.drafter, hidden[:, :K], anchors, b.anchor_pos[:R], st, shaping)
+        # slot k < verify_len goes to its window token; the others (the block's slots past K
+        # too) rewrite the anchor itself
+        slots = torch.arange(K, device=self.device)
         keep = slots[None, :] < b.verify_len[:R, None]  # [R, K]
         values = torch.where(keep, block.tokens, anchors[:, None])
+        if K < self.draft_len:
+            values = torch.cat([values, anchors[:, None].expand(R, self.draft_len - K)], dim=1)
         input_ids.index_copy_(0, b.draft_dst[:R].reshape(-1), values.reshape(-1))
         if self.synthetic is not None and block.confidence_logits is not None:
             temps = torch.where((st.temperature == 0)[:, None],
-                                self.greedy_confidence_temperatures[None, :],
-                                self.confidence_temperatures[None, :])  # [R, K]  # fmt: skip
+                                self.greedy_confidence_temperatures[None, :K],
+                                self.confidence_temperatures[None, :K])  # [R, K]  # fmt: skip
             logits = synthetic_confidence_logits(self._synthetic_logits, temps)
             block = dataclasses.replace(block, confidence_logits=logits)
         return block

@@ -57,6 +57,31 @@ def test_greedy_speculation_equals_plain_decoding(tiny_vocab_dir, vocab_drafter,
         assert e.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "temperature"])
+def test_drafting_computes_only_the_slots_a_window_verifies(tiny_vocab_dir, vocab_drafter,
+                                                            temperature):  # fmt: skip
+    """K = 2 of a drafter block of 4: the backbone runs over the block, the LM head over two
+    slots a row (the vocabulary logits of slots no window verifies are never made), and the
+    output equals plain decoding (greedy) or runs (sampled)."""
+    kw = dict(dtype="float32", device="cpu", num_kv_pages=128, max_num_seqs=8, max_model_len=64)
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(tiny_vocab_dir), speculative_config={"model": str(vocab_drafter),
+              "num_speculative_tokens": 2}, **kw)  # fmt: skip
+    spec = llm.engine.spec
+    assert (spec.draft_len, spec.num_verify) == (4, 2)
+    blocks = []  # the drafter's LM head inputs: [R, slots, d] (the target's are [T, d])
+    hook = spec.drafter.target.lm_head.register_forward_hook(
+        lambda module, args, out: blocks.append(tuple(args[0].shape)) if args[0].dim() == 3
+        else None
+    )  # fmt: skip
+    got = _outputs(llm, PROMPTS12, params)
+    hook.remove()
+    assert blocks and all(shape[1] == 2 for shape in blocks), blocks
+    assert llm.engine.get_metrics()["num_drafts"] > 0
+    if temperature == 0:
+        assert got == _outputs(LLM(str(tiny_vocab_dir), **kw), PROMPTS12, params)
+
+
 def test_greedy_speculation_on_a_large_vocabulary(tiny_llama_dir, llama_drafter):
     prompts = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -142,14 +142,17 @@ class SurvivalEstimates:
         sums = a.sum(-1).tolist()
         if num_accepted is not None and verify_len is not None:
             self._fit_persistence(request_ids, num_accepted, verify_len)  # (estimates before)
-        w = self._block_weight
+        w, step, smoothed_sums = self._block_weight, self.step, self._survival_sums
         earlier = self._earlier_sums if self.decision_lag == 2 else None
-        for rid, total in zip(request_ids, sums, strict=True):
-            seen = self._survival_sums.get(rid)
-            smoothed = total if seen is None else seen[0] + w * (total - seen[0])
-            self._survival_sums[rid] = (smoothed, self.step)
-            if earlier is not None and seen is not None:
-                earlier[rid] = seen[0]
+        for rid, total in zip(request_ids, sums, strict=True):  # (hundreds of rows a step)
+            seen = smoothed_sums.get(rid)
+            if seen is None:
+                smoothed_sums[rid] = (total, step)
+                continue
+            before = seen[0]
+            smoothed_sums[rid] = (before + w * (total - before), step)
+            if earlier is not None:
+                earlier[rid] = before
         decay = self._decay ** len(sums)
         self._population_sum = self._population_sum * decay + sum(sums)
         if sums:

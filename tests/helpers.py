@@ -69,6 +69,19 @@ def assert_same_windows(got, expected):
     ]
 
 
+def assert_same_finished(got: dict, expected: dict) -> None:
+    """Finished outputs by request id, each (token ids, text, finish reason, logprobs, ...):
+    every field equal, the logprobs to fp32 noise."""
+    assert got.keys() == expected.keys()
+    for rid in expected:
+        g, e = got[rid], expected[rid]
+        assert g[:3] + g[4:] == e[:3] + e[4:], rid
+        assert (g[3] is None) == (e[3] is None)
+        for lg, le in zip(g[3] or [], e[3] or [], strict=True):
+            assert lg.keys() == le.keys()
+            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
+
+
 def assert_same_run(got, expected, seen):
     """An engine's outputs equal a reference engine's: what `seen` reads of them, then their
     logprobs and their windows."""

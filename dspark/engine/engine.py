@@ -463,9 +463,7 @@ class LLMEngine:
         behind_plain = previous is not None and not previous.window_rows
         # behind a plain step, a request whose token it samples gets its window now, the
         # anchor taken there on the device (can_feed judges the plan)
-        self.scheduler.anchors_in_flight = behind_plain and drafting
-        plan = self.scheduler.schedule()
-        self.scheduler.anchors_in_flight = False
+        plan = self.scheduler.schedule(anchors_in_flight=behind_plain and drafting)
         if not plan.is_empty:
             if behind_plain:
                 windows = drafting and any(r.num_draft for r in plan.rows)

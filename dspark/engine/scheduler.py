@@ -77,10 +77,6 @@ class Scheduler:
         self.max_verify = draft_len if max_verify is None else max_verify
         # False: the next schedule() gives no request a window (the drafting policy's choice)
         self.drafting = True
-        # True while the engine schedules behind a plain step in flight: a request whose last
-        # token that step samples gets its window now, the anchor taken on the device (else
-        # it waits a step: engine/ahead.py, behind a mixed step)
-        self.anchors_in_flight = False
         # the drafting policy's trimmed cell (G, V) for the next schedule()'s windows, or None
         self.trimmed_cell: tuple[int, int] | None = None
         # totals since start (the stats line reads their increments)
@@ -126,7 +122,10 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, anchors_in_flight: bool = False) -> StepPlan:
+        """The next step's rows. anchors_in_flight: the engine schedules behind a plain step
+        in flight, so a request whose last token that step samples gets its window now, the
+        anchor taken on the device (else, behind a mixed step, it waits a step: ahead.py)."""
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted_before = self.num_preemptions
@@ -167,7 +166,7 @@ class Scheduler:
             num_tokens = len(tokens)
             if tokens[-1] == PENDING_TOKEN and num_tokens >= req.max_num_tokens:
                 continue  # its pending token is its last: it ends once the value arrives
-            if drafting and tokens[-1] == PENDING_TOKEN and not self.anchors_in_flight:
+            if drafting and tokens[-1] == PENDING_TOKEN and not anchors_in_flight:
                 self.num_first_windows_deferred += 1  # behind a mixed step (engine/ahead.py)
                 continue
             num_draft = self.num_draft(req, budget) if drafting else 0

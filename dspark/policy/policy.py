@@ -36,10 +36,10 @@ Flapping is prevented twice over. The other mode must beat the incumbent by (1 +
 Switching drafting off is not delayed: a drafting step costs several plain steps at high load,
 so one step of fresh confidences is enough to stop. (A switch costs one step that cannot launch
 ahead: the plain step after a drafting one, whose inputs only verification knows; the drafting
-step that resumes launches behind the plain one, engine.py.) Example, G = 64, K = 7, plain 1.1 ms, full 4.3 ms, survivals summing to 1.3 per row:
-plain 64 / 1.1 = 58 tokens/ms, full 64 * 2.3 / 4.3 = 34 tokens/ms, so drafting goes off; at
-G = 1 (1.15 vs 2.0 ms) the same request gives 0.87 against 1.15 tokens/ms, and drafting comes
-back once the dwell has passed.
+step that resumes launches behind the plain one, engine.py.) Example, G = 64, K = 7, plain
+1.1 ms, full 4.3 ms, survivals summing to 1.3 per row: plain 64 / 1.1 = 58 tokens/ms, full
+64 * 2.3 / 4.3 = 34 tokens/ms, so drafting goes off; at G = 1 (1.15 vs 2.0 ms) the same request
+gives 0.87 against 1.15 tokens/ms, and drafting comes back once the dwell has passed.
 
 Realised step costs (realised_costs.py): the table prices steady steps, and a serving loop's
 drafting steps (prefill tails, eager fallbacks at high load) cost more; the engine reports

@@ -6,8 +6,9 @@
 
 K may be smaller than the checkpoint's draft_len (the drafter's backbone still runs over its
 whole block, whose slots attend to each other; the LM head, the Markov head and the confidence
-head only over the K slots a window verifies) but never larger. Without "model" the engine takes the drafter this
-package ships for the loaded target (dspark.drafters), and says so when there is none.
+head only over the K slots a window verifies) but never larger. Without "model" the engine
+takes the drafter this package ships for the loaded target (dspark.drafters), and says so when
+there is none.
 
 Scheduling (the per-step choice to draft, dspark/policy/) needs a cost table measured on this
 engine: "cost_table" names one; without it the engine uses a table whose fingerprint matches

@@ -12,7 +12,8 @@ from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.input_buffers import InputBuffers
 from dspark.spec.spec_buffers import SpecBuffers
 from dspark.step_plan import SCRATCH_PAGE
-from tests.helpers import assert_same_logprobs, assert_same_run
+from tests.helpers import assert_same_finished, assert_same_logprobs, assert_same_run
+from tests.spec.test_async_spec import _run as switching_run
 from tests.tiny_models import make_tiny_drafter
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4], [3, 5],
@@ -92,24 +93,6 @@ def test_drafting_steps_launched_ahead_equal_sync(tiny_vocab_dir, drafter, kw):
     assert not e.scheduler.has_unfinished and e._in_flight is None
 
 
-def _switching(llm: LLM, params: list[SamplingParams], period: int):
-    """Drafting on for `period` steps, off for `period`, ...: each finished request's
-    (tokens, text, finish reason, stop reason, logprobs)."""
-    engine = llm.engine
-    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    done, step = {}, 0
-    while engine.has_unfinished_requests():
-        engine.scheduler.drafting = (step // period) % 2 == 0
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.stop_reason,
-                                        c.logprobs)  # fmt: skip
-        step += 1
-    return done
-
-
 @pytest.mark.parametrize("period", [1, 3])
 @pytest.mark.parametrize(
     "kw",
@@ -125,17 +108,10 @@ def test_drafting_steps_launched_behind_plain_steps_equal_sync(tiny_vocab_dir, d
     sampling and preemption give the outputs of the synchronous engine switched alike."""
     sync = _llm(tiny_vocab_dir, drafter, False, **kw)
     params = _params(sync)
-    expected = _switching(sync, params, period)
+    expected, _ = switching_run(sync.engine, params, period)
     fast = _llm(tiny_vocab_dir, drafter, True, **kw)
-    got = _switching(fast, params, period)
-    assert got.keys() == expected.keys()
-    for rid in expected:
-        g, e = got[rid], expected[rid]
-        assert g[:4] == e[:4], rid
-        assert (g[4] is None) == (e[4] is None)
-        for lg, le in zip(g[4] or [], e[4] or [], strict=True):
-            assert lg.keys() == le.keys()
-            assert list(lg.values()) == pytest.approx(list(le.values()), abs=1e-4)
+    got, _ = switching_run(fast.engine, params, period)
+    assert_same_finished(got, expected)
     stats, e = fast.engine.runner.stats, fast.engine
     assert stats["spec_steps_launched_ahead_after_plain"] > 0, dict(stats)  # not vacuous
     assert stats["fed_anchor_windows"] > 0

@@ -70,6 +70,20 @@ def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
     assert runs["ahead"][0] == runs["eager"][0]
 
 
+def _switching(engine, params: SamplingParams) -> dict[str, list[int]]:
+    """PROMPTS12 with drafting on for three steps, off for three, ...: each request's tokens."""
+    for i, prompt in enumerate(PROMPTS12):
+        engine.add_request(str(i), prompt, params)
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        engine.scheduler.drafting = (step // 3) % 2 == 0
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return done
+
+
 def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, vocab_drafter):
     """Drafting switched off and on every few steps (as the drafting policy does): plain steps
     replay decode graphs that append the drafter's context, so the drafts after them, and so
@@ -85,15 +99,7 @@ def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, 
                   async_scheduling=False,
                   speculative_config={"model": str(vocab_drafter)})  # fmt: skip
         engine = llm.engine
-        for i, prompt in enumerate(PROMPTS12):
-            engine.add_request(str(i), prompt, params)
-        done, step = {}, 0
-        while engine.has_unfinished_requests():
-            engine.scheduler.drafting = (step // 3) % 2 == 0
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            step += 1
+        done = _switching(engine, params)
         runs[graphs] = (done, engine.get_metrics()["num_accepted_tokens"])
         if graphs:
             stats = engine.runner.stats
@@ -115,16 +121,7 @@ def test_drafting_steps_behind_plain_steps_on_graphs_equal_eager(tiny_vocab_dir,
                   async_scheduling=graphs,
                   speculative_config={"model": str(vocab_drafter)})  # fmt: skip
         engine = llm.engine
-        for i, prompt in enumerate(PROMPTS12):
-            engine.add_request(str(i), prompt, params)
-        done, step = {}, 0
-        while engine.has_unfinished_requests():
-            engine.scheduler.drafting = (step // 3) % 2 == 0
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            step += 1
-        runs[graphs] = done
+        runs[graphs] = _switching(engine, params)
         stats = engine.runner.stats
         assert engine.allocator.num_free == engine.allocator.num_usable
     assert stats["spec_steps_launched_ahead_after_plain"] > 0, dict(stats)

@@ -30,6 +30,7 @@ spec   For each K and batch size G, speculation at fixed K, measured on the live
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -169,6 +170,7 @@ def plain(args: argparse.Namespace) -> None:
         )
         results["batches"].append(row)
         del llm
+        gc.collect()  # (the engine's graphs hold its memory until collected)
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
@@ -267,6 +269,7 @@ def spec(args: argparse.Namespace) -> None:
     decode = {r["batch"]: r for r in profile_decode(plain_llm, batches, args.prompt_len,
                                                     args.steps)}  # fmt: skip
     del plain_llm
+    gc.collect()
     torch.cuda.empty_cache()
     results = []
     for k in [int(x) for x in args.k.split(",")]:
@@ -284,6 +287,7 @@ def spec(args: argparse.Namespace) -> None:
             row["break_even_tau"] = row["graph_us"] / row["decode_graph_us"]
             results.append(row)
         del llm
+        gc.collect()  # (the engine's graphs hold its memory until collected)
         torch.cuda.empty_cache()
         out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                "model": args.model, "drafter": args.drafter, "rows": results}  # fmt: skip

@@ -21,8 +21,8 @@ copy added (runner/grammar_masks.py) and the wall time a step.
 On a GPU host without the model (random weights: the sync counts and step times do not depend
 on them; the acceptance does):
 
-    python bench/random_smollm2.py --out rs --tokenizer TOK && \
-    python bench/random_drafter.py --target rs --out rd && \
+    python bench/random_models.py smollm2 --out rs --tokenizer TOK && \
+    python bench/random_models.py drafter --target rs --out rd && \
     python bench/structured_output.py --tokenizer TOK --model rs --drafter rd \
         --device cuda --out structured_output_cost.json
 """

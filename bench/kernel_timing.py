@@ -29,6 +29,13 @@ gemv       the one-to-eight-row GEMV (kernels/gemv_triton.py) against F.linear (
 
     python bench/kernel_timing.py gemv --out kernels_gemv.json
 
+gemv-configs  the one-row GEMV's tiles (kernels/gemv_triton.py GemvConfig: columns a program,
+           the K block of its unrolled walk, warps) swept at Qwen3-8B's projections, each
+           config timed as `gemv` times it, beside cuBLAS and the default config: which tiles,
+           if any, read a large weight faster than cuBLAS.
+
+    python bench/kernel_timing.py gemv-configs --out kernels_gemv_configs.json
+
 --smoke times one call with a wall clock instead (there is no CUDA timer) on tiny shapes in
 float32 on the CPU interpreter, so its numbers mean nothing: it only proves the script runs end
 to end.
@@ -409,7 +416,71 @@ def gemv_bench(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[l
     return rows, {"projections": shapes, "copy_gbps": bandwidth}
 
 
-BENCHMARKS = {"attention": attention, "fused-ops": fused_ops, "gemv": gemv_bench}
+@dataclass
+class GemvConfigRow:
+    proj: str
+    n: int
+    k: int
+    block_n: int | None  # None: cuBLAS
+    block_k: int | None
+    num_warps: int | None
+    us: float | None  # per call, replayed from a CUDA graph; None: smoke
+    gbps: float | None
+    max_abs_err: float
+
+
+# the default at Qwen3-8B's K (2 columns, K blocks of 1,024, 2 warps), then wider tiles
+GEMV_SWEEP = [(2, 1024, 2)] + [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
+
+
+def gemv_configs(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[list, dict]:
+    from dspark.kernels.gemv_triton import GemvConfig, default_config, gemv
+
+    shapes = [("qkv", 24, 16)] if smoke else GEMV_SHAPES["qwen3-8b"][:4]
+    sweep = GEMV_SWEEP[:2] if smoke else GEMV_SWEEP
+    rows = []
+    for proj, n, k in shapes:
+        weight_bytes = n * k * torch.finfo(dtype).bits // 8
+        copies = 1 if smoke else max(2, -(-L2_DEFEAT_BYTES // weight_bytes))
+        weights = [torch.randn(n, k, dtype=dtype, device=device) * k**-0.5 for _ in range(copies)]
+        x = torch.randn(1, k, dtype=dtype, device=device)
+        out = torch.empty(1, n, dtype=dtype, device=device)
+        expected = F.linear(x, weights[0])
+
+        def timed(chain) -> tuple[float | None, float | None]:
+            if smoke:
+                chain()
+                return None, None
+            us = graph_ms(chain, smoke) * 1e3 / copies
+            return us, weight_bytes / us / 1e3
+
+        us, gbps = timed(lambda: [torch.mm(x, w.t(), out=out) for w in weights])
+        rows.append(GemvConfigRow(proj, n, k, None, None, None, us, gbps, 0.0))
+        for bn, bk, warps in sweep:
+            cfg = GemvConfig(bn, min(bk, triton_next_pow2(k)), warps)
+            err = max_err(gemv(x, weights[0], out=out, config=cfg), expected)
+            us, gbps = timed(lambda cfg=cfg: [gemv(x, w, out=out, config=cfg) for w in weights])
+            rows.append(GemvConfigRow(proj, n, k, bn, cfg.block_k, warps, us, gbps, err))
+        if not smoke:
+            best = min((r for r in rows if r.proj == proj and r.block_n), key=lambda r: r.us)
+            cublas = next(r for r in rows if r.proj == proj and r.block_n is None)
+            d = default_config(n, k)
+            default = next((r for r in rows if r.proj == proj and
+                            (r.block_n, r.block_k, r.num_warps) == (d.block_n, d.block_k,
+                                                                    d.num_warps)), None)  # fmt: skip
+            print(f"{proj:8} cuBLAS {cublas.us:7.1f} us ({cublas.gbps:5.0f} GB/s)  best "
+                  f"({best.block_n}, {best.block_k}, {best.num_warps}) {best.us:7.1f} us "
+                  f"({best.gbps:5.0f} GB/s)  default "
+                  f"{default.us if default else float('nan'):7.1f} us")  # fmt: skip
+    return rows, {"projections": shapes, "sweep": sweep}
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+BENCHMARKS = {"attention": attention, "fused-ops": fused_ops, "gemv": gemv_bench,
+              "gemv-configs": gemv_configs}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

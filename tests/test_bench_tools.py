@@ -16,7 +16,7 @@ from tests.helpers import bench_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 COMMANDS = {
-    "kernel_timing": [["attention"], ["fused-ops"], ["gemv"]],
+    "kernel_timing": [["attention"], ["fused-ops"], ["gemv"], ["gemv-configs"]],
     "step_profile": [["plain"], ["spec"]],
     "policy": [["trace"], ["replay"], ["host-cost"]],
     "random_models": [["smollm2"], ["drafter"], ["qwen3"]],
@@ -51,7 +51,7 @@ def test_every_command_parses_its_help(script, monkeypatch, capsys):
         assert "usage:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("which", ["attention", "fused-ops", "gemv"])
+@pytest.mark.parametrize("which", ["attention", "fused-ops", "gemv", "gemv-configs"])
 def test_kernel_benchmarks_run_on_the_interpreter(which, tmp_path):
     """In a process of its own: --smoke sets TRITON_INTERPRET before the kernels are imported."""
     out = tmp_path / "smoke.json"

@@ -26,7 +26,10 @@ A decode step (one causal query token per request) may pass its unrotated k and 
 each program then rotates its queries as it loads them, and the part whose KV range holds the
 new token's position rotates that token's key and stores k and v in the cache before it reads
 any key, so the step needs no rotary + KV-store launch before attention (2.4 us a layer at
-batch 1 on the H200). The rotation rounds exactly as rotary_triton's kernel does.
+batch 1 on the H200). The rotation rounds exactly as rotary_triton's kernel does. With Qwen3's
+per-head norms (NewKV.q_norm, k_norm) the heads come unnormed too and are normed as they are
+loaded, so the step also needs no qk_norm launch (one less dependent launch a layer); the norm
+rounds as qk_norm_triton's does, its sum of squares taken in two halves.
 
 Under TRITON_INTERPRET=1 (CPU tensors) the kernels run in Triton's interpreter; the variable is
 read when the kernels below are decorated, so it must be set before this module is imported.
@@ -136,16 +139,19 @@ def _attend(q, q_pos, k_ptr, v_ptr, block_table_ptr, req, stride_bt, kv_head, lo
 
 @triton.jit
 def _store_new_kv(new_k_ptr, new_v_ptr, s_nt, s_nh, positions_ptr, inv_freq_ptr, slot_ptr,
-                  k_ptr, v_ptr, s_kp, s_ks, s_kh, token, kv_head, HEAD_DIM: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr):  # fmt: skip
-    """A decode token's kv_head: k rotated at its position, and v, into the cache at its slot
-    (slot = page * PAGE_SIZE + offset), as rotary_qkv + the KV store would write them."""
+                  k_ptr, v_ptr, s_kp, s_ks, s_kh, token, kv_head, k_norm_ptr, eps,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  QK_NORM: tl.constexpr):  # fmt: skip
+    """A decode token's kv_head: k (normed with QK_NORM) rotated at its position, and v, into
+    the cache at its slot (slot = page * PAGE_SIZE + offset), as qk_norm + rotary_qkv + the KV
+    store would write them."""
     token = token.to(tl.int64)
     one = tl.zeros([1], dtype=tl.int64)  # [1]: rotated_rows works on rows
     dims = tl.arange(0, HEAD_DIM)
     src = token * s_nt + kv_head * s_nh
     pos = tl.load(positions_ptr + token + one)
-    k = rotated_rows(new_k_ptr, src + one, one == 0, pos, inv_freq_ptr, HEAD_DIM // 2, HEAD_DIM)
+    k = rotated_rows(new_k_ptr, src + one, one == 0, pos, inv_freq_ptr, k_norm_ptr, eps,
+                     HEAD_DIM // 2, HEAD_DIM, QK_NORM)  # fmt: skip
     slot = tl.load(slot_ptr + token)
     dst = (slot // PAGE_SIZE) * s_kp + (slot % PAGE_SIZE) * s_ks + kv_head * s_kh
     tl.store(k_ptr + dst + dims[None, :], k)
@@ -158,10 +164,11 @@ def _paged_attention_kernel(
     cu_ptr, seq_lens_ptr, block_table_ptr, qk_scale, num_heads,
     s_qt, s_qh, s_ot, s_oh, s_kp, s_ks, s_kh, stride_bt,
     new_k_ptr, new_v_ptr, s_nt, s_nh, positions_ptr, inv_freq_ptr, slot_ptr,
+    q_norm_ptr, k_norm_ptr, norm_eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CAUSAL: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr,
+    CAUSAL: tl.constexpr, ROTARY: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(PDL)  # before any load: q, the new k and v and the cache come from earlier kernels
     # causal blocks late in a chunk see the most keys: schedule them first (shorter tail)
@@ -182,11 +189,13 @@ def _paged_attention_kernel(
     if ROTARY:  # decode: rotate q here, and the part holding the new key stores it first
         pos = tl.load(positions_ptr + token, mask=valid, other=0)
         q_off = token * s_qt + head * s_qh  # [rows]
-        q = rotated_rows(q_ptr, q_off, valid, pos, inv_freq_ptr, HEAD_DIM // 2, HEAD_DIM)
+        q = rotated_rows(q_ptr, q_off, valid, pos, inv_freq_ptr, q_norm_ptr, norm_eps,
+                         HEAD_DIM // 2, HEAD_DIM, QK_NORM)  # fmt: skip
         if (seq_len - 1 >= lo) & (seq_len - 1 < hi):
             _store_new_kv(new_k_ptr, new_v_ptr, s_nt, s_nh, positions_ptr, inv_freq_ptr,
                           slot_ptr, k_ptr, v_ptr, s_kp, s_ks, s_kh, tl.load(cu_ptr + req),
-                          kv_head, HEAD_DIM, PAGE_SIZE)  # fmt: skip
+                          kv_head, k_norm_ptr, norm_eps, HEAD_DIM, PAGE_SIZE,
+                          QK_NORM)  # fmt: skip
             tl.debug_barrier()  # the stores land before this program's threads read keys
     else:
         q_idx = token[:, None] * s_qt + head[:, None] * s_qh + dims[None, :]  # [rows, HEAD_DIM]
@@ -357,11 +366,13 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), attn.block_table.stride(0),
         nk.k, nk.v, nk.k.stride(0), nk.k.stride(1), nk.positions, nk.inv_freq, nk.slot_mapping,
+        q if nk.q_norm is None else nk.q_norm, q if nk.k_norm is None else nk.k_norm,
+        nk.norm_eps,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         NUM_SPLITS=cfg.num_splits, SPLITS_P2=triton.next_power_of_2(cfg.num_splits),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAUSAL=attn.causal,
-        ROTARY=new_kv is not None, num_warps=cfg.num_warps,
+        ROTARY=new_kv is not None, QK_NORM=nk.q_norm is not None, num_warps=cfg.num_warps,
         # rotary_triton's rounding needs it (no product contracted into the add after it)
         enable_fp_fusion=new_kv is None, **pdl_options(q.device),
     )  # fmt: skip
@@ -378,6 +389,11 @@ class NewKV:
     positions: torch.Tensor  # [T]
     inv_freq: torch.Tensor  # [hd/2] float32
     slot_mapping: torch.Tensor  # [T] int64
+    # Qwen3's per-head norms [hd] (layers/attention.py q_norm, k_norm): q and k come unnormed
+    # too, and the launch norms them as it loads them, in place of qk_norm's launch
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 0.0
 
 
 def is_decode(attn: AttentionMetadata) -> bool:

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels.rmsnorm_triton import weighted_normed
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:  # [..., hd] -> [..., hd]
     half = x.shape[-1] // 2
@@ -56,11 +58,16 @@ def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def rotated_rows(ptr, row_off, valid, positions, inv_freq_ptr, HALF: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):  # fmt: skip
+def rotated_rows(ptr, row_off, valid, positions, inv_freq_ptr, norm_w_ptr, eps,
+                 HALF: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
     """Heads at ptr + row_off[r] ([R] offsets, HEAD_DIM contiguous values each) rotated at
     positions[r], rounded as _rotary_kernel rounds them: [R, HEAD_DIM] in ptr's dtype, held in
-    registers (nothing is written back). For kernels that rotate what they load (attention)."""
+    registers (nothing is written back). For kernels that rotate what they load (attention).
+
+    With NORM each head is first RMS-normed with the weight at norm_w_ptr ([HEAD_DIM]; Qwen3's
+    q_norm or k_norm), rounded as qk_norm_triton rounds it: what that kernel would have stored
+    and this one loaded. (Its sum of squares adds the two halves' sums: the same value up to
+    float32 rounding, not bit for bit.)"""
     dtype = ptr.dtype.element_ty
     j = tl.arange(0, HALF)
     freqs = positions.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j)[None, :]  # [R, HALF]
@@ -69,6 +76,13 @@ def rotated_rows(ptr, row_off, valid, positions, inv_freq_ptr, HALF: tl.constexp
     first = ptr + row_off[:, None] + j[None, :]  # [R, HALF], dims 0 .. hd/2 of each head
     x1 = tl.load(first, mask=valid[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [R]
+        rstd = tl.rsqrt(squares / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(norm_w_ptr + j).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w_ptr + HALF + j).to(tl.float32)[None, :]
+        x1 = _rounded(weighted_normed(x1, rstd, w1, dtype), dtype)
+        x2 = _rounded(weighted_normed(x2, rstd, w2, dtype), dtype)
     out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     # [R, HALF] x 2 -> [R, HALF, 2] -> [R, 2, HALF] -> [R, HEAD_DIM]: out1's dims, then out2's
     return tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), (out1.shape[0], HEAD_DIM))

@@ -3,8 +3,9 @@
 With `use_qk_norm` (Qwen3) each query and key head is RMS-normed after the projection and
 before rotary. The norm is the first thing `attend` and `store_kv_only` do to the projection's
 output, in place on the triton backend, so every path that rotates keys afterwards (the
-reference rotary, the fused rotary launch, the paged kernel's in-kernel rotation on decode
-steps, the drafter's context keys) sees normed heads without a variant of its own.
+reference rotary, the fused rotary launch, the drafter's context keys) sees normed heads
+without a variant of its own; a triton decode step's paged-attention launch norms q and the new
+key itself as it loads them, before its in-kernel rotation.
 """
 
 from __future__ import annotations
@@ -129,12 +130,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, q_size], before o_proj
         """Rotary, the K/V store and attention, between the two projections."""
         T = qkv.shape[0]
+        if self.use_triton and _is_decode(attn):  # q/k norm, rotary, K/V store in attention
+            return self._attend_decode(qkv, positions, kv_cache, attn)
         if self.q_norm is not None and self.use_triton:  # in place, before any rotation
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             self.norm_heads(q.view(T, self.num_heads, self.head_dim),
                              k.view(T, self.num_kv_heads, self.head_dim))  # fmt: skip
-        if self.use_triton and _is_decode(attn):  # rotary and the K/V store inside attention
-            return self._attend_decode(qkv, positions, kv_cache, attn)
         if self.use_triton:  # rotates q and k in place and stores k, v: one launch
             from dspark.kernels.rotary_triton import rotary_qkv
 
@@ -158,13 +159,19 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [T, q_size]
+        """A decode step's attention in one launch: the kernel norms (Qwen3) and rotates q and
+        the new key as it loads them and stores k, v (kernels/paged_attention_triton.py)."""
         from dspark.kernels.paged_attention_triton import NewKV, paged_attention_triton
 
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        norms = {}
+        if self.q_norm is not None:
+            norms = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight,
+                         norm_eps=self.q_norm.eps)  # fmt: skip
         new_kv = NewKV(k.view(T, self.num_kv_heads, self.head_dim),
                        v.view(T, self.num_kv_heads, self.head_dim), positions,
-                       self.rotary.inv_freq, attn.slot_mapping)  # fmt: skip
+                       self.rotary.inv_freq, attn.slot_mapping, **norms)  # fmt: skip
         o = paged_attention_triton(
             q.view(T, self.num_heads, self.head_dim), kv_cache, attn, self.scale, new_kv=new_kv
         )  # [T, nh, hd]

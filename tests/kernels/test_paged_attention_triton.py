@@ -252,16 +252,21 @@ def test_non_causal_matches_reference(device: torch.device, num_kv_splits: int):
     run_and_check(q, kv_cache, attn, num_kv_splits=num_kv_splits)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3_qk_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_kv_splits", [None, 1, 3])
 @pytest.mark.parametrize("case", ["decode_one", "decode_page_edges", "long_context_decode"])
 def test_decode_rotating_new_kv_equals_rotary_then_attention(
-    device: torch.device, case: str, num_kv_splits: int | None, dtype: torch.dtype
-):
+    device: torch.device, case: str, num_kv_splits: int | None, dtype: torch.dtype,
+    qk_norm: bool,
+):  # fmt: skip
     """new_kv: the launch rotates q and the new key and stores k, v itself. The cache ends
     bit-identical to rotary_qkv's (rotate + store, then attention), the output matches the
-    reference, and the fused qkv is left as it was (q is rotated in registers only)."""
+    reference, and the fused qkv is left as it was (q is rotated in registers only). With
+    Qwen3's q/k norms the launch norms them too, against qk_norm's launch before rotary_qkv:
+    the cache within one rounding of the dtype (the sum of squares is taken in two halves)."""
     from dspark.kernels.paged_attention_triton import NewKV
+    from dspark.kernels.qk_norm_triton import qk_norm as qk_norm_launch
     from dspark.kernels.rotary_triton import rotary_qkv
 
     _skip_interpreted_bf16(device, dtype)
@@ -284,7 +289,15 @@ def test_decode_rotating_new_kv_equals_rotary_then_attention(
         q, k, v = x.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         return q.unflatten(1, (nh, hd)), k.unflatten(1, (nkv, hd)), v.unflatten(1, (nkv, hd))
 
+    norms, eps = {}, 1e-6
+    if qk_norm:
+        weights = (1.0 + 0.5 * torch.randn(2, hd, device=device)).to(dtype)
+        norms = dict(q_norm=weights[0], k_norm=weights[1], norm_eps=eps)
+
     expected_cache, rotated = kv_cache.clone(), qkv.clone()
+    if qk_norm:
+        q, k, _ = views(rotated)
+        qk_norm_launch(q, k, weights[0], weights[1], eps)
     rotary_qkv(rotated, positions, inv_freq, nh, nkv, hd, expected_cache, slots)
     q_ref = views(rotated)[0].float()
     expected = paged_attention_ref(q_ref, expected_cache.float(), attn, hd**-0.5)
@@ -293,8 +306,12 @@ def test_decode_rotating_new_kv_equals_rotary_then_attention(
     q, k, v = views(fused_qkv)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
     paged_attention_triton(q, cache, attn, hd**-0.5, out=out, num_kv_splits=num_kv_splits,
-                           new_kv=NewKV(k, v, positions, inv_freq, slots))  # fmt: skip
-    torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0, equal_nan=True)
+                           new_kv=NewKV(k, v, positions, inv_freq, slots, **norms))  # fmt: skip
+    if qk_norm:  # (one rounding of the dtype at the normed values' scale, ~1)
+        ulp = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+        torch.testing.assert_close(cache, expected_cache, rtol=0, atol=ulp, equal_nan=True)
+    else:
+        torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(fused_qkv, qkv)
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)

@@ -430,49 +430,63 @@ class GemvConfigRow:
 
 
 # the default at Qwen3-8B's K (2 columns, K blocks of 1,024, 2 warps), then wider tiles
-GEMV_SWEEP = [(2, 1024, 2)] + [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
+GEMV_SWEEP = [(2, 1024, 2)]
+GEMV_SWEEP += [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024) for w in (4, 8)]
 
 
 def gemv_configs(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple[list, dict]:
-    from dspark.kernels.gemv_triton import GemvConfig, default_config, gemv
+    from dspark.kernels.gemv_triton import default_config
 
     shapes = [("qkv", 24, 16)] if smoke else GEMV_SHAPES["qwen3-8b"][:4]
     sweep = GEMV_SWEEP[:2] if smoke else GEMV_SWEEP
     rows = []
     for proj, n, k in shapes:
-        weight_bytes = n * k * torch.finfo(dtype).bits // 8
-        copies = 1 if smoke else max(2, -(-L2_DEFEAT_BYTES // weight_bytes))
-        weights = [torch.randn(n, k, dtype=dtype, device=device) * k**-0.5 for _ in range(copies)]
-        x = torch.randn(1, k, dtype=dtype, device=device)
-        out = torch.empty(1, n, dtype=dtype, device=device)
-        expected = F.linear(x, weights[0])
-
-        def timed(chain) -> tuple[float | None, float | None]:
-            if smoke:
-                chain()
-                return None, None
-            us = graph_ms(chain, smoke) * 1e3 / copies
-            return us, weight_bytes / us / 1e3
-
-        us, gbps = timed(lambda: [torch.mm(x, w.t(), out=out) for w in weights])
-        rows.append(GemvConfigRow(proj, n, k, None, None, None, us, gbps, 0.0))
-        for bn, bk, warps in sweep:
-            cfg = GemvConfig(bn, min(bk, triton_next_pow2(k)), warps)
-            err = max_err(gemv(x, weights[0], out=out, config=cfg), expected)
-            us, gbps = timed(lambda cfg=cfg: [gemv(x, w, out=out, config=cfg) for w in weights])
-            rows.append(GemvConfigRow(proj, n, k, bn, cfg.block_k, warps, us, gbps, err))
-        if not smoke:
-            best = min((r for r in rows if r.proj == proj and r.block_n), key=lambda r: r.us)
-            cublas = next(r for r in rows if r.proj == proj and r.block_n is None)
-            d = default_config(n, k)
-            default = next((r for r in rows if r.proj == proj and
-                            (r.block_n, r.block_k, r.num_warps) == (d.block_n, d.block_k,
-                                                                    d.num_warps)), None)  # fmt: skip
-            print(f"{proj:8} cuBLAS {cublas.us:7.1f} us ({cublas.gbps:5.0f} GB/s)  best "
-                  f"({best.block_n}, {best.block_k}, {best.num_warps}) {best.us:7.1f} us "
-                  f"({best.gbps:5.0f} GB/s)  default "
-                  f"{default.us if default else float('nan'):7.1f} us")  # fmt: skip
+        swept = _sweep_shape(proj, n, k, sweep, dtype, device, smoke)
+        rows += swept
+        if smoke:
+            continue
+        cublas, tiles = swept[0], swept[1:]
+        best = min(tiles, key=lambda r: r.us)
+        d = default_config(n, k)
+        default = next(r for r in tiles if (r.block_n, r.block_k, r.num_warps) == (
+            d.block_n, d.block_k, d.num_warps))  # fmt: skip
+        print(f"{proj:8} cuBLAS {cublas.us:7.1f} us ({cublas.gbps:5.0f} GB/s)  best "
+              f"({best.block_n}, {best.block_k}, {best.num_warps}) {best.us:7.1f} us "
+              f"({best.gbps:5.0f} GB/s)  default {default.us:7.1f} us")  # fmt: skip
     return rows, {"projections": shapes, "sweep": sweep}
+
+
+def _sweep_shape(proj: str, n: int, k: int, sweep: list, dtype: torch.dtype,
+                 device: torch.device, smoke: bool) -> list[GemvConfigRow]:  # fmt: skip
+    """cuBLAS's row, then one row per tile config, for one projection at one token row."""
+    from dspark.kernels.gemv_triton import GemvConfig, gemv
+
+    weight_bytes = n * k * torch.finfo(dtype).bits // 8
+    copies = 1 if smoke else max(2, -(-L2_DEFEAT_BYTES // weight_bytes))
+    weights = [torch.randn(n, k, dtype=dtype, device=device) * k**-0.5 for _ in range(copies)]
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    out = torch.empty(1, n, dtype=dtype, device=device)
+    expected = F.linear(x, weights[0])
+
+    def timed(one) -> tuple[float | None, float | None]:  # one(w): a call on one weight copy
+        def chain() -> None:
+            for w in weights:
+                one(w)
+
+        if smoke:
+            chain()
+            return None, None
+        us = graph_ms(chain, smoke) * 1e3 / copies
+        return us, weight_bytes / us / 1e3
+
+    us, gbps = timed(lambda w: torch.mm(x, w.t(), out=out))
+    rows = [GemvConfigRow(proj, n, k, None, None, None, us, gbps, 0.0)]
+    for bn, bk, warps in sweep:
+        cfg = GemvConfig(bn, min(bk, triton_next_pow2(k)), warps)
+        err = max_err(gemv(x, weights[0], out=out, config=cfg), expected)
+        us, gbps = timed(lambda w, cfg=cfg: gemv(x, w, out=out, config=cfg))
+        rows.append(GemvConfigRow(proj, n, k, bn, cfg.block_k, warps, us, gbps, err))
+    return rows
 
 
 def triton_next_pow2(n: int) -> int:

@@ -4,8 +4,9 @@ The trimmed cell (G, V) the drafting policy chose (StepPlan.trimmed_cell, spec/r
 staged exactly like the full block; the captured trimmed cell (or, without graphs, the eager
 step) chooses each row's verify length on the device under the budget D = V - G and runs the
 target over the compacted windows. A step that cannot run it (some row is not a window or
-wants logprobs, its G is not the cell's, fewer drafts than D) verifies the full block instead,
-the reason counted (`trimmed_fallback_*`).
+wants logprobs, its G is not the cell's) verifies the full block instead, the reason counted
+(`trimmed_fallback_*`). Rows whose caps hold fewer than D drafts run the cell all the same:
+it verifies every candidate, as the full block would, in fewer tokens.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def trimmed_tokens(
         return "not_all_windows", None
     if any(plan.rows[r.table_row].request.sampling_params.logprobs is not None for r in rows):
         return "logprobs", None  # (the host packs logprobs by window lengths it knows)
-    if sum(r.verify_len for r in rows) < num_drafts:
-        return "fewer_drafts_than_budget", None
     if graph_size is not None and (graph_size != g or v not in captured.get(g, ())):
         return "cell_not_captured", None
-    # a captured cell runs V tokens; an eager step, its R live rows and the same D
-    return None, (v if graph_size is not None else len(rows) + num_drafts)
+    # A captured cell runs V tokens; an eager step its R live rows and the same D, or all the
+    # candidates where the rows' caps hold fewer (windows shortened near max_tokens, a G
+    # padded past its live rows): every candidate is then verified, as the full block would,
+    # in fewer tokens; a captured cell's leftover tokens write the scratch page (ragged.py).
+    #   G 64 (R 40 live), K 7, V 6 G = 384: D 320 > 280 candidates; eager V = 40 + 280
+    if graph_size is not None:
+        return None, v
+    return None, len(rows) + min(num_drafts, sum(r.verify_len for r in rows))
 
 
 def trimmed_target(

@@ -293,6 +293,10 @@ class SpecRunner:
                                         captured)  # fmt: skip
         if reason is not None:
             self.stats[f"trimmed_fallback_{reason}"] += 1
+        elif tokens is not None:
+            g, v = plan.trimmed_cell
+            if sum(r.verify_len for r in rows) < v - g:  # every candidate verified
+                self.stats["spec_steps_trimmed_below_budget"] += 1
         return tokens
 
     def _trimmed_step(self, num_rows: int, num_tokens: int) -> tuple[TargetStep, TrimmedCell]:

@@ -27,9 +27,10 @@ Worked example, K = 3 (width 4), G = 3 rows of which row 2 is a pad row, V = 7 (
   positions:          [9 10 11 | 4 5 6 | 0]
   seq_lens:           [13, 8, 4] -> [12, 7, 1]            each minus (width - window)
 
-When the rows' caps hold fewer than D candidates, the tokens past the last window belong to no
-row: their KV goes to the scratch page and no row reads their logits. The runner avoids such
-steps (it takes the full block instead, counted), so they arise only in capture.
+When the rows' caps hold fewer than D candidates (windows shortened near max_tokens, pad rows,
+a G padded past its live rows), every candidate is chosen and the tokens past the last window
+belong to no row: their KV goes to the scratch page and no row reads their logits. Such a step
+still verifies what the full block would, in V tokens instead of G (K + 1).
 """
 
 from __future__ import annotations

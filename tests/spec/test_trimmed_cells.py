@@ -83,20 +83,23 @@ def _spec(drafter, **extra):
             **extra}  # fmt: skip
 
 
-def _trimming_table(fingerprint: dict, sizes=LADDER) -> CostTable:
+def _trimming_table(fingerprint: dict, sizes=LADDER, cheapest: int = 2) -> CostTable:
     """Plain and the full block far dearer than the trimmed cells: the policy always drafts
-    and picks a trimmed cell (w = 2 the cheapest per token)."""
-    cells = {g: {g: 1.0, 2 * g: 0.1, 3 * g: 0.2, full_block_tokens(g, K): 1.0} for g in sizes}
+    and picks a trimmed cell (w = `cheapest` the cheapest per token)."""
+    price = {2: 0.1, 3: 0.2} if cheapest == 2 else {2: 0.2, 3: 0.1}
+    cells = {g: {g: 1.0, 2 * g: price[2], 3 * g: price[3], full_block_tokens(g, K): 1.0}
+             for g in sizes}  # fmt: skip
     return CostTable(fingerprint, cells, cells)
 
 
-def _llm(tiny_vocab_dir, drafter, tmp_path, padded: bool, **kw):
+def _llm(tiny_vocab_dir, drafter, tmp_path, padded: bool, cheapest: int = 2, **kw):
     """An engine whose policy trims every drafting step: eager (the live rows, budget D of the
     cell), or padded to the ladder as captured cells replay (EagerReplay)."""
     probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **{**KW, **kw})
     path = tmp_path / f"trim_{padded}.json"
     sizes = [1 << i for i in range((kw.get("max_num_seqs", 4)).bit_length())]
-    path.write_text(_trimming_table(probe.engine.cost_fingerprint(), sizes).to_json())
+    table = _trimming_table(probe.engine.cost_fingerprint(), sizes, cheapest)
+    path.write_text(table.to_json())
     spec = _spec(drafter, cost_table=str(path))
     llm = by_table(LLM(str(tiny_vocab_dir), speculative_config=spec, **{**KW, **kw}))
     spec_runner = llm.engine.runner.spec_runner
@@ -134,6 +137,26 @@ def test_trimmed_cells_greedy_equal_plain(tiny_vocab_dir, drafter, tmp_path, pad
     if padded:
         replayed = llm.engine.runner.spec_runner.graphs.replayed
         assert {(g, v) for g, _, v in replayed if v} >= {(4, 8)}
+    e = llm.engine
+    assert e.allocator.num_free == e.allocator.num_usable
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
+def test_trimmed_cell_below_its_budget_verifies_every_candidate(tiny_vocab_dir, drafter,
+                                                                 tmp_path, padded):  # fmt: skip
+    """The widest cell (D = 2 G drafts) over three live rows of G = 4, windows shortened near
+    max_tokens: the caps hold fewer candidates than D, and the cell runs all the same (every
+    candidate verified, counted), where the runner once fell back to the full block."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 10, 13)]
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS12[:3], params, use_tqdm=False)
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded, cheapest=3)
+    got = llm.generate(PROMPTS12[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.runner.stats
+    assert stats["spec_steps_trimmed_below_budget"] > 0, dict(stats)
+    assert not any(key.startswith("trimmed_fallback") for key in stats), dict(stats)
+    if padded:  # (G = 4, V = 12: D = 8 over at most 3 x 3 candidates)
+        assert (4, 12) in {(g, v) for g, _, v in llm.engine.runner.spec_runner.graphs.replayed}
     e = llm.engine
     assert e.allocator.num_free == e.allocator.num_usable
 

@@ -112,7 +112,9 @@ Host cost of the drafting policy per engine step (the scheduling overhead issue 
 
 With the shipped drafter's H200 cost table and calibration, R running requests whose last
 blocks were observed: times decide() (before every step: the O(R) survival sum and the cell
-choice) and observe() (after a drafting step: survivals from [R, K] raw confidences and the
+choice; after a drafting step, its blocks just observed, and while drafting is off, no block
+observed between decisions and two requests ending and two arriving a step: "not drafting")
+and observe() (after a drafting step: survivals from [R, K] raw confidences and the
 recalibration), and a step trace's line after a decision (DSPARK_POLICY_TRACE), medians over
 --steps calls in microseconds. The list of running ids is built
 per call, as the engine builds it. The policy does no device work: the confidences it reads
@@ -501,7 +503,28 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
     accepted, verify_len = [2] * r, [7] * r
     policy.observe(ids, logits, greedy, accepted, verify_len)
     running = [_Request(i) for i in ids]
-    decide = _median_us(lambda: policy.decide([q.request_id for q in running]), steps)
+    # a drafting step's decide: the blocks of the step before it were just observed
+    times = []
+    for _ in range(steps):
+        policy.observe(ids, logits, greedy, accepted, verify_len)
+        start = time.perf_counter_ns()
+        policy.decide([q.request_id for q in running])
+        times.append((time.perf_counter_ns() - start) / 1e3)
+    decide = statistics.median(times)
+    # drafting off: no block observed between decisions, and two requests a step end and two
+    # arrive (a closed loop of R requests of ~128 tokens)
+    churn = iter(range(10**9))
+
+    def not_drafting_decide() -> None:
+        if r >= 2:
+            for q in running[:2]:
+                policy.forget(q.request_id)
+            running[:2] = []
+            running.extend(_Request(f"new-{next(churn)}") for _ in range(2))
+        policy.decide([q.request_id for q in running])
+
+    decide_off = _median_us(not_drafting_decide, steps)
+    running[:] = [_Request(i) for i in ids]
     observe = _median_us(lambda: policy.observe(ids, logits, greedy, accepted, verify_len), steps)
     # a step trace's line after the decision (DSPARK_POLICY_TRACE, policy/trace.py)
     with tempfile.TemporaryDirectory() as directory:
@@ -513,7 +536,8 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
         decision = policy.decide(ids)
         line = _median_us(lambda: trace.decided(decision, ids, scheduler, stats, None, 0.0), steps)
         trace.close()
-    return {"batch": r, "decide_us": decide, "observe_us": observe, "trace_line_us": line}
+    return {"batch": r, "decide_us": decide, "decide_not_drafting_us": decide_off,
+            "observe_us": observe, "trace_line_us": line}  # fmt: skip
 
 
 def host_cost(args: argparse.Namespace) -> int:
@@ -525,10 +549,11 @@ def host_cost(args: argparse.Namespace) -> int:
     result = {"date": time.strftime("%Y-%m-%d"), "table": table_path.name,
               "greedy": args.greedy, "rows": rows}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'batch':>5} {'decide us':>10} {'observe us':>11} {'trace line us':>14}")
+    print(f"{'batch':>5} {'decide us':>10} {'off us':>9} {'observe us':>11} "
+          f"{'trace line us':>14}")  # fmt: skip
     for row in rows:
-        print(f"{row['batch']:5d} {row['decide_us']:10.1f} {row['observe_us']:11.1f} "
-              f"{row['trace_line_us']:14.1f}")  # fmt: skip
+        print(f"{row['batch']:5d} {row['decide_us']:10.1f} {row['decide_not_drafting_us']:9.1f} "
+              f"{row['observe_us']:11.1f} {row['trace_line_us']:14.1f}")  # fmt: skip
     return 0
 
 

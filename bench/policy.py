@@ -498,6 +498,8 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
     # build_policy): a probe of two steps, each decision a block behind its evidence
     policy = DraftingPolicy(table, temperatures, draft_len=7, probe_steps=2, decision_lag=2)
     ids = [f"req-{i}" for i in range(r)]
+    for rid in ids:  # (the engine's scheduler reports each request joining and leaving)
+        policy.running(rid, True)
     logits = torch.randn(r, 7)
     greedy = [{"all": True, "half": i % 2 == 0, "none": False}[greedy_rows] for i in range(r)]
     accepted, verify_len = [2] * r, [7] * r
@@ -518,13 +520,20 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
     def not_drafting_decide() -> None:
         if r >= 2:
             for q in running[:2]:
+                policy.running(q.request_id, False)
                 policy.forget(q.request_id)
             running[:2] = []
             running.extend(_Request(f"new-{next(churn)}") for _ in range(2))
+            for q in running[-2:]:
+                policy.running(q.request_id, True)
         policy.decide([q.request_id for q in running])
 
     decide_off = _median_us(not_drafting_decide, steps)
+    for q in running:
+        policy.running(q.request_id, False)
     running[:] = [_Request(i) for i in ids]
+    for rid in ids:
+        policy.running(rid, True)
     observe = _median_us(lambda: policy.observe(ids, logits, greedy, accepted, verify_len), steps)
     # a step trace's line after the decision (DSPARK_POLICY_TRACE, policy/trace.py)
     with tempfile.TemporaryDirectory() as directory:

@@ -223,6 +223,8 @@ class LLMEngine:
                     else (None, "not with tensor parallelism (run `dspark profile -tp N`)")
                 ),
             )  # fmt: skip
+            if self.policy is not None:  # (its survival sum follows the running set)
+                self.scheduler.on_running = self.policy.running
             # (DSPARK_POLICY_TRACE)
             self.policy_trace = PolicyTrace.from_env(self.policy, self.runner)
             logger.info(

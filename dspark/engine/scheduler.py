@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from dspark.engine.ahead import ahead_blocker, continuing_most
 from dspark.engine.burst import burst_threshold
@@ -101,6 +102,9 @@ class Scheduler:
         # the sampled cells while any runs (kept here: counting them costs a pass over 256
         # requests a step)
         self.num_sampling = 0
+        # told of each request that joins the running set (True) or leaves it (False): the
+        # drafting policy keeps its survival sum by them (policy/survival.py RunningSums)
+        self.on_running: Callable[[str, bool], None] | None = None
         # whether the last schedule() admitted a request or carried a prefill chunk (the
         # drafting policy prices such steps apart: policy/realised_costs.py)
         self.prefilled = False
@@ -228,6 +232,8 @@ class Scheduler:
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
             self.num_sampling += req.sampling_params.temperature > 0
+            if self.on_running is not None:
+                self.on_running(req.request_id, True)
             prefilled = True
             row = ScheduledRow.of(req, n)
             rows.append(row)
@@ -319,6 +325,8 @@ class Scheduler:
         # recomputation: drop the KV, keep the tokens; the request re-prefills prompt + outputs
         self.running.remove(req)
         self.num_sampling -= req.sampling_params.temperature > 0
+        if self.on_running is not None:
+            self.on_running(req.request_id, False)
         self.allocator.free(req.page_ids)
         req.page_ids = []
         req.num_computed_tokens = req.num_published_pages = 0
@@ -508,6 +516,8 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self.num_sampling -= req.sampling_params.temperature > 0
+            if self.on_running is not None:
+                self.on_running(req.request_id, False)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.allocator.free(req.page_ids)

@@ -237,8 +237,14 @@ class DraftingPolicy:
 
     def survival_sum(self, request_ids: list[str], g: int, sampled: bool = False) -> float:
         """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale
-        rows count K (a = 1)."""
-        return sum(self.row_totals(request_ids, g, sampled)[0])
+        rows count K (a = 1). (Kept by groups as the scheduler reports requests joining and
+        leaving: SurvivalEstimates.running_sum; a trace asks row_totals for its evidence.)"""
+        fresh_since = self.estimates.step - self.stale_after(g, sampled)
+        return self.estimates.running_sum(request_ids, fresh_since)
+
+    def running(self, request_id: str, joined: bool) -> None:
+        """The scheduler's report of a request joining or leaving the running set."""
+        self.estimates.running(request_id, joined)
 
     def row_totals(
         self, request_ids: list[str], g: int, sampled: bool = False

@@ -128,6 +128,12 @@ class SurvivalEstimates:
         # then: a dozen numpy calls per row cost the step loop ~1 us each)
         self.keep_vectors = keep_vectors
         self._survival_vectors: dict[str, np.ndarray] = {}
+        # the running requests as the scheduler reports them joining and leaving (running());
+        # while no block is observed their sum is kept by groups, not passed over (RunningSums)
+        self._running: dict[str, None] = {}
+        self._observations = 0  # observe() calls: the evidence changes only there
+        self._sums: RunningSums | None = None
+        self._passed_at = -1  # the observe() count at running_sum's last pass over the rows
 
     def observe(
         self,
@@ -138,6 +144,7 @@ class SurvivalEstimates:
         verify_len: list[int] | None = None,
     ) -> None:
         """After a speculative step's sync: each window's raw confidences and what it kept."""
+        self._observations += 1
         a = survival(confidence_logits[:, : self.draft_len].float(), self._row_temperatures(greedy))
         sums = a.sum(-1).tolist()
         if num_accepted is not None and verify_len is not None:
@@ -242,7 +249,23 @@ class SurvivalEstimates:
         """Realised / predicted accepted drafts over recent full blocks (1 with no evidence)."""
         return self._realised / self._predicted
 
+    def running(self, request_id: str, joined: bool) -> None:
+        """The scheduler's report: a request joined the running set (admitted, or re-admitted
+        after preemption) or left it (preempted, finished, aborted)."""
+        if (request_id in self._running) == joined:
+            return  # (no change: a report twice over moves nothing)
+        if joined:
+            self._running[request_id] = None
+        else:
+            del self._running[request_id]
+        if self._sums is not None:
+            self._sums.moved(request_id, joined)
+
     def forget(self, request_id: str) -> None:
+        if self._sums is not None and request_id in self._running:
+            self._sums.moved(request_id, False)  # (it counts as never observed from now)
+            self._survival_sums.pop(request_id, None)
+            self._sums.moved(request_id, True)
         self._survival_sums.pop(request_id, None)
         self._earlier_sums.pop(request_id, None)
         self._survival_vectors.pop(request_id, None)
@@ -286,6 +309,24 @@ class SurvivalEstimates:
                 kinds.append(FRESH)
         return totals, kinds
 
+    def running_sum(self, request_ids: list[str], fresh_since: int) -> float:
+        """sum(estimate_totals(request_ids, fresh_since)[0]). While no block is observed
+        (drafting off) the sum comes from RunningSums, built at the second call after an
+        observe() and then moved only by the requests the scheduler reports joining and
+        leaving: no pass over the rows. When the reported running set is not the size of
+        request_ids (a report went missing), the pass over the rows."""
+        sums = self._sums
+        if len(self._running) == len(request_ids):
+            if sums is not None and sums.observations == self._observations:
+                return sums.total(fresh_since)
+            if self._passed_at == self._observations:  # a second call with no observe between:
+                self._sums = RunningSums(self)  # drafting is off, build the groups once
+                return self._sums.total(fresh_since)
+        # (after an observe the pass costs less than building the groups, and drafting steps
+        # observe before every call: the groups pay only once drafting stops)
+        self._sums, self._passed_at = None, self._observations
+        return sum(self.estimate_totals(request_ids, fresh_since)[0])
+
     def estimate_vectors(
         self, request_ids: list[str], totals: list[float], kinds: list[int]
     ) -> np.ndarray:
@@ -317,3 +358,55 @@ class SurvivalEstimates:
         survival sum, or K before there is enough evidence."""
         mean = self.population_mean()
         return float(self.draft_len) if mean is None else mean
+
+
+class RunningSums:
+    """The running requests' estimate_totals between two observe() calls, by groups.
+
+    Between observations a fresh row's estimate target + c (decay ^ (step - seen)) changes only
+    with the clock, where c = (min(scale own, K) - target) rho is fixed: the rows last observed
+    at the same step s sum to rows_s target + (their c summed) decay ^ (step - s), or rows_s K
+    once s < fresh_since (stale); requests never observed count the population's mean each (K
+    while the population is stale), as estimate_totals prices them. A request that joins or
+    leaves moves one group's count and sum.
+
+      observed at steps {a: 10, b: 10, c: 12}, never: {d}; step 14, fresh_since 11
+      -> group 10 stale: 2 K; group 12: target + c_c decay^2; d: the population's mean
+    """
+
+    def __init__(self, estimates: SurvivalEstimates) -> None:
+        self.estimates, self.observations = estimates, estimates._observations
+        mean = estimates.population_mean()
+        self.target = float(estimates.draft_len) if mean is None else mean
+        self.unseen = estimates.unobserved_sum()
+        self.scale, self.rho = estimates.correction, estimates.persistence
+        self.groups: dict[int, list] = {}  # seen step -> [rows, their c summed]
+        self.num_unseen = 0
+        for rid in estimates._running:
+            self.moved(rid, True)
+
+    def total(self, fresh_since: int) -> float:
+        est, k = self.estimates, float(self.estimates.draft_len)
+        unseen = self.unseen if est._population_step >= fresh_since else k
+        total = self.num_unseen * unseen
+        decay, step = est._regression_decay, est.step
+        for seen_step, (rows, c_sum) in self.groups.items():
+            if seen_step < fresh_since:
+                total += rows * k
+            else:
+                total += rows * self.target + c_sum * decay ** (step - seen_step)
+        return total
+
+    def moved(self, rid: str, joined: bool) -> None:
+        seen = self.estimates._survival_sums.get(rid)
+        if seen is None:
+            self.num_unseen += 1 if joined else -1
+            return
+        k = self.estimates.draft_len
+        own = self.scale * seen[0]
+        c = ((k if own > k else own) - self.target) * self.rho
+        group = self.groups.setdefault(seen[1], [0, 0.0])
+        group[0] += 1 if joined else -1
+        group[1] += c if joined else -c
+        if not group[0]:
+            del self.groups[seen[1]]

@@ -233,6 +233,35 @@ def test_engine_dwells_and_keeps_the_greedy_tokens_while_drafting_flaps(
     assert flapping.get_metrics()["drafting_policy"]["drafting_switches"] >= 4
 
 
+def test_the_running_sum_follows_the_scheduler_through_preemption(tiny_vocab_dir, drafter,
+                                                                 tmp_path):  # fmt: skip
+    """The policy's survival sum, kept by the scheduler's reports of requests joining and
+    leaving (RunningSums), equals the pass over the running requests at every decision of a
+    run near break-even (drafting flaps) with more requests than seats and too few KV pages
+    for them all (preemptions and re-admissions)."""
+    probe = LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter), **KW)
+    edge = _write_table(tmp_path / "edge.json", probe, 1e-3, 1.2e-3)
+    kw = {**KW, "num_kv_pages": 12, "max_model_len": 96}
+    llm = by_table(LLM(str(tiny_vocab_dir), speculative_config=_spec(drafter, cost_table=str(edge)),
+                       **kw), dwell_steps=0, min_gain=0.0)  # fmt: skip
+    estimates, by_groups = llm.engine.policy.estimates, []
+    running_sum = estimates.running_sum
+
+    def compared(request_ids, fresh_since):
+        got = running_sum(request_ids, fresh_since)
+        assert len(estimates._running) == len(request_ids), "a report went missing"
+        assert got == pytest.approx(sum(estimates.estimate_totals(request_ids, fresh_since)[0]))
+        by_groups.append(estimates._sums is not None)
+        return got
+
+    estimates.running_sum = compared
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm.generate([*PROMPTS, *PROMPTS, [3, 3, 3]], params, use_tqdm=False)
+    assert sum(by_groups) > 20 and not all(by_groups), by_groups  # (plain stretches: groups)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert not estimates._running  # (every request reported leaving)
+
+
 def test_settled_switches_are_not_keys_of_speculative_config(tiny_vocab_dir, drafter):
     for key, value in (("dwell_steps", 0), ("price_switches", True), ("scheduler", "sync")):
         with pytest.raises(ValueError, match=rf"unknown speculative_config keys \['{key}'\]; "

@@ -206,3 +206,50 @@ def test_persistence_pairs_a_block_with_the_estimate_its_decision_read():
     assert "r0" not in earlier and "r1" in earlier
     with pytest.raises(ValueError, match="decision_lag must be 1 or 2, got 3"):
         _policy(decision_lag=3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_running_sum_equals_the_pass_over_the_rows(seed):
+    """running_sum (RunningSums as requests join and leave, are forgotten while they run, age
+    and go stale, and the population goes stale) equals the sum of estimate_totals at every
+    call of a random run of drafting and plain stretches; a missed report falls back."""
+    import random
+
+    from dspark.policy.survival import SurvivalEstimates
+
+    rng = random.Random(seed)
+    est = SurvivalEstimates({g: torch.full((K,), 1.5) for g in (False, True)}, K)
+    running, next_id, kept = [], 0, 0
+    for _ in range(300):
+        if rng.random() < 0.3 or not running:  # admissions (a preempted request comes back)
+            for _ in range(rng.randint(1, 4)):
+                running.append(f"r{next_id}")
+                est.running(running[-1], True)
+                next_id += 1
+        if rng.random() < 0.3:  # finished (forgotten after leaving) or preempted (kept)
+            for rid in rng.sample(running, min(len(running), rng.randint(1, 3))):
+                running.remove(rid)
+                est.running(rid, False)
+                if rng.random() < 0.7:
+                    est.forget(rid)
+        if rng.random() < 0.1 and running:  # forgotten while it still runs
+            est.forget(rng.choice(running))
+        if rng.random() < 0.25 and running:  # a drafting step of some rows
+            rows = rng.sample(running, rng.randint(1, len(running)))
+            est.observe(rows, torch.randn(len(rows), K), [rng.random() < 0.5 for _ in rows],
+                        [rng.randint(0, K) for _ in rows], [K] * len(rows))  # fmt: skip
+        fresh_since = est.step - rng.randint(0, 40)
+        expected = sum(est.estimate_totals(running, fresh_since)[0])
+        assert est.running_sum(running, fresh_since) == pytest.approx(expected, abs=1e-9)
+        kept += est._sums is not None
+        est.step += 1
+    assert kept > 150
+    est.running("never-joined", False)  # (moves nothing)
+    est.running(running[0], True)  # (reported twice: moves nothing)
+    expected = sum(est.estimate_totals(running, est.step)[0])
+    assert est.running_sum(running, est.step) == pytest.approx(expected, abs=1e-9)
+    # a request the scheduler did not report: the pass over the rows
+    rows = [*running, "unreported"]
+    expected = sum(est.estimate_totals(rows, est.step)[0])
+    assert est.running_sum(rows, est.step) == pytest.approx(expected, abs=1e-9)
+    assert est._sums is None

@@ -459,6 +459,8 @@ def gemv_configs(dtype: torch.dtype, device: torch.device, smoke: bool) -> tuple
 def _sweep_shape(proj: str, n: int, k: int, sweep: list, dtype: torch.dtype,
                  device: torch.device, smoke: bool) -> list[GemvConfigRow]:  # fmt: skip
     """cuBLAS's row, then one row per tile config, for one projection at one token row."""
+    import triton
+
     from dspark.kernels.gemv_triton import GemvConfig, gemv
 
     weight_bytes = n * k * torch.finfo(dtype).bits // 8
@@ -482,15 +484,11 @@ def _sweep_shape(proj: str, n: int, k: int, sweep: list, dtype: torch.dtype,
     us, gbps = timed(lambda w: torch.mm(x, w.t(), out=out))
     rows = [GemvConfigRow(proj, n, k, None, None, None, us, gbps, 0.0)]
     for bn, bk, warps in sweep:
-        cfg = GemvConfig(bn, min(bk, triton_next_pow2(k)), warps)
+        cfg = GemvConfig(bn, min(bk, triton.next_power_of_2(k)), warps)
         err = max_err(gemv(x, weights[0], out=out, config=cfg), expected)
         us, gbps = timed(lambda w, cfg=cfg: gemv(x, w, out=out, config=cfg))
         rows.append(GemvConfigRow(proj, n, k, bn, cfg.block_k, warps, us, gbps, err))
     return rows
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 BENCHMARKS = {"attention": attention, "fused-ops": fused_ops, "gemv": gemv_bench,

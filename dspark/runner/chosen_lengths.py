@@ -30,6 +30,7 @@ def trimmed_tokens(
     graph_size: int | None,
     widths: tuple[int, ...],  # the engine's trimmed cells, w of (G, w G)
     captured: dict[int, tuple[int, ...]],  # G -> V of the captured trimmed cells
+    candidates: int,  # the drafts the rows' caps hold: sum of their verify_len
 ) -> tuple[str | None, int | None]:  # (why not, V this step runs its trimmed cell with)
     """Whether the plan's trimmed cell can run: (None, V), or (the reason, None) for the full
     block; (None, None) when the policy gave the step no trimmed cell."""
@@ -52,7 +53,7 @@ def trimmed_tokens(
     #   G 64 (R 40 live), K 7, V 6 G = 384: D 320 > 280 candidates; eager V = 40 + 280
     if graph_size is not None:
         return None, v
-    return None, len(rows) + min(num_drafts, sum(r.verify_len for r in rows))
+    return None, len(rows) + min(num_drafts, candidates)
 
 
 def trimmed_target(

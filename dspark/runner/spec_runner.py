@@ -289,13 +289,14 @@ class SpecRunner:
     ) -> int | None:
         """V this step runs its trimmed cell with, or None (runner/chosen_lengths.py)."""
         captured = self.graphs.trimmed if self.graphs is not None else {}
+        candidates = sum(r.verify_len for r in rows)
         reason, tokens = trimmed_tokens(plan, layout, rows, graph_size, self.trimmed_widths,
-                                        captured)  # fmt: skip
+                                        captured, candidates)  # fmt: skip
         if reason is not None:
             self.stats[f"trimmed_fallback_{reason}"] += 1
         elif tokens is not None:
             g, v = plan.trimmed_cell
-            if sum(r.verify_len for r in rows) < v - g:  # every candidate verified
+            if candidates < v - g:  # every candidate verified
                 self.stats["spec_steps_trimmed_below_budget"] += 1
         return tokens
 

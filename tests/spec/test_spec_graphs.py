@@ -70,6 +70,13 @@ def test_spec_graph_replay_equals_eager(tiny_vocab_dir, vocab_drafter, params):
     assert runs["ahead"][0] == runs["eager"][0]
 
 
+def _switching_engine(target, drafter, graphs: bool, async_scheduling: bool):
+    """The engine the switching tests run: with CUDA graphs or eager, async or not."""
+    return LLM(str(target), dtype="float32", device="cuda", num_kv_pages=256, max_num_seqs=8,
+               max_model_len=128, use_cuda_graphs=graphs, async_scheduling=async_scheduling,
+               speculative_config={"model": str(drafter)}).engine  # fmt: skip
+
+
 def _switching(engine, params: SamplingParams) -> dict[str, list[int]]:
     """PROMPTS12 with drafting on for three steps, off for three, ...: each request's tokens."""
     for i, prompt in enumerate(PROMPTS12):
@@ -94,11 +101,7 @@ def test_plain_steps_replay_decode_graphs_that_feed_the_drafter(tiny_vocab_dir, 
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs = {}
     for graphs in (False, True):
-        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
-                  max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
-                  async_scheduling=False,
-                  speculative_config={"model": str(vocab_drafter)})  # fmt: skip
-        engine = llm.engine
+        engine = _switching_engine(tiny_vocab_dir, vocab_drafter, graphs, async_scheduling=False)
         done = _switching(engine, params)
         runs[graphs] = (done, engine.get_metrics()["num_accepted_tokens"])
         if graphs:
@@ -116,11 +119,7 @@ def test_drafting_steps_behind_plain_steps_on_graphs_equal_eager(tiny_vocab_dir,
     params = SamplingParams(temperature=temperature, seed=11, max_tokens=48, ignore_eos=True)
     runs, stats = {}, None
     for graphs in (False, True):
-        llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cuda", num_kv_pages=256,
-                  max_num_seqs=8, max_model_len=128, use_cuda_graphs=graphs,
-                  async_scheduling=graphs,
-                  speculative_config={"model": str(vocab_drafter)})  # fmt: skip
-        engine = llm.engine
+        engine = _switching_engine(tiny_vocab_dir, vocab_drafter, graphs, async_scheduling=graphs)
         runs[graphs] = _switching(engine, params)
         stats = engine.runner.stats
         assert engine.allocator.num_free == engine.allocator.num_usable

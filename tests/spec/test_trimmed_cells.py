@@ -146,7 +146,7 @@ def test_trimmed_cell_below_its_budget_verifies_every_candidate(tiny_vocab_dir, 
                                                                  tmp_path, padded):  # fmt: skip
     """The widest cell (D = 2 G drafts) over three live rows of G = 4, windows shortened near
     max_tokens: the caps hold fewer candidates than D, and the cell runs all the same (every
-    candidate verified, counted), where the runner once fell back to the full block."""
+    candidate verified, counted), not the full block."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 10, 13)]
     plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS12[:3], params, use_tqdm=False)
     llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded, cheapest=3)

@@ -15,8 +15,9 @@ host the least is the closer to the work's own cost: other processes only add).
 
 Syncs: the default model and its shipped drafter (float32, CPU; or --model, --drafter, --device)
 serve the same prompts greedily without and with a JSON schema, once to warm and once timed: the
-speculative steps, those whose windows carry a grammar, the host synchronisations the drafts'
-copy added (runner/grammar_masks.py) and the wall time a step.
+speculative steps, those whose windows carry a grammar, how many of those had their drafts come
+with the wait for the step before and how many waited for them on their own (the extra host
+synchronisations, runner/grammar_masks.py), and the wall time a step.
 
 On a GPU host without the model (random weights: the sync counts and step times do not depend
 on them; the acceptance does):
@@ -136,7 +137,9 @@ def _syncs(llm: LLM, max_tokens: int, chat: bool) -> dict:
     def launch(plan):
         counted["steps"] += 1
         counted["spec_steps"] += any(r.num_draft for r in plan.rows)
-        counted["grammar_window_steps"] += any(plan.rows[i].num_draft for i in plan.grammar_rows)
+        rows = plan.rows
+        counted["grammar_window_steps"] += any(rows[i].num_draft or rows[i].empty_window
+                                               for i in plan.grammar_rows)  # fmt: skip
         return real_launch(plan)
 
     def run(so):
@@ -150,14 +153,18 @@ def _syncs(llm: LLM, max_tokens: int, chat: bool) -> dict:
     for arm, so in (("without_grammar", None), ("with_json_schema", S(json=PERSON))):
         run(so)  # (warm: the grammar compiled, the kernels built)
         runner.launch = launch
-        before = dict(counted), runner.stats["structured_output_syncs"]
+        stats = runner.stats
+        before = (dict(counted), stats["structured_output_syncs"],
+                  stats["structured_output_steps_behind"])  # fmt: skip
         start = time.perf_counter()
         run(so)
         seconds = time.perf_counter() - start
         runner.launch = real_launch
         steps = {key: counted[key] - before[0][key] for key in counted}
-        syncs = runner.stats["structured_output_syncs"] - before[1]
-        result[arm] = {**steps, "extra_syncs": syncs,
+        syncs = stats["structured_output_syncs"] - before[1]
+        # (a step with grammar windows launched behind another waits for its drafts with it)
+        behind = stats["structured_output_steps_behind"] - before[2]
+        result[arm] = {**steps, "drafts_with_previous_wait": behind, "extra_syncs": syncs,
                        "extra_syncs_per_step": round(syncs / steps["steps"], 3),
                        "ms_per_step": round(seconds / steps["steps"] * 1e3, 3)}  # fmt: skip
     return result

@@ -66,7 +66,7 @@ def test_sampling_params_take_only_structured_outputs_params():
                        "got dict"):  # fmt: skip
         SamplingParams(structured_outputs={"json": PERSON})
     params = SamplingParams(structured_outputs=S(choice=["a", "b"]))
-    assert params.reads_outputs  # (its grammar's mask reads the outputs: never launched ahead)
+    assert not params.shapes_by_outputs  # (its masks are filled on the host, not its shaping)
     # one key for one constraint: a schema and its JSON text are compiled once
     assert S(json=PERSON).key == S(json=json.dumps(PERSON)).key
     assert S(json=PERSON).key != S(json_object=True).key
@@ -209,16 +209,18 @@ def _fresh_state(grammars, spec, tokens):
     return taken, fresh.is_accepting, fresh.is_stopped, mask
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("mode", ["sync", "async", "ahead"])
 def test_the_matcher_is_a_fresh_one_fed_the_emitted_tokens_after_every_step(
-    tiny_llama_dir, llama_drafter, async_scheduling
+    tiny_llama_dir, llama_drafter, mode
 ):
     """A random drafter (most drafts rejected), greedy and sampled rows, rows without a
     grammar beside: after every step each request's matcher equals a fresh matcher fed exactly
     its emitted tokens (the same acceptance, stop and next mask), and every emitted token is one
-    the grammar allows."""
-    llm = _tiny(tiny_llama_dir, llama_drafter, async_scheduling=async_scheduling)
+    the grammar allows. "ahead": windows laid out K + 1 wide, drafting steps launched behind
+    the step in flight."""
+    llm = _tiny(tiny_llama_dir, llama_drafter, async_scheduling=mode != "sync")
     engine = llm.engine
+    engine.runner.spec_runner.uniform_windows = mode == "ahead"
     reqs = []
     for i, spec in enumerate(TINY_CONSTRAINTS * 2):
         params = SamplingParams(temperature=0.0 if i < 4 else 1.0, seed=i, max_tokens=24,
@@ -243,8 +245,8 @@ def test_the_matcher_is_a_fresh_one_fed_the_emitted_tokens_after_every_step(
     for req, _ in reqs:  # complete grammars end "stop", the others at max_tokens
         assert req.finish_reason.value == ("stop" if req.grammar.is_stopped else "length")
     assert engine.scheduler.num_structured == 0 and engine.scheduler.num_grammar_errors == 0
-    if async_scheduling:  # (a grammar's mask reads the outputs: nothing launched ahead)
-        assert engine.runner.stats["spec_steps_launched_ahead"] == 0
+    if mode == "ahead":
+        assert engine.runner.stats["structured_output_steps_behind"] > 0
 
 
 def test_drafts_that_break_the_grammar_are_rejected(tiny_llama_dir, llama_drafter, monkeypatch):
@@ -328,6 +330,66 @@ def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     metrics = beside.get_metrics()["structured_output"]
     assert metrics["draft_syncs"] == sum(grammar_plans) and metrics["grammars_compiled"] == 1
     assert metrics["masks_filled"] > 0 and metrics["grammar_errors"] == 0
+
+
+def _grammar_window_steps(llm: LLM) -> list[bool]:
+    """Per speculative step from now on: does it carry a window with a grammar?"""
+    steps, masks = [], llm.engine.runner.grammar_masks
+    real = masks.window_grammar
+
+    def window_grammar(*args):
+        grammar = real(*args)
+        steps.append(grammar is not None)
+        return grammar
+
+    masks.window_grammar = window_grammar
+    return steps
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 3], ids=["roomy", "admission"])
+def test_grammar_windows_launched_behind_a_step_equal_sync(tiny_llama_dir, llama_drafter,
+                                                           max_num_seqs):  # fmt: skip
+    """Windows laid out K + 1 wide (as the speculative graphs lay them out), async scheduling:
+    steps with grammar windows launch behind the step in flight and their drafts reach the host
+    with that step's one wait (runner/grammar_masks.py), no wait of their own; the outputs equal
+    the synchronous engine's token for token, greedy and seeded sampling, rows without a grammar
+    beside, requests ending by their grammar, by length and by EOS mid-pipeline."""
+    prompts = [f"Prompt number {i}:" for i in range(10)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20 + i,
+                             structured_outputs=TINY_CONSTRAINTS[i % 4] if i < 8 else None)
+              for i in range(10)]  # fmt: skip
+
+    def run(async_scheduling: bool):
+        llm = _tiny(tiny_llama_dir, llama_drafter, async_scheduling=async_scheduling,
+                    max_num_batched_tokens=64)  # fmt: skip
+        llm.engine.scheduler.max_num_seqs = max_num_seqs
+        llm.engine.runner.spec_runner.uniform_windows = True
+        launches = _grammar_window_steps(llm)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        counted = llm.get_metrics()["structured_output"]
+        assert counted["drafts_with_previous_wait"] == llm.engine.runner.stats[
+            "structured_output_steps_behind"]  # fmt: skip
+        return llm.engine.runner.stats, sum(launches), outs
+
+    sync_stats, sync_grammar_steps, want = run(False)
+    stats, grammar_steps, got = run(True)
+    assert [(c.token_ids, c.finish_reason) for c in got] == [
+        (c.token_ids, c.finish_reason) for c in want]  # fmt: skip
+    for c, p in zip(got, params, strict=True):
+        if p.structured_outputs is not None and c.finish_reason == "stop":
+            assert p.structured_outputs.regex is None or re.fullmatch(
+                p.structured_outputs.regex, c.text), c.text  # fmt: skip
+    assert sync_stats["structured_output_syncs"] == sync_grammar_steps > 0
+    assert stats["structured_output_steps_behind"] > 0, dict(stats)
+    # every step with grammar windows waits once for its drafts: with the step before it, or
+    # (nothing in flight before it) on its own
+    assert (
+        stats["structured_output_steps_behind"] + stats["structured_output_syncs"] == grammar_steps
+    )
+    assert (
+        stats["spec_steps_launched_ahead"] > 0
+        and "spec_steps_not_ahead_structured_output" not in stats
+    )
 
 
 def test_greedy_speculation_with_a_grammar_equals_plain_decoding(tiny_llama_dir, llama_drafter):
@@ -520,7 +582,8 @@ def test_greedy_structured_speculation_equals_plain_decoding(default_llms):
     want = [c.token_ids for c in _chat(plain, texts, params)]
     assert [c.token_ids for c in _chat(spec, texts, params)] == want
     assert spec.get_metrics()["num_accepted_tokens"] > before
-    assert spec.engine.runner.stats["structured_output_syncs"] > 0
+    stats = spec.engine.runner.stats
+    assert stats["structured_output_syncs"] + stats["structured_output_steps_behind"] > 0
 
 
 # ---- the GPU: captured steps without grammar rows, the split eager step with them -------
@@ -534,8 +597,9 @@ def test_gpu_grammar_steps_run_split_and_the_others_keep_their_graphs(
     """CUDA graphs on, float32: requests without a constraint alone replay captured
     speculative steps with no grammar work; beside constrained ones they give the same tokens,
     the steps with grammar windows run eagerly with one drafts' copy each (the drafts reach
-    the host before the target forward), and greedy constrained output equals plain decoding's
-    under the same constraint (decode graphs, the mask applied after them)."""
+    the host before the target forward; with async scheduling, with the wait for the step
+    before), and greedy constrained output equals plain decoding's under the same constraint
+    (decode graphs, the mask applied after them)."""
     kw = dict(dtype="float32", device="cuda", num_kv_pages=512, max_num_seqs=8,
               max_model_len=256, async_scheduling=async_scheduling)  # fmt: skip
     spec_config = {"model": str(llama_drafter), "num_speculative_tokens": 4}
@@ -556,7 +620,9 @@ def test_gpu_grammar_steps_run_split_and_the_others_keep_their_graphs(
     assert [o.outputs[0].token_ids for o in outs[:2]] == want
     stats = spec.engine.runner.stats
     assert stats["eager_spec_steps_structured_output"] > 0
-    assert stats["structured_output_syncs"] > 0 and spec.engine.scheduler.num_grammar_errors == 0
+    assert spec.engine.scheduler.num_grammar_errors == 0
+    assert stats["structured_output_syncs"] + stats["structured_output_steps_behind"] > 0
+    assert (stats["structured_output_steps_behind"] > 0) == async_scheduling, dict(stats)
     got = [o.outputs[0].token_ids for o in outs[2:]]
     del spec
     plain = LLM(str(tiny_llama_dir), **kw)

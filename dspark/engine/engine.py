@@ -269,8 +269,9 @@ class LLMEngine:
 
     def _structured_metrics(self) -> dict:
         """Structured output's counters: grammars compiled and found compiled, masks filled
-        and the host seconds it took, the speculative steps that waited for their drafts (the
-        one extra host sync: docs/SPECULATION.md 4.9), requests ended by a grammar error."""
+        and the host seconds it took, the speculative steps whose drafts came with the wait
+        for the step before and those that waited for them on their own (the one extra host
+        sync: docs/SPECULATION.md 4.9), requests ended by a grammar error."""
         stats, filler = self.runner.stats, self.runner.grammar_masks.filler
         return {
             **self.grammars.stats,
@@ -278,6 +279,7 @@ class LLMEngine:
             "mask_fill_s": filler.fill_s,
             "rows_masked": stats["structured_output_rows"],
             "windows_masked": stats["structured_output_windows"],
+            "drafts_with_previous_wait": stats["structured_output_steps_behind"],
             "draft_syncs": stats["structured_output_syncs"],
             "grammar_errors": self.scheduler.num_grammar_errors,
         }
@@ -330,7 +332,7 @@ class LLMEngine:
             prompt=prompt_text,
             added_time=time.monotonic() if added_time is None else added_time,
             bad_words_token_ids=self._bad_words_token_ids(params),
-            reads_outputs=params.reads_outputs,
+            shapes_by_outputs=params.shapes_by_outputs,
             grammar=(
                 self.grammars.matcher(params.structured_outputs)
                 if params.structured_outputs is not None
@@ -421,7 +423,10 @@ class LLMEngine:
         if plan.is_empty:
             return outputs + self._collect_aborted()
         self.scheduler.advance(plan)
-        return outputs + self._finish(self._launch(plan)) + self._collect_aborted()
+        step = self._launch(plan)
+        if step.awaiting is not None:  # grammar windows: masks from its drafts, then verified
+            self.runner.verify_awaiting(step)
+        return outputs + self._finish(step) + self._collect_aborted()
 
     def _launch(self, plan):
         if self._tp_steps is not None:  # (every rank's plan is rank 0's, or it stops here)
@@ -490,6 +495,13 @@ class LLMEngine:
                 stats["spec_steps_launched_behind_mixed"] += not previous.is_uniform
             self.scheduler.advance(plan)
             step = self._launch(plan)
+            if step.awaiting is not None:  # grammar windows (runner/grammar_masks.py)
+                if previous is not None:
+                    # one wait for previous's results and these drafts; its update moves the
+                    # matchers to where these windows start
+                    self.runner.wait_with(previous, step)
+                    outputs, previous = outputs + self._finish(previous), None
+                self.runner.verify_awaiting(step)
             behind = step.is_uniform or step.windows_first
             if step.window_rows and not behind:  # nothing launches behind it
                 assert previous is None, "a step launched ahead lays its windows out K + 1 wide"

@@ -7,16 +7,29 @@ the grammar has seen every token the row's request has.)
 
 A window needs a mask at every position j, after the drafts x_1 .. x_j, and the drafts exist
 only on the device, made inside the step. So such a speculative step runs eagerly, split on the
-host (`StepWindowGrammar`, the WindowGrammar that SpecDecoder calls):
+host (`StepWindowGrammar`): launched up to its verification (the drafts' copy queued behind
+the drafter, before the target forward), then, once the drafts are on the host, the masks are
+filled and uploaded and verification is launched (SpecRunner.verify_awaiting). Where the host
+waits for the drafts depends on what runs before the step:
 
-  device:  draft ──> target forward ───────────────> verify (logits masked per position)
-  host:         └─ copy drafts ─ wait ─ fill masks ─ upload ─┘
+  launched behind step N (engine/ahead.py), N+1's drafts are copied behind N's results, and
+  the one wait of the step is for both (N's `done` becomes the drafts' event):
 
-The copy of the drafts is queued before the target forward, so the wait is for the drafter
-only, and the host fills the masks while the target runs. The wait is the step's second host
-synchronisation, the one exception to one a step (docs/SPECULATION.md 4.9, 9.2): counted in
-`structured_output_syncs`, and only a step with grammar rows among its windows has it; a step
-without any runs as before, captured where it fits.
+    device:  .. N ..| draft N+1 ─ copy ─ target N+1 ───────────────────> verify N+1 (masked)
+    host:    launch N+1 ─ wait N and N+1's drafts ─ update N ─ fill masks ─ upload ─┘
+
+  (update N moves the matchers by N's tokens, the anchor of a continuation among them, so the
+  masks start from the state N+1's windows start from; a request N finished has no mask);
+
+  launched with nothing in flight, the step waits for its own drafts, then for its results:
+
+    device:  draft ─ copy ─ target forward ───────────────> verify (logits masked per position)
+    host:          └─ wait ─ fill masks ─ upload ─┘
+
+That second wait is the one exception to one host synchronisation a step (docs/SPECULATION.md
+4.9, 9.2), counted in `structured_output_syncs`; only a step with grammar windows and nothing
+in flight before it has it. A step without grammar windows runs as before, captured where it
+fits.
 """
 
 from __future__ import annotations
@@ -73,56 +86,68 @@ class GrammarMasks:
         """The grammar rows among a speculative step's windows (window_rows: plan rows in
         verification order; width: K + 1 positions a window), or None without any."""
         grammar = set(plan.grammar_rows)
-        slot = np.full(len(window_rows), -1, dtype=np.int64)
-        matchers, lengths = [], []
-        for j, i in enumerate(window_rows):
-            if i in grammar:
-                slot[j] = len(matchers)
-                matchers.append(plan.rows[i].request.grammar)
-                lengths.append(plan.rows[i].num_draft)  # (a trimmed cell verifies at most it)
-        if not matchers:
+        rows = [j for j, i in enumerate(window_rows) if i in grammar]
+        if not rows:
             return None
-        self.stats["structured_output_windows"] += len(matchers)
-        return StepWindowGrammar(self, slot, matchers, lengths, width)
+        self.stats["structured_output_windows"] += len(rows)
+        reqs = [plan.rows[window_rows[j]].request for j in rows]
+        # (a trimmed cell verifies at most a row's num_draft)
+        lengths = [plan.rows[window_rows[j]].num_draft for j in rows]
+        return StepWindowGrammar(self, len(window_rows), rows, reqs, lengths, width)
 
 
 class StepWindowGrammar:
     """One step's grammar windows (module docstring):
 
     windows of plan rows [4, 7, 9], grammar rows (7,), K = 3, row 7 verifies 2 drafts
-    slot [-1, 0, -1]; drafts of window 1: [x1, x2, x3] -> masks after [], [x1], [x1, x2]
-    at positions 0, 1, 2 of slot 0 (position 3, past its drafts: all-allowed, never read)
+    rows [1]; drafts of window 1: [x1, x2, x3] -> masks after [], [x1], [x1, x2] at positions
+    0, 1, 2 of bitmask slot 0 (position 3, past its drafts: all-allowed, never read);
+    slot [-1, 0, -1] (-1: no mask, also for a request that finished before the masks were filled)
     """
 
     def __init__(
         self,
         owner: GrammarMasks,
-        slot: np.ndarray,  # [R] each window's grammar slot, -1: none
-        matchers: list[GrammarMatcher],  # per slot
-        lengths: list[int],  # per slot: the drafts its window verifies at most
+        num_windows: int,  # R
+        rows: list[int],  # the windows with a grammar (indices into the R windows)
+        reqs: list[Request],  # their requests
+        lengths: list[int],  # the drafts each verifies at most
         width: int,  # K + 1
     ) -> None:
-        self.owner, self.slot, self.matchers = owner, slot, matchers
+        self.owner, self.num_windows, self.rows, self.reqs = owner, num_windows, rows, reqs
         self.lengths, self.width = lengths, width
         self._drafts: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
+        self.copied: torch.cuda.Event | None = None  # recorded behind the drafts' copy
+        self.waited = False  # set when a wait for an earlier event covered `copied`
 
     def copy_drafts(self, drafts: torch.Tensor) -> None:
         """Queue the drafts [R, K] to the host (all rows: R K integers, no gather first)."""
         self._drafts = drafts.to("cpu", non_blocking=True, copy=True)
         if drafts.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
-    def masks(self) -> WindowMasks:
+    def masks(self) -> WindowMasks | None:
+        """The masks after each live grammar row's outputs (its matcher now) and drafts; None
+        when every grammar row's request has finished."""
         owner = self.owner
-        # sync: a step with grammar windows waits for its drafts (module docstring), counted
-        if self._copied is not None:
-            self._copied.synchronize()
-        owner.stats["structured_output_syncs"] += 1
-        rows = np.flatnonzero(self.slot >= 0)
-        drafts = self._drafts.numpy()[rows]  # [M, K] in slot order
-        drafts = [d[:n].tolist() for d, n in zip(drafts, self.lengths, strict=True)]
-        bits = owner.filler.window_bitmasks(self.matchers, drafts, self.width)
+        if not self.waited:
+            # sync: a step with grammar windows and nothing before it waits for its drafts
+            # (module docstring), counted
+            if self.copied is not None:
+                self.copied.synchronize()
+            owner.stats["structured_output_syncs"] += 1
+        drafts = self._drafts.numpy()
+        slot = np.full(self.num_windows, -1, dtype=np.int64)
+        matchers, window_drafts = [], []
+        for j, req, n in zip(self.rows, self.reqs, self.lengths, strict=True):
+            if req.is_finished:  # (it stopped in the step before: its row's tokens are dropped)
+                continue
+            slot[j] = len(matchers)
+            matchers.append(req.grammar)
+            window_drafts.append(drafts[j, :n].tolist())
+        if not matchers:
+            return None
+        bits = owner.filler.window_bitmasks(matchers, window_drafts, self.width)
         return WindowMasks(host_to_device(bits, torch.int32, owner.device),
-                           host_to_device(self.slot, torch.int64, owner.device))  # fmt: skip
+                           host_to_device(slot, torch.int64, owner.device))  # fmt: skip

@@ -35,7 +35,7 @@ from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device
 from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.sampled_decode_graphs import SampledDecodeGraphs, sampled_decode_graphs_enabled
-from dspark.runner.spec_runner import SpecRunner
+from dspark.runner.spec_runner import AwaitingMasks, SpecRunner
 from dspark.runner.staging import Staged, StepStager
 from dspark.sample.logits_shaping import apply_shaping
 from dspark.sample.sampler import SamplingTensors, sample, takes_fused_path, top_logprobs
@@ -260,14 +260,40 @@ class ModelRunner:
             self.stager.last_sampled = step.sampled_serials = serials
             step.tokens = self._tokensto_host(tokens)
             step.logprobs = to_host(lp)
-        if spec_out is not None:
-            self.spec_runner.queue_results(step, plan, layout, window_rows, spec_out)
         if staged.prompt_scored:
             self._queue_prompt_logprobs(step, staged, logits)
+        if isinstance(spec_out, AwaitingMasks):  # verified once its masks are filled
+            step.awaiting = spec_out
+            return step
+        if spec_out is not None:
+            self.spec_runner.queue_results(step, plan, layout, window_rows, spec_out)
+        self._record_done(step)
+        return step
+
+    @torch.inference_mode()
+    def verify_awaiting(self, step: InFlightStep) -> None:
+        """The second half of a launched step with grammar windows (step.awaiting): their
+        masks filled from the drafts, verification launched, the results' copies queued
+        (runner/grammar_masks.py)."""
+        awaiting, step.awaiting = step.awaiting, None
+        out = self.spec_runner.verify_awaiting(awaiting)
+        self.spec_runner.queue_results(step, step.plan, awaiting.layout, awaiting.window_rows,
+                                       out)  # fmt: skip
+        self._record_done(step)
+
+    def wait_with(self, previous: InFlightStep, step: InFlightStep) -> None:
+        """Let previous's one wait cover the drafts of `step`, launched behind it with grammar
+        windows (runner/grammar_masks.py): their copy is queued after previous's results."""
+        grammar = step.awaiting.grammar
+        if grammar.copied is not None:
+            previous.done = grammar.copied
+        grammar.waited = True
+        self.stats["structured_output_steps_behind"] += 1
+
+    def _record_done(self, step: InFlightStep) -> None:
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
-        return step
 
     def _queue_prompt_logprobs(
         self, step: InFlightStep, staged: Staged, logits: torch.Tensor
@@ -331,10 +357,17 @@ class ModelRunner:
         that lays its windows out first (a step may launch behind it), fed from `previous` (a
         preempted request re-admitted at once would need its pending token on the host). Nor
         may a request whose penalties or bad words read its outputs (sample/logits_shaping.py
-        builds them on the host)."""
-        if any(r.request.reads_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
-               for r in plan.rows):  # fmt: skip
+        builds them on the host), or a plain row whose grammar mask does (filled at launch; a
+        window's masks wait for the step before: runner/grammar_masks.py)."""
+        rows = plan.rows
+        if any(r.request.shapes_by_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
+               for r in rows):  # fmt: skip
             return False
+        for i in plan.grammar_rows:
+            row = rows[i]
+            window = row.num_draft or row.empty_window
+            if not window and PENDING_TOKEN in row.request.token_ids[-2:]:
+                return False
         if plan.is_decode:
             pending = [r.request.serial for r in plan.rows
                        if r.request.token_ids[r.start] == PENDING_TOKEN]  # fmt: skip

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from dspark.request import PENDING_TOKEN, TokenLogprobs
 from dspark.runner.chosen_lengths import trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.cuda_graph import graph_logits
-from dspark.runner.grammar_masks import GrammarMasks
+from dspark.runner.grammar_masks import GrammarMasks, StepWindowGrammar
 from dspark.runner.input_buffers import (
     PAD_TOKEN_ID,
     InputBuffers,
@@ -60,12 +61,28 @@ from dspark.runner.shapes import (
     window_width,
 )
 from dspark.runner.spec_graphs import SpecGraphs, window_layout
-from dspark.sample.logits_shaping import build_shaping
+from dspark.sample.logits_shaping import LogitsShaping, build_shaping
 from dspark.sample.sampler import top_logprobs
 from dspark.spec.ragged import TrimmedCell
 from dspark.spec.spec_buffers import SamplingMode, WindowRow
-from dspark.spec.spec_decoder import SpecDecoder, SpecStepOutput, TargetStep
+from dspark.spec.spec_decoder import Scored, SpecDecoder, SpecStepOutput, TargetStep
 from dspark.step_plan import InFlightStep, SampledTokens, StepPlan, new_tuple
+
+
+@dataclass(frozen=True)
+class AwaitingMasks:
+    """A speculative step with grammar windows launched up to verification, which waits for
+    the masks its drafts imply (runner/grammar_masks.py; SpecRunner.verify_awaiting)."""
+
+    scored: Scored
+    layout: StepLayout
+    window_rows: list[int]
+    serials: np.ndarray
+    grammar: StepWindowGrammar
+
+    @property
+    def logits(self) -> torch.Tensor:  # [N, vocab] the target's (a mixed step's plain rows')
+        return self.scored.logits
 
 
 class SpecRunner:
@@ -195,16 +212,39 @@ class SpecRunner:
         graph_size: int | None,
         graph_tail: int,  # a mixed step's captured P (0: a step of windows only)
         serials: np.ndarray,  # [R] the plan rows' request serials (Staged.serials)
-    ) -> SpecStepOutput:
+    ) -> SpecStepOutput | AwaitingMasks:
         """Stage the windows and run the speculative step: a captured graph when the step is
-        all windows, or windows then a tail, of a captured size, else eagerly."""
-        out = self._run(plan, layout, window_rows, graph_size, graph_tail, serials)
-        if layout.window_width is not None:  # a step may be launched behind this one
-            R = len(window_rows)
-            anchor_pos = self.spec.buffers.anchor_pos[:R]  # (this step's: the next is staged later)
-            self._next_anchors = next_anchors(anchor_pos, out.tokens[:R], out.num_accepted[:R])
-            self._next_anchor_serials = serials[window_rows]
+        all windows, or windows then a tail, of a captured size, else eagerly. A step with
+        grammar windows is launched up to its verification (AwaitingMasks: verify_awaiting
+        finishes it)."""
+        grammar = None
+        if plan.grammar_rows:  # (eager: the drafts come to the host before verification)
+            assert graph_size is None, "a captured step does not mask by a grammar"
+            grammar = self.grammar_masks.window_grammar(plan, window_rows, 1 + self.spec.num_verify)
+        out = self._run(plan, layout, window_rows, graph_size, graph_tail, serials, grammar)
+        if isinstance(out, Scored):  # (its anchors are remembered once verified)
+            return AwaitingMasks(out, layout, window_rows, serials, grammar)
+        self._remember_anchors(layout, window_rows, serials, out)
         return out
+
+    def verify_awaiting(self, step: AwaitingMasks) -> SpecStepOutput:
+        """The second half of a step with grammar windows: their masks filled from the drafts
+        (runner/grammar_masks.py: waiting for them here unless a wait before did), uploaded,
+        and verification launched."""
+        out = self.spec.verify_scored(step.scored, step.grammar.masks())
+        self._remember_anchors(step.layout, step.window_rows, step.serials, out)
+        return out
+
+    def _remember_anchors(
+        self, layout: StepLayout, window_rows: list[int], serials: np.ndarray, out: SpecStepOutput
+    ) -> None:
+        """The next anchors of a step a step may be launched behind (windows K + 1 wide)."""
+        if layout.window_width is None:
+            return
+        R = len(window_rows)
+        anchor_pos = self.spec.buffers.anchor_pos[:R]  # (this step's: the next is staged later)
+        self._next_anchors = next_anchors(anchor_pos, out.tokens[:R], out.num_accepted[:R])
+        self._next_anchor_serials = serials[window_rows]
 
     def _run(
         self,
@@ -214,7 +254,8 @@ class SpecRunner:
         graph_size: int | None,
         graph_tail: int,
         serials: np.ndarray,
-    ) -> SpecStepOutput:
+        grammar: StepWindowGrammar | None,
+    ) -> SpecStepOutput | Scored:
         cu, plan_rows, vocab_size = layout.cu_num_tokens_cpu, plan.rows, self.vocab_size
         rows = []
         fed = []  # (window, its anchor's token index) of anchors the step before samples
@@ -239,10 +280,6 @@ class SpecRunner:
             ends = [plan_rows[i].start + 1 for i in window_rows]
             shaping = build_shaping(reqs, ends, vocab_size, self.device)
             self.stats["spec_steps_logits_shaping"] += 1
-        grammar = None
-        if plan.grammar_rows:  # (eager too: the drafts come to the host mid-step)
-            assert graph_size is None, "a captured step does not mask by a grammar"
-            grammar = self.grammar_masks.window_grammar(plan, window_rows, 1 + self.spec.num_verify)
         width, table = layout.window_width, self.buffers.np("block_table")
         trimmed = self._trimmed_tokens(plan, layout, rows, graph_size)
         if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
@@ -263,12 +300,12 @@ class SpecRunner:
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
             target, cell = self._trimmed_step(len(rows), trimmed)
-            return self.spec.step(len(rows), mode, target, None, cell, shaping, grammar)
+            return self._eager(len(rows), mode, target, None, cell, shaping, grammar)
         b, dev = self.buffers, self.device
         if layout.tail_rows:  # a mixed layout: windows in rows 0..R-1, their logits first
             target = self._target_step(layout, b.block_table)
-            return self.spec.step(len(rows), mode, target, slice(0, layout.num_window_logits),
-                                  shaping=shaping, grammar=grammar)  # fmt: skip
+            return self._eager(len(rows), mode, target, slice(0, layout.num_window_logits),
+                               None, shaping, grammar)  # fmt: skip
         all_windows = window_rows == list(range(layout.num_rows))
         block_table = b.block_table
         window_index = None
@@ -281,8 +318,22 @@ class SpecRunner:
                 row0 += r.num_tokens if r.num_draft else int(r.do_sample)
             window_index = torch.tensor(logit_rows, device=dev)
         target = self._target_step(layout, block_table)
-        return self.spec.step(len(rows), mode, target, window_index, shaping=shaping,
-                              grammar=grammar)  # fmt: skip
+        return self._eager(len(rows), mode, target, window_index, None, shaping, grammar)
+
+    def _eager(
+        self,
+        num_rows: int,
+        mode: SamplingMode,
+        target: TargetStep,
+        window_index: torch.Tensor | slice | None,
+        cell: TrimmedCell | None,
+        shaping: LogitsShaping | None,
+        grammar: StepWindowGrammar | None,
+    ) -> SpecStepOutput | Scored:
+        """An eager speculative step; one with grammar windows up to its verification."""
+        if grammar is None:
+            return self.spec.step(num_rows, mode, target, window_index, cell, shaping)
+        return self.spec.launch(num_rows, mode, target, window_index, cell, shaping, grammar)
 
     def _trimmed_tokens(
         self, plan: StepPlan, layout: StepLayout, rows: list[WindowRow], graph_size: int | None

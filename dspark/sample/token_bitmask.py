@@ -34,15 +34,11 @@ class WindowMasks:
 
 class WindowGrammar(Protocol):
     """A speculative step's grammar rows, as SpecDecoder sees them: after drafting it hands
-    over the drafts, and before verifying it asks for the masks they imply (the runner's
-    implementation: runner/grammar_masks.py)."""
+    over the drafts (the runner's implementation, which fills the masks they imply before
+    verification: runner/grammar_masks.py)."""
 
     def copy_drafts(self, drafts: torch.Tensor) -> None:  # [R, K] on the device
         """Queue the drafts' copy to the host (before the target forward is queued)."""
-        ...
-
-    def masks(self) -> WindowMasks:
-        """Wait for the drafts, fill every grammar row's masks on the host, upload them."""
         ...
 
 

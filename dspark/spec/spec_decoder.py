@@ -21,10 +21,12 @@ A trimmed cell (G, V) (spec/ragged.py) adds one stage between 1 and 2: the fresh
 choose each row's verify length under the cell's budget, and the full-width inputs are
 compacted in place to V tokens; 2-4 then run on that ragged layout.
 
-Rows with structured output (an eager step only) split the step on the host: the drafts' copy
-is queued before the target forward, and before 4 the host waits for it and fills each grammar
-row's mask at every window position (sample/token_bitmask.py's WindowGrammar; the one host
-sync inside a step, docs/SPECULATION.md 4.9); verification masks the target's logits by them.
+Rows with structured output (an eager step only) split the step on the host after 3: the
+drafts' copy is queued before the target forward (sample/token_bitmask.py's WindowGrammar),
+`launch()` returns the step scored but not verified (`Scored`), and `verify_scored()` runs 4
+once the host has filled each grammar row's mask at every window position from the drafts
+(runner/grammar_masks.py, docs/SPECULATION.md 4.9); verification masks the target's logits by
+them.
 """
 
 from __future__ import annotations
@@ -78,6 +80,21 @@ class SpecStepOutput:
     num_accepted: torch.Tensor  # [R]
     confidence_logits: torch.Tensor | None  # [R, K] raw, for the scheduler
     verify_len: torch.Tensor | None = None  # [R] chosen on the device (a trimmed cell only)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A speculative step launched up to verification (SpecDecoder.launch): drafted, scored by
+    the target, the drafter's context fed."""
+
+    num_rows: int
+    st: SamplingTensors
+    block: DraftBlock
+    logits: torch.Tensor  # [N, vocab] the target's logits at every logits index of the step
+    window_logits: torch.Tensor  # [Tw, vocab]
+    verify_len: torch.Tensor | None  # [R] chosen after drafting (a trimmed cell), else None
+    cu: torch.Tensor | None  # [R + 1] their windows' starts, with verify_len
+    shaping: LogitsShaping | None
 
 
 class SpecDecoder:
@@ -159,11 +176,26 @@ class SpecDecoder:
         window_index: torch.Tensor | slice | None,  # logit rows of the window tokens; None: all
         trimmed: TrimmedCell | None = None,  # run as this trimmed cell (all rows full width)
         shaping: LogitsShaping | None = None,  # per window row (eager steps only)
-        grammar: WindowGrammar | None = None,  # the grammar rows' masks (eager steps only)
     ) -> SpecStepOutput:
         """Draft, run the target, feed the drafter's context, verify: device work only, so
-        the same code runs eagerly and inside a captured graph (without `shaping` or
-        `grammar`, whose host work is an eager step's)."""
+        the same code runs eagerly and inside a captured graph (without `shaping`, whose host
+        work is an eager step's)."""
+        return self.verify_scored(self.launch(num_rows, mode, target, window_index, trimmed,
+                                              shaping))  # fmt: skip
+
+    def launch(
+        self,
+        num_rows: int,
+        mode: SamplingMode,
+        target: TargetStep,
+        window_index: torch.Tensor | slice | None,
+        trimmed: TrimmedCell | None = None,
+        shaping: LogitsShaping | None = None,
+        grammar: WindowGrammar | None = None,  # its drafts' copy is queued (eager steps only)
+    ) -> Scored:
+        """Steps 1-3: draft (and choose a trimmed cell's verify lengths), run the target, feed
+        the drafter's context. With grammar rows the drafts' copy to the host is queued after
+        drafting, before the target forward, so that a wait for it is a wait for the drafter."""
         st = self.buffers.sampling(num_rows, mode)
         if shaping is not None and shaping.min_p is not None:
             st = replace(st, min_p=shaping.min_p)
@@ -172,34 +204,21 @@ class SpecDecoder:
         verify_len = cu = None
         if trimmed is not None:
             verify_len, cu = self.trim(num_rows, st, block, trimmed)
-        return self.finish(num_rows, st, block, target, window_index, verify_len, cu, shaping,
-                           grammar)  # fmt: skip
-
-    def finish(
-        self,
-        num_rows: int,
-        st: SamplingTensors,
-        block: DraftBlock,
-        target: TargetStep,
-        window_index: torch.Tensor | slice | None,
-        verify_len: torch.Tensor | None = None,  # [R] chosen after drafting (None: staged)
-        cu: torch.Tensor | None = None,  # [R + 1] their windows' starts, with verify_len
-        shaping: LogitsShaping | None = None,
-        grammar: WindowGrammar | None = None,
-    ) -> SpecStepOutput:
-        """Steps 2-4 after drafting (and after any choice of verify lengths). With grammar
-        rows the host fills their masks from the drafts while the target forward runs."""
         if grammar is not None:
             grammar.copy_drafts(block.tokens)
         out = target.run()
         self.append_context(out.features, target.positions, target.slot_mapping)
         window_logits = out.logits if window_index is None else out.logits[window_index]
-        masks = grammar.masks() if grammar is not None else None
-        verified = self.verify(window_logits, num_rows, st, block, verify_len, cu, shaping,
-                               masks)  # fmt: skip
+        return Scored(num_rows, st, block, out.logits, window_logits, verify_len, cu, shaping)
+
+    def verify_scored(self, s: Scored, masks: WindowMasks | None = None) -> SpecStepOutput:
+        """Step 4 of a launched step, its grammar rows' logits masked by `masks`. (Nothing may
+        be staged between launch and this: verification reads the staged windows.)"""
+        verified = self.verify(s.window_logits, s.num_rows, s.st, s.block, s.verify_len, s.cu,
+                               s.shaping, masks)  # fmt: skip
         return SpecStepOutput(
-            out.logits, window_logits, verified.tokens, verified.num_accepted,
-            block.confidence_logits, verify_len,
+            s.logits, s.window_logits, verified.tokens, verified.num_accepted,
+            s.block.confidence_logits, s.verify_len,
         )  # fmt: skip
 
     def calibrated_survival(

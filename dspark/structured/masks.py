@@ -80,10 +80,19 @@ class BitmaskFiller:
         m = len(matchers)
         out = np.full((m, width, self.words), ALL_ALLOWED, dtype=np.int32)
         start = time.perf_counter()
-        self.executor.unsafe_compute_mask_ptr_with_draft_token(
-            [(g.ll, i * width, d) for i, (g, d) in enumerate(zip(matchers, drafts, strict=True))],
-            out.ctypes.data, self.words * 4, m * width,
-        )  # fmt: skip
+        # (llguidance takes no empty draft list: a window of verify length 0, a request's last
+        # token, needs only its anchor's mask)
+        windows = [(g.ll, i * width, d) for i, (g, d) in
+                   enumerate(zip(matchers, drafts, strict=True)) if d]  # fmt: skip
+        if windows:
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(
+                windows, out.ctypes.data, self.words * 4, m * width
+            )  # fmt: skip
+        if len(windows) < m:
+            anchors = [(g.ll, i * width) for i, (g, d) in
+                       enumerate(zip(matchers, drafts, strict=True)) if not d]  # fmt: skip
+            self.executor.unsafe_compute_mask_ptr(anchors, out.ctypes.data, self.words * 4,
+                                                  m * width)  # fmt: skip
         self.fill_s += time.perf_counter() - start
         self.stats["masks"] += sum(1 + len(d) for d in drafts)
         return out

@@ -17,7 +17,9 @@ Syncs: the default model and its shipped drafter (float32, CPU; or --model, --dr
 serve the same prompts greedily without and with a JSON schema, once to warm and once timed: the
 speculative steps, those whose windows carry a grammar, how many of those had their drafts come
 with the wait for the step before and how many waited for them on their own (the extra host
-synchronisations, runner/grammar_masks.py), and the wall time a step.
+synchronisations, runner/grammar_masks.py), and the wall time a step. Drafting is fixed K
+(no policy). On a GPU the same again with CUDA graphs off (`syncs_without_cuda_graphs`): a step
+with grammar windows runs eagerly, so its cost is the eager step's plus the masks'.
 
 On a GPU host without the model (random weights: the sync counts and step times do not depend
 on them; the acceptance does):
@@ -31,6 +33,7 @@ on them; the acceptance does):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -198,15 +201,26 @@ def main() -> None:
     masks = [{"constraint": name, **_mask_costs(compiler, spec, text, rows, args.k)}
              for name, (spec, text) in CASES.items()
              for rows in map(int, args.rows.split(","))]  # fmt: skip
-    spec_config = {"method": "dspark"} if args.drafter is None else {"model": args.drafter}
+    # (fixed K: the drafting policy would decode plain where a random drafter's drafts fail)
+    spec_config = {"method": "dspark", "scheduling": False}
+    if args.drafter is not None:
+        spec_config["model"] = args.drafter
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
+    syncs = _syncs(llm, args.max_tokens, chat=args.model == "default")
+    eager = None
+    if args.device == "cuda":  # (a step with grammar windows runs eagerly: the eager baseline)
+        del llm
+        gc.collect()
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, use_cuda_graphs=False,
+                  speculative_config=spec_config)  # fmt: skip
+        eager = _syncs(llm, args.max_tokens, chat=args.model == "default")
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip() or os.environ.get("DSPARK_GIT_COMMIT")
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "args": vars(args), "masks": masks,
-              "syncs": _syncs(llm, args.max_tokens, chat=args.model == "default")}  # fmt: skip
+              "syncs": syncs, "syncs_without_cuda_graphs": eager}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("us per row (and window position): median / least")
     names = ("plain_mask_us_per_row", "window_mask_us_per_row_position",
@@ -217,6 +231,8 @@ def main() -> None:
         cells = " ".join(f"{r[n][0]:7.1f}/{r[n][1]:7.1f}" for n in names)
         print(f"{r['constraint']:>12} {r['rows']:4d} {cells}")
     print(json.dumps(result["syncs"], indent=1))
+    if eager is not None:
+        print("without CUDA graphs:", json.dumps(eager, indent=1))
 
 
 if __name__ == "__main__":

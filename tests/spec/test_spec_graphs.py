@@ -115,11 +115,15 @@ def test_drafting_steps_behind_plain_steps_on_graphs_equal_eager(tiny_vocab_dir,
                                                                  temperature):  # fmt: skip
     """Drafting switched off and on every few steps with graphs and async scheduling: a
     drafting step replays its graph behind the plain step in flight, its windows' anchors fed
-    there on the device; the tokens equal the eager synchronous run's switched alike."""
+    there on the device; the tokens equal the eager run's, laid out and launched alike (windows
+    K + 1 wide, async). (Not the synchronous run's: launched ahead, a step's verification
+    reaches the host a step later, so the same toggle by step index drafts other windows, and
+    sampled tokens depend on the windows they were verified in.)"""
     params = SamplingParams(temperature=temperature, seed=11, max_tokens=48, ignore_eos=True)
     runs, stats = {}, None
     for graphs in (False, True):
-        engine = _switching_engine(tiny_vocab_dir, vocab_drafter, graphs, async_scheduling=graphs)
+        engine = _switching_engine(tiny_vocab_dir, vocab_drafter, graphs, async_scheduling=True)
+        engine.runner.spec_runner.uniform_windows = True  # (eager: as the graphs lay them out)
         runs[graphs] = _switching(engine, params)
         stats = engine.runner.stats
         assert engine.allocator.num_free == engine.allocator.num_usable

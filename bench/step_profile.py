@@ -137,7 +137,11 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
 def _floors(llm: LLM, batch: int, context: int, ceilings: dict[str, float]) -> dict:
     model = llm.engine.model
     params = sum(p.numel() for p in model.parameters())
-    weight_bytes = params * 2
+    # the bytes a decode step reads: not the input embedding's table, of which it gathers a
+    # row a token, unless the LM head reads it (tied)
+    embedding = model.embed_tokens.weight
+    untied = model.lm_head.weight.data_ptr() != embedding.data_ptr()
+    weight_bytes = (params - (embedding.numel() if untied else 0)) * 2
     cfg = model.config
     kv_bytes = batch * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     flops = 2 * params * batch + 4 * batch * context * cfg.num_layers * cfg.num_heads * cfg.head_dim
@@ -273,9 +277,10 @@ def spec(args: argparse.Namespace) -> None:
     torch.cuda.empty_cache()
     results = []
     for k in [int(x) for x in args.k.split(",")]:
-        spec_cfg = {"method": "dspark", "model": args.drafter, "num_speculative_tokens": k}
+        spec_cfg = {"method": "dspark", "model": args.drafter, "num_speculative_tokens": k,
+                    "scheduling": False}  # (fixed K: no policy turns drafting back on)
         llm = LLM(args.model, speculative_config=spec_cfg, **common)
-        llm.engine.scheduler.drafting = False  # (no cost table: nothing turns it back on)
+        llm.engine.scheduler.drafting = False
         spec_plain = {}
         for r in profile_decode(llm, batches, args.prompt_len, args.steps):
             spec_plain[r["batch"]] = {"spec_plain_step_us": r["decode_step_us"],

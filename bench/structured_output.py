@@ -214,9 +214,10 @@ def main() -> None:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, use_cuda_graphs=False,
                   speculative_config=spec_config)  # fmt: skip
         eager = _syncs(llm, args.max_tokens, chat=args.model == "default")
-    commit = subprocess.run(
+    # (the carried tree's commit first: a device's copy may hold another commit's git metadata)
+    commit = os.environ.get("DSPARK_GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip() or os.environ.get("DSPARK_GIT_COMMIT")
+    ).stdout.strip()
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "args": vars(args), "masks": masks,

@@ -263,7 +263,9 @@ class SpecDecoder:
             anchors, b.block_positions[: R * self.draft_len], b.block_metadata(R, block_table),
             self.kv_caches,
         )  # fmt: skip
-        block = draft_block(self.drafter, hidden[:, :K], anchors, b.anchor_pos[:R], st, shaping)
+        if K < self.draft_len:  # (contiguous: F.linear on a view would broadcast the LM head's
+            hidden = hidden[:, :K].contiguous()  # weight over the rows, a bmm reading it R times)
+        block = draft_block(self.drafter, hidden, anchors, b.anchor_pos[:R], st, shaping)
         # slot k < verify_len goes to its window token; the others (the block's slots past K
         # too) rewrite the anchor itself
         slots = torch.arange(K, device=self.device)

@@ -277,8 +277,12 @@ def spec(args: argparse.Namespace) -> None:
     torch.cuda.empty_cache()
     results = []
     for k in [int(x) for x in args.k.split(",")]:
-        spec_cfg = {"method": "dspark", "model": args.drafter, "num_speculative_tokens": k,
-                    "scheduling": False}  # (fixed K: no policy turns drafting back on)
+        spec_cfg = {
+            "method": "dspark",
+            "model": args.drafter,
+            "num_speculative_tokens": k,
+            "scheduling": False,
+        }  # (fixed K: no policy turns drafting back on)
         llm = LLM(args.model, speculative_config=spec_cfg, **common)
         llm.engine.scheduler.drafting = False
         spec_plain = {}

@@ -215,9 +215,12 @@ def main() -> None:
                   speculative_config=spec_config)  # fmt: skip
         eager = _syncs(llm, args.max_tokens, chat=args.model == "default")
     # (the carried tree's commit first: a device's copy may hold another commit's git metadata)
-    commit = os.environ.get("DSPARK_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("DSPARK_GIT_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "args": vars(args), "masks": masks,

@@ -20,6 +20,7 @@ from dspark.spec import spec_decoder
 from dspark.structured import validate
 from dspark.structured.masks import BitmaskFiller
 from tests.helpers import assert_matches_distribution, full_logits
+from tests.spec.eager_replay import EagerReplay
 from tests.tiny_models import TINY_WORDS, make_tiny_drafter
 
 S = StructuredOutputsParams
@@ -306,7 +307,7 @@ def test_rows_without_a_grammar_are_untouched(tiny_llama_dir, llama_drafter):
     want = [o.outputs[0].token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
     stats = alone.engine.runner.stats
     assert not any(k.startswith("structured_output") for k in stats), dict(stats)
-    assert stats["eager_spec_steps_structured_output"] == 0
+    assert stats["spec_graph_steps_structured_output"] == 0
     assert alone.engine.runner.grammar_masks.filler._executor is None  # (never started)
     assert alone.engine.grammars._ll_tokenizer is None  # (never built)
     assert "structured_output" not in alone.get_metrics()
@@ -346,14 +347,19 @@ def _grammar_window_steps(llm: LLM) -> list[bool]:
     return steps
 
 
-@pytest.mark.parametrize("max_num_seqs", [8, 3], ids=["roomy", "admission"])
+@pytest.mark.parametrize(
+    ("max_num_seqs", "graphs"), [(8, False), (3, False), (8, True)],
+    ids=["roomy", "admission", "graph_layouts"],
+)  # fmt: skip
 def test_grammar_windows_launched_behind_a_step_equal_sync(tiny_llama_dir, llama_drafter,
-                                                           max_num_seqs):  # fmt: skip
+                                                           max_num_seqs, graphs):  # fmt: skip
     """Windows laid out K + 1 wide (as the speculative graphs lay them out), async scheduling:
     steps with grammar windows launch behind the step in flight and their drafts reach the host
     with that step's one wait (runner/grammar_masks.py), no wait of their own; the outputs equal
     the synchronous engine's token for token, greedy and seeded sampling, rows without a grammar
-    beside, requests ending by their grammar, by length and by EOS mid-pipeline."""
+    beside, requests ending by their grammar, by length and by EOS mid-pipeline. "graph_layouts":
+    the async engine's steps run as the captured ones do (tests/spec/eager_replay.py), a step
+    with grammar windows verified again with its masks after the whole step."""
     prompts = [f"Prompt number {i}:" for i in range(10)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20 + i,
                              structured_outputs=TINY_CONSTRAINTS[i % 4] if i < 8 else None)
@@ -363,7 +369,10 @@ def test_grammar_windows_launched_behind_a_step_equal_sync(tiny_llama_dir, llama
         llm = _tiny(tiny_llama_dir, llama_drafter, async_scheduling=async_scheduling,
                     max_num_batched_tokens=64)  # fmt: skip
         llm.engine.scheduler.max_num_seqs = max_num_seqs
-        llm.engine.runner.spec_runner.uniform_windows = True
+        spec_runner = llm.engine.runner.spec_runner
+        spec_runner.uniform_windows = True
+        if graphs and async_scheduling:
+            spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4, 8])
         launches = _grammar_window_steps(llm)
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         counted = llm.get_metrics()["structured_output"]
@@ -390,6 +399,7 @@ def test_grammar_windows_launched_behind_a_step_equal_sync(tiny_llama_dir, llama
         stats["spec_steps_launched_ahead"] > 0
         and "spec_steps_not_ahead_structured_output" not in stats
     )
+    assert (stats["spec_graph_steps_structured_output"] > 0) == graphs, dict(stats)
 
 
 def test_greedy_speculation_with_a_grammar_equals_plain_decoding(tiny_llama_dir, llama_drafter):
@@ -586,20 +596,20 @@ def test_greedy_structured_speculation_equals_plain_decoding(default_llms):
     assert stats["structured_output_syncs"] + stats["structured_output_steps_behind"] > 0
 
 
-# ---- the GPU: captured steps without grammar rows, the split eager step with them -------
+# ---- the GPU: captured steps, those with grammar windows verified again with masks --------
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_gpu_grammar_steps_run_split_and_the_others_keep_their_graphs(
+def test_gpu_grammar_steps_replay_their_graphs_and_verify_with_masks(
     tiny_llama_dir, llama_drafter, async_scheduling
 ):
     """CUDA graphs on, float32: requests without a constraint alone replay captured
     speculative steps with no grammar work; beside constrained ones they give the same tokens,
-    the steps with grammar windows run eagerly with one drafts' copy each (the drafts reach
-    the host before the target forward; with async scheduling, with the wait for the step
-    before), and greedy constrained output equals plain decoding's under the same constraint
-    (decode graphs, the mask applied after them)."""
+    the steps with grammar windows replay their graphs too, then verify again with the masks
+    after the drafts the graph made (with async scheduling their drafts come with the wait for
+    the step before), and greedy constrained output equals plain decoding's under the same
+    constraint (decode graphs, the mask applied after them)."""
     kw = dict(dtype="float32", device="cuda", num_kv_pages=512, max_num_seqs=8,
               max_model_len=256, async_scheduling=async_scheduling)  # fmt: skip
     spec_config = {"model": str(llama_drafter), "num_speculative_tokens": 4}
@@ -609,7 +619,7 @@ def test_gpu_grammar_steps_run_split_and_the_others_keep_their_graphs(
     want = [o.outputs[0].token_ids for o in alone.generate(prompts, free, use_tqdm=False)]
     stats = alone.engine.runner.stats
     assert stats["spec_graph_steps"] > 0 and stats["structured_output_syncs"] == 0, dict(stats)
-    assert stats["eager_spec_steps_structured_output"] == 0
+    assert stats["spec_graph_steps_structured_output"] == 0
     del alone
 
     constrained = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=s)
@@ -619,7 +629,7 @@ def test_gpu_grammar_steps_run_split_and_the_others_keep_their_graphs(
     outs = spec.generate(prompts + tiny_prompts, [free, free] + constrained, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:2]] == want
     stats = spec.engine.runner.stats
-    assert stats["eager_spec_steps_structured_output"] > 0
+    assert stats["spec_graph_steps_structured_output"] > 0
     assert spec.engine.scheduler.num_grammar_errors == 0
     assert stats["structured_output_syncs"] + stats["structured_output_steps_behind"] > 0
     assert (stats["structured_output_steps_behind"] > 0) == async_scheduling, dict(stats)

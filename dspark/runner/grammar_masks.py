@@ -6,11 +6,14 @@ shaping: `plain_masks`. (The step was not launched ahead of the one before it, e
 the grammar has seen every token the row's request has.)
 
 A window needs a mask at every position j, after the drafts x_1 .. x_j, and the drafts exist
-only on the device, made inside the step. So such a speculative step runs eagerly, split on the
-host (`StepWindowGrammar`): launched up to its verification (the drafts' copy queued behind
-the drafter, before the target forward), then, once the drafts are on the host, the masks are
-filled and uploaded and verification is launched (SpecRunner.verify_awaiting). Where the host
-waits for the drafts depends on what runs before the step:
+only on the device, made inside the step. So such a speculative step is split on the host
+(`StepWindowGrammar`): launched up to its verification, then, once the drafts are on the host,
+the masks are filled and uploaded and verification is launched with them
+(SpecRunner.verify_awaiting). An eager step queues the drafts' copy behind the drafter, before
+the target forward; a captured step replays its whole graph (the drafts copied after it) and
+runs its verification again, eagerly, with the masks (runner/spec_graphs.py): its captured
+verification, unmasked, is not read. Where the host waits for the drafts depends on what runs
+before the step:
 
   launched behind step N (engine/ahead.py), N+1's drafts are copied behind N's results, and
   the one wait of the step is for both (N's `done` becomes the drafts' event):
@@ -28,8 +31,7 @@ waits for the drafts depends on what runs before the step:
 
 That second wait is the one exception to one host synchronisation a step (docs/SPECULATION.md
 4.9, 9.2), counted in `structured_output_syncs`; only a step with grammar windows and nothing
-in flight before it has it. A step without grammar windows runs as before, captured where it
-fits.
+in flight before it has it. A step without grammar windows runs as before.
 """
 
 from __future__ import annotations
@@ -127,9 +129,10 @@ class StepWindowGrammar:
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def masks(self) -> WindowMasks | None:
-        """The masks after each live grammar row's outputs (its matcher now) and drafts; None
-        when every grammar row's request has finished."""
+    def masks(self, num_rows: int) -> WindowMasks | None:
+        """The masks after each live grammar row's outputs (its matcher now) and drafts, for a
+        step of num_rows windows (a captured step's pad windows after the live ones: no mask);
+        None when every grammar row's request has finished."""
         owner = self.owner
         if not self.waited:
             # sync: a step with grammar windows and nothing before it waits for its drafts
@@ -138,7 +141,7 @@ class StepWindowGrammar:
                 self.copied.synchronize()
             owner.stats["structured_output_syncs"] += 1
         drafts = self._drafts.numpy()
-        slot = np.full(self.num_windows, -1, dtype=np.int64)
+        slot = np.full(num_rows, -1, dtype=np.int64)
         matchers, window_drafts = [], []
         for j, req, n in zip(self.rows, self.reqs, self.lengths, strict=True):
             if req.is_finished:  # (it stopped in the step before: its row's tokens are dropped)

@@ -81,8 +81,6 @@ def leading_windows(
     tail_tokens = sum(r.num_tokens for r in tail)
     if shapes_logits(plan):
         return None, "logits_shaping"
-    if plan.grammar_rows:  # (a grammar's masks need the drafts on the host: eager)
-        return None, "structured_output"
     if n == 0 or any(r.num_draft or r.empty_window for r in tail):
         return None, "windows_not_first"
     if len(tail) > max_tail_rows(max_tail_tokens):

@@ -20,6 +20,12 @@ while others draft.)
 Trimmed cells (G, V) (spec/ragged.py) are captured beside each G's full block, in every
 sampling mode: the same staged inputs, cut on the device to V target tokens after drafting.
 
+A step with structured output's grammar rows among its windows replays the same graph, then
+runs the verification again, eagerly, its logits masked by the grammars after the drafts the
+graph made (runner/grammar_masks.py: the masks need them on the host); the captured
+verification's results are not read. Verification is a small part of the step, and the masks
+change what it reads, not what the drafter and the target compute.
+
 Captured at start-up, largest first, sharing one memory pool and one logits buffer (its first
 rows: cuda_graph.graph_logits), like the decode graphs.
 """
@@ -34,7 +40,7 @@ import torch
 from dspark.runner.cuda_graph import capture_stream, captured, no_garbage_collection, reserved_gb
 from dspark.runner.input_buffers import StepLayout
 from dspark.spec.spec_buffers import FILTERED, GREEDY, TEMPERATURE, SamplingMode
-from dspark.spec.spec_decoder import SpecStepOutput
+from dspark.spec.spec_decoder import Scored, SpecStepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +80,8 @@ def graph_mode(mode: SamplingMode) -> SamplingMode:
 class SpecGraphs:
     def __init__(
         self,
-        step: Callable[..., SpecStepOutput],  # (G, P, V, mode): V a trimmed cell's, or None
+        step: Callable[..., tuple[SpecStepOutput, Scored]],  # (G, P, V, mode): V a trimmed
+        #   cell's, or None; the step's output and its half up to verification
         prepare: Callable[[int, int], None],  # fills the buffers with G pad windows, P tail
         sizes: list[int],
         tails: tuple[int, ...] = (),  # P of the mixed steps captured beside each G
@@ -87,7 +94,7 @@ class SpecGraphs:
         self.trimmed = trimmed or {}
         Key = tuple[int, int, int | None, SamplingMode]
         self._graphs: dict[Key, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[Key, SpecStepOutput] = {}
+        self._outputs: dict[Key, tuple[SpecStepOutput, Scored]] = {}
         self._capture(step, prepare)
 
     def _keys(self, g: int):
@@ -126,4 +133,13 @@ class SpecGraphs:
     ) -> SpecStepOutput:
         key = (size, tail, trimmed, graph_mode(mode))
         self._graphs[key].replay()
-        return self._outputs[key]
+        return self._outputs[key][0]
+
+    def replay_scored(
+        self, size: int, mode: SamplingMode, tail: int = 0, trimmed: int | None = None
+    ) -> Scored:
+        """Replay, and hand back the step's half up to verification, for a step whose
+        verification runs again with its grammar rows' masks (its captured one is not read)."""
+        key = (size, tail, trimmed, graph_mode(mode))
+        self._graphs[key].replay()
+        return self._outputs[key][1]

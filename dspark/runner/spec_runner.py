@@ -192,9 +192,6 @@ class SpecRunner:
         if shapes_logits(plan):
             self.stats["eager_spec_steps_logits_shaping"] += 1
             return None
-        if plan.grammar_rows:  # (its masks need the drafts on the host: grammar_masks.py)
-            self.stats["eager_spec_steps_structured_output"] += 1
-            return None
         if any(r.num_draft < self.spec.num_verify for r in plan.rows):
             self.stats["spec_graph_steps_with_short_windows"] += 1
         size = padded_size(self.graphs.sizes, len(plan.rows))
@@ -218,8 +215,7 @@ class SpecRunner:
         grammar windows is launched up to its verification (AwaitingMasks: verify_awaiting
         finishes it)."""
         grammar = None
-        if plan.grammar_rows:  # (eager: the drafts come to the host before verification)
-            assert graph_size is None, "a captured step does not mask by a grammar"
+        if plan.grammar_rows:  # (the drafts come to the host before verification)
             grammar = self.grammar_masks.window_grammar(plan, window_rows, 1 + self.spec.num_verify)
         out = self._run(plan, layout, window_rows, graph_size, graph_tail, serials, grammar)
         if isinstance(out, Scored):  # (its anchors are remembered once verified)
@@ -231,7 +227,7 @@ class SpecRunner:
         """The second half of a step with grammar windows: their masks filled from the drafts
         (runner/grammar_masks.py: waiting for them here unless a wait before did), uploaded,
         and verification launched."""
-        out = self.spec.verify_scored(step.scored, step.grammar.masks())
+        out = self.spec.verify_scored(step.scored, step.grammar.masks(step.scored.num_rows))
         self._remember_anchors(step.layout, step.window_rows, step.serials, out)
         return out
 
@@ -292,6 +288,11 @@ class SpecRunner:
             if graph_tail and len(self.graphs.tails) > 1:  # which of several sizes it took
                 self.stats[f"spec_graph_steps_mixed_p{graph_tail}"] += 1
             self.stats["spec_graph_steps_trimmed"] += trimmed is not None
+            if grammar is not None:  # verified again, with masks, once they are filled
+                self.stats["spec_graph_steps_structured_output"] += 1
+                scored = self.graphs.replay_scored(graph_size, mode, graph_tail, trimmed)
+                grammar.copy_drafts(scored.block.tokens)
+                return scored
             return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width, serials)
@@ -537,21 +538,25 @@ class SpecRunner:
 
     def _graph_step(
         self, size: int, tail: int, trimmed: int | None, mode: SamplingMode
-    ) -> SpecStepOutput:
+    ) -> tuple[SpecStepOutput, Scored]:
         width = 1 + self.spec.num_verify
 
         def logits(n: int) -> torch.Tensor | None:  # the set's buffer (cuda_graph.py)
             return None if self.graph_logits is None else self.graph_logits[:n]
 
+        cell = None
         if trimmed is not None:
             target, cell = trimmed_target(self.buffers, self.spec, self.run_model, size, trimmed,
                                           logits(trimmed))  # fmt: skip
-            return self.spec.step(size, mode, target, None, cell)
-        if tail:  # a mixed step: the windows' logits come first
-            layout = capture_layout(size, width, tail, graph_tail_rows(tail))
-            index = slice(0, size * width)
+            index = None
         else:
-            layout, index = window_layout(size, width), None
-        target = self._target_step(layout, self.buffers.block_table,
-                                   logits(layout.num_logits))  # fmt: skip
-        return self.spec.step(size, mode, target, index)
+            if tail:  # a mixed step: the windows' logits come first
+                layout = capture_layout(size, width, tail, graph_tail_rows(tail))
+                index = slice(0, size * width)
+            else:
+                layout, index = window_layout(size, width), None
+            target = self._target_step(layout, self.buffers.block_table,
+                                       logits(layout.num_logits))  # fmt: skip
+        # (the scored half kept: a step with grammar windows verifies it again with masks)
+        scored = self.spec.launch(size, mode, target, index, cell)
+        return self.spec.verify_scored(scored), scored

@@ -21,12 +21,12 @@ A trimmed cell (G, V) (spec/ragged.py) adds one stage between 1 and 2: the fresh
 choose each row's verify length under the cell's budget, and the full-width inputs are
 compacted in place to V tokens; 2-4 then run on that ragged layout.
 
-Rows with structured output (an eager step only) split the step on the host after 3: the
-drafts' copy is queued before the target forward (sample/token_bitmask.py's WindowGrammar),
-`launch()` returns the step scored but not verified (`Scored`), and `verify_scored()` runs 4
-once the host has filled each grammar row's mask at every window position from the drafts
-(runner/grammar_masks.py, docs/SPECULATION.md 4.9); verification masks the target's logits by
-them.
+Rows with structured output split the step on the host after 3: `launch()` returns the step
+scored but not verified (`Scored`; eagerly, the drafts' copy queued before the target forward:
+sample/token_bitmask.py's WindowGrammar), and `verify_scored()` runs 4 once the host has filled
+each grammar row's mask at every window position from the drafts (runner/grammar_masks.py,
+docs/SPECULATION.md 4.9); verification masks the target's logits by them. A captured step keeps
+its Scored half, so that a step with grammar rows can replay the graph and verify again.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ class EagerReplay:
         spec_runner.run = keep_layout
 
     def replay(self, size, mode, tail=0, trimmed=None):
+        return self.spec_runner.spec.verify_scored(self.replay_scored(size, mode, tail, trimmed))
+
+    def replay_scored(self, size, mode, tail=0, trimmed=None):
         r, width = self.spec_runner, self.layout.window_width
         assert self.layout.num_rows == size + (self.layout.tail_rows if tail else 0)
         assert not tail or self.layout.tail_rows == graph_tail_rows(tail)
@@ -43,7 +46,7 @@ class EagerReplay:
         if trimmed is not None:
             assert trimmed in self.trimmed[size]
             target, cell = r._trimmed_step(size, trimmed)
-            return r.spec.step(size, graph_mode(mode), target, None, cell)
+            return r.spec.launch(size, graph_mode(mode), target, None, cell)
         target = r._target_step(self.layout, r.buffers.block_table)
         index = slice(0, size * width) if tail else None
-        return r.spec.step(size, graph_mode(mode), target, index)
+        return r.spec.launch(size, graph_mode(mode), target, index)

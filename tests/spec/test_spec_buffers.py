@@ -92,7 +92,8 @@ def test_the_captured_step_function_runs_eagerly_on_pad_windows(tiny_vocab_dir, 
     for mode, trimmed, logits in cases:
         runner.spec_runner.graph_logits = logits
         runner.spec_runner._prepare_graph(4)
-        out = runner.spec_runner._graph_step(4, 0, trimmed, mode)
+        out, scored = runner.spec_runner._graph_step(4, 0, trimmed, mode)
+        assert scored.logits is out.logits  # (the half a grammar step verifies again)
         assert out.logits.shape[0] == (trimmed or 4 * (DRAFT_LEN + 1))
         assert (out.logits.data_ptr() == shared.data_ptr()) == (logits is not None)
         assert out.tokens.shape == (4, DRAFT_LEN + 1) and out.num_accepted.shape == (4,)

@@ -96,14 +96,15 @@ def test_a_mixed_decode_step_fits_the_tail_or_says_why_not():
     assert mixed_decode_shape(sizes, tail, StepPlan((_window(), _prefill(3)))) == (None, None)
 
 
-def test_shaping_windows_and_prompt_scoring_fit_no_captured_shape():
-    """A mixed drafting step with a request that shapes its logits runs eagerly; prompt
-    [7, 8, 9, 5] with prompt_logprobs in chunks [0, 2) and [2, 4) scores 8, 9 then 5."""
+def test_shaping_windows_fit_captured_shapes_and_prompt_scoring_fits_none():
+    """A mixed drafting step with a request that shapes its logits keeps its captured shape
+    (verified again with the shaping: runner/spec_graphs.py); prompt [7, 8, 9, 5] with
+    prompt_logprobs in chunks [0, 2) and [2, 4) scores 8, 9 then 5."""
     shaped = _window()
     shaped.request.sampling_params = SamplingParams(presence_penalty=0.5)
     plan = StepPlan((_window(), shaped, _prefill(3)))
     assert shapes_logits(plan) and not shapes_logits(StepPlan((_window(), _prefill(3))))
-    assert leading_windows(plan, K, 64, 16) == (None, "logits_shaping")
+    assert leading_windows(plan, K, 64, 16) == (2, None)
     req = Request("p", [7, 8, 9, 5], SamplingParams(prompt_logprobs=1), 0, 2, 0.0)
     first = StepPlan((_decode(), ScheduledRow(req, 0, 2, False)))
     second = StepPlan((ScheduledRow(req, 2, 2, True),))

@@ -11,9 +11,10 @@ functions return). The shapes, each captured for every size G of the ladder:
                                                                         (runner/spec_graphs.py)
     mixed windows (G, P) G windows laid out K + 1 wide, then a tail as above
 
-A step of windows whose requests shape their logits (`shapes_logits`) fits none, nor does one
-with structured output (`plan.grammar_rows`: runner/grammar_masks.py), nor a step that scores
-prompt tokens for prompt_logprobs (`prompt_scored`). A step pads to
+A step of windows whose requests shape their logits (`shapes_logits`) or carry a grammar
+(`plan.grammar_rows`) fits them too: it replays its graph and verifies again, eagerly, with the
+shaping and masks (runner/spec_graphs.py). A step that scores prompt tokens for prompt_logprobs
+(`prompt_scored`) fits none. A step pads to
 the smallest captured G that holds its rows (and P that holds its tail):
 
     sizes [1, 2, 4, 8]: 3 rows -> G 4;  8 rows -> G 8;  9 rows -> None ("batch_too_large")
@@ -79,8 +80,6 @@ def leading_windows(
         return None, None  # (all windows, or no window: not a mixed step)
     tail = rows[n:]
     tail_tokens = sum(r.num_tokens for r in tail)
-    if shapes_logits(plan):
-        return None, "logits_shaping"
     if n == 0 or any(r.num_draft or r.empty_window for r in tail):
         return None, "windows_not_first"
     if len(tail) > max_tail_rows(max_tail_tokens):
@@ -94,9 +93,9 @@ def leading_windows(
 
 def shapes_logits(plan: StepPlan) -> bool:
     """Does a request of the step shape its logits (penalties, min_p, logit_bias, bad words:
-    sample/logits_shaping.py)? A step of windows that does runs eagerly: the captured steps
-    sample from fixed buffers that hold no shaping tensors. (A plain row samples after the
-    forward, outside any graph, so decode graphs still serve it.)"""
+    sample/logits_shaping.py)? A captured speculative step holds no shaping tensors: such a
+    step replays its graph, drafting unshaped, and verifies again, eagerly, with the shaping
+    (runner/spec_graphs.py). (A plain row samples after the forward, outside any graph.)"""
     return any(r.request.sampling_params.shapes_logits for r in plan.rows)
 
 

@@ -20,11 +20,16 @@ while others draft.)
 Trimmed cells (G, V) (spec/ragged.py) are captured beside each G's full block, in every
 sampling mode: the same staged inputs, cut on the device to V target tokens after drafting.
 
-A step with structured output's grammar rows among its windows replays the same graph, then
-runs the verification again, eagerly, its logits masked by the grammars after the drafts the
-graph made (runner/grammar_masks.py: the masks need them on the host); the captured
-verification's results are not read. Verification is a small part of the step, and the masks
-change what it reads, not what the drafter and the target compute.
+A step whose windows need what no graph holds replays the same graph, then runs the
+verification again, eagerly, on the target's logits the graph made; the captured
+verification's results are not read. Verification is a small part of the step. What it adds:
+  - the shaping of windows whose requests shape their logits (penalties, logit_bias, bad
+    words, min_p: sample/logits_shaping.py), built on the host. The graph drafted their
+    windows unshaped: lossless all the same (verification needs the distribution each draft
+    was drawn from, not a shaped one), at some acceptance where the shaping moves the argmax
+    (an eager step shapes the drafter too);
+  - the masks of grammar rows after the drafts the graph made (runner/grammar_masks.py: the
+    masks need the drafts on the host).
 
 Captured at start-up, largest first, sharing one memory pool and one logits buffer (its first
 rows: cuda_graph.graph_logits), like the decode graphs.

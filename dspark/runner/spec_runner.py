@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -189,9 +189,6 @@ class SpecRunner:
         if window_width is None:
             self.stats["eager_spec_steps_not_all_windows"] += 1
             return None
-        if shapes_logits(plan):
-            self.stats["eager_spec_steps_logits_shaping"] += 1
-            return None
         if any(r.num_draft < self.spec.num_verify for r in plan.rows):
             self.stats["spec_graph_steps_with_short_windows"] += 1
         size = padded_size(self.graphs.sizes, len(plan.rows))
@@ -268,8 +265,7 @@ class SpecRunner:
             rows.append(new_tuple(WindowRow, fields))
         mode = SamplingMode.of(rows, vocab_size)
         shaping = None
-        if shapes_logits(plan):  # (eager: graph_size and mixed_windows saw to it)
-            assert graph_size is None, "a captured step does not shape logits"
+        if shapes_logits(plan):
             # window token j predicts the token after draft j: outputs up to the anchor, then
             # drafts 1..j (sample/logits_shaping.py)
             reqs = [plan_rows[i].request for i in window_rows]
@@ -288,12 +284,18 @@ class SpecRunner:
             if graph_tail and len(self.graphs.tails) > 1:  # which of several sizes it took
                 self.stats[f"spec_graph_steps_mixed_p{graph_tail}"] += 1
             self.stats["spec_graph_steps_trimmed"] += trimmed is not None
-            if grammar is not None:  # verified again, with masks, once they are filled
-                self.stats["spec_graph_steps_structured_output"] += 1
-                scored = self.graphs.replay_scored(graph_size, mode, graph_tail, trimmed)
-                grammar.copy_drafts(scored.block.tokens)
-                return scored
-            return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
+            if shaping is None and grammar is None:
+                return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
+            # verified again, eagerly, with what no graph holds (runner/spec_graphs.py)
+            scored = self.graphs.replay_scored(graph_size, mode, graph_tail, trimmed)
+            if shaping is not None:
+                self.stats["spec_graph_steps_logits_shaping"] += 1
+                scored = _shaped(scored, shaping)
+            if grammar is None:
+                return self.spec.verify_scored(scored)
+            self.stats["spec_graph_steps_structured_output"] += 1  # (with its masks, once filled)
+            grammar.copy_drafts(scored.block.tokens)
+            return scored
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width, serials)
         self._feed_anchors(fed)
@@ -560,3 +562,17 @@ class SpecRunner:
         # (the scored half kept: a step with grammar windows verifies it again with masks)
         scored = self.spec.launch(size, mode, target, index, cell)
         return self.spec.verify_scored(scored), scored
+
+
+def _shaped(scored: Scored, shaping: LogitsShaping) -> Scored:
+    """A captured step's Scored half to verify with the live windows' shaping: min_p per
+    window row, 0 for the pad windows after them.
+
+      4 windows, shaping.min_p [0.1, 0, 0.3] (3 live) -> st.min_p [0.1, 0, 0.3, 0]
+    """
+    st = scored.st
+    if shaping.min_p is not None:
+        min_p = shaping.min_p.new_zeros(scored.num_rows)
+        min_p[: shaping.min_p.shape[0]] = shaping.min_p
+        st = replace(st, min_p=min_p)
+    return replace(scored, st=st, shaping=shaping)

@@ -9,6 +9,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 from tests.helpers import assert_matches_distribution, assert_same_logprobs
+from tests.spec.eager_replay import EagerReplay
 from tests.test_sampling_params_shaping import (
     MANY_PROMPTS,
     ONE_SHAPED,
@@ -35,19 +36,30 @@ def _spec_llm(target, drafter, **kw) -> LLM:
                "model": str(drafter), "num_speculative_tokens": K}, **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(SHAPED))
-def test_speculation_keeps_the_shaped_pair_distribution(tiny_vocab_dir, vocab_drafter, name):
+@pytest.mark.parametrize(
+    ("name", "graphs"),
+    [*((name, False) for name in SHAPED), ("penalties", True), ("min_p", True)],
+)  # fmt: skip
+def test_speculation_keeps_the_shaped_pair_distribution(tiny_vocab_dir, vocab_drafter, name,
+                                                         graphs):  # fmt: skip
     """Tokens 2 and 3 of 6,000 seeded requests (temperature 0.9): token 1 comes from the
     prefill, then a window of one draft (max_tokens 3) verifies token 2 and may emit token 3
     as its bonus, shaped with the draft among the outputs. Chi-square at the 0.1% level
-    against the exact law (tests/helpers.assert_matches_distribution)."""
+    against the exact law (tests/helpers.assert_matches_distribution). `graphs`: the steps
+    run as captured ones do (tests/spec/eager_replay.py), the drafts unshaped, verified again
+    with the shaping."""
     llm = _spec_llm(tiny_vocab_dir, vocab_drafter, num_kv_pages=4096)
+    spec_runner = llm.engine.runner.spec_runner
+    if graphs:
+        spec_runner.uniform_windows = True
+        spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4, 8, 16, 32, 64, 128, 256])
     base = dict(temperature=0.9, max_tokens=3, ignore_eos=True)
     params = [SamplingParams(seed=s, **base, **SHAPED[name]) for s in range(NUM_SAMPLES)]
     outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
     m = llm.engine.get_metrics()
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0, m
     assert llm.engine.runner.stats["spec_steps_logits_shaping"] > 0
+    assert (llm.engine.runner.stats["spec_graph_steps_logits_shaping"] > 0) == graphs
     pairs = torch.tensor([o.outputs[0].token_ids[1] * VOCAB + o.outputs[0].token_ids[2]
                           for o in outs])  # fmt: skip
     counts = torch.bincount(pairs, minlength=VOCAB * VOCAB).double()
@@ -76,16 +88,25 @@ GREEDY_SHAPED = {
 
 
 @pytest.mark.parametrize("shaped", list(GREEDY_SHAPED))
-@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize(
+    ("async_scheduling", "graphs"), [(True, False), (False, False), (True, True)],
+    ids=["async", "sync", "graph_layouts"],
+)  # fmt: skip
 def test_greedy_with_shaping_equals_plain_decoding(
-    tiny_vocab_dir, vocab_drafter, async_scheduling, shaped
+    tiny_vocab_dir, vocab_drafter, async_scheduling, shaped, graphs
 ):
     """Five requests of different shaping batched together (and one plain), 24 to 40 tokens:
     the windows' K drafts are judged with the drafts before them counted, so a window that
-    miscounted would emit another argmax than plain decoding does."""
+    miscounted would emit another argmax than plain decoding does. "graph_layouts": the steps
+    run as captured ones do (tests/spec/eager_replay.py), drafted unshaped and verified again
+    with the shaping."""
+    shapings = GREEDY_SHAPED[shaped]
+    if graphs:  # (a two-token bad word keeps its request plain: no step would be all windows)
+        shapings = [dict(sh, bad_words=[w for w in sh["bad_words"] if " " not in w])
+                    if "bad_words" in sh else sh for sh in shapings]  # fmt: skip
     params = [
         SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True, **shaping)
-        for i, shaping in enumerate(GREEDY_SHAPED[shaped])
+        for i, shaping in enumerate(shapings)
     ]
     kw = dict(num_kv_pages=256, max_num_seqs=8, max_model_len=64,
               async_scheduling=async_scheduling)  # fmt: skip
@@ -98,14 +119,18 @@ def test_greedy_with_shaping_equals_plain_decoding(
         "the shaping should change most outputs"
     )
     llm = _spec_llm(tiny_vocab_dir, vocab_drafter, **kw)
-    llm.engine.runner.spec_runner.uniform_windows = True  # (as with graphs: K + 1 wide windows)
+    spec_runner = llm.engine.runner.spec_runner
+    spec_runner.uniform_windows = True  # (as with graphs: K + 1 wide windows)
+    if graphs:
+        spec_runner.graphs = EagerReplay(spec_runner, [1, 2, 4, 8])
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == plain
     m = llm.engine.get_metrics()
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0, m
     stats = llm.engine.runner.stats
     assert stats["spec_steps_logits_shaping"] > 0
-    if shaped == "static" and async_scheduling:  # (eager steps of continuation windows)
+    assert (stats["spec_graph_steps_logits_shaping"] > 0) == graphs, dict(stats)
+    if shaped == "static" and async_scheduling:  # (steps of continuation windows)
         assert stats["continuation_windows"] > 0, stats
 
 

@@ -73,9 +73,9 @@ class Request:
     # engine from sampling_params.structured_outputs), advanced by the tokens the request
     # emits; None without structured output
     grammar: Any = None
-    # sampling_params.shapes_by_outputs, read once at creation (the parameters are validated then
-    # and not changed after): the step loop asks it of every running request each step
-    shapes_by_outputs: bool = False
+    # sampling_params.reads_outputs, read once at creation (the parameters are validated then and
+    # not changed after): ModelRunner.can_feed asks it of every row of a step launched ahead
+    reads_outputs: bool = False
     # the token count at which it ends by length (max_tokens or max_model_len): set once by
     # Scheduler.add, which knows max_model_len, so the per-step checks are one comparison
     max_num_tokens: int = 0

@@ -199,11 +199,11 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)  # fmt: skip
 
     @property
-    def shapes_by_outputs(self) -> bool:
-        """Does the shaping read the request's output tokens (penalties, bad words: built on the
-        host from them)? (A grammar's mask does too, its matcher's state over them, but a
-        window's masks are filled after the step before is collected: runner/grammar_masks.py.)"""
-        return self.has_penalties or bool(self.bad_words)
+    def reads_outputs(self) -> bool:
+        """Does the shaping read the request's output tokens (so they must be on the host)?
+        Penalties and bad words do, and a grammar: its mask is the state its matcher reached
+        over them."""
+        return self.has_penalties or bool(self.bad_words) or self.structured_outputs is not None
 
     @property
     def shapes_logits(self) -> bool:

@@ -137,6 +137,6 @@ class InFlightStep:
     windows_first: bool = False  # its windows K + 1 wide in rows 0..n-1, a tail after or not
     sampled_serials: np.ndarray | None = None  # [len(plain)] the requests of `tokens`
     done: torch.cuda.Event | None = None  # None on the CPU: the results are ready at once
-    # a step with grammar windows launched up to verification (runner/spec_runner.py's
-    # AwaitingMasks), until ModelRunner.verify_awaiting; None otherwise
+    # a step launched up to verification (runner/spec_runner.py's
+    # AwaitingHost), until ModelRunner.verify_awaiting; None otherwise
     awaiting: Any = None

@@ -67,7 +67,7 @@ def test_sampling_params_take_only_structured_outputs_params():
                        "got dict"):  # fmt: skip
         SamplingParams(structured_outputs={"json": PERSON})
     params = SamplingParams(structured_outputs=S(choice=["a", "b"]))
-    assert not params.shapes_by_outputs  # (its masks are filled on the host, not its shaping)
+    assert params.reads_outputs  # (its grammar's mask is the matcher's state over them)
     # one key for one constraint: a schema and its JSON text are compiled once
     assert S(json=PERSON).key == S(json=json.dumps(PERSON)).key
     assert S(json=PERSON).key != S(json_object=True).key

@@ -78,8 +78,6 @@ def ahead_blocker(s: SchedulerView, max_rows: int) -> str | None:
     max_model_len, is deferred: it gets that window one step later, once its count is
     known (its windows, so its tokens, are the same; only their step changes).
     """
-    if any(req.shapes_by_outputs for req in s.running):  # (its outputs are read on the host)
-        return "logits_shaping"  # (penalties, bad words: sample/logits_shaping.py)
     admissible = bool(s.waiting) and len(s.running) < s.max_num_seqs
     if admissible and not _admits_ahead(s):
         return "waiting_requests"

@@ -332,7 +332,7 @@ class LLMEngine:
             prompt=prompt_text,
             added_time=time.monotonic() if added_time is None else added_time,
             bad_words_token_ids=self._bad_words_token_ids(params),
-            shapes_by_outputs=params.shapes_by_outputs,
+            reads_outputs=params.reads_outputs,
             grammar=(
                 self.grammars.matcher(params.structured_outputs)
                 if params.structured_outputs is not None
@@ -424,7 +424,7 @@ class LLMEngine:
             return outputs + self._collect_aborted()
         self.scheduler.advance(plan)
         step = self._launch(plan)
-        if step.awaiting is not None:  # grammar windows: masks from its drafts, then verified
+        if step.awaiting is not None:  # (grammar masks, shaping: filled in, then verified)
             self.runner.verify_awaiting(step)
         return outputs + self._finish(step) + self._collect_aborted()
 
@@ -495,10 +495,10 @@ class LLMEngine:
                 stats["spec_steps_launched_behind_mixed"] += not previous.is_uniform
             self.scheduler.advance(plan)
             step = self._launch(plan)
-            if step.awaiting is not None:  # grammar windows (runner/grammar_masks.py)
+            if step.awaiting is not None:  # verified once the host has filled it in
                 if previous is not None:
-                    # one wait for previous's results and these drafts; its update moves the
-                    # matchers to where these windows start
+                    # (one wait for previous's results and any drafts a grammar needs; its
+                    # update moves the matchers and outputs to where these windows start)
                     self.runner.wait_with(previous, step)
                     outputs, previous = outputs + self._finish(previous), None
                 self.runner.verify_awaiting(step)

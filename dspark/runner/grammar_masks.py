@@ -2,8 +2,8 @@
 
 A plain row that samples one token is masked by its grammar after its outputs. The mask is
 filled at launch, while the forward runs, and ModelRunner._sample applies it before any other
-shaping: `plain_masks`. (The step was not launched ahead of the one before it, engine/ahead.py:
-the grammar has seen every token the row's request has.)
+shaping: `plain_masks`. (A plain row whose input token is still in flight is not launched
+ahead, ModelRunner.can_feed: the grammar has seen every token the row's request has.)
 
 A window needs a mask at every position j, after the drafts x_1 .. x_j, and the drafts exist
 only on the device, made inside the step. So such a speculative step is split on the host

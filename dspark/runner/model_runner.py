@@ -35,7 +35,7 @@ from dspark.runner.input_buffers import InputBuffers, StepLayout, host_to_device
 from dspark.runner.mixed_layout import graph_tail_rows, max_tail_rows
 from dspark.runner.persistent_batch import NOT_FOUND, PersistentBatch, index_of
 from dspark.runner.sampled_decode_graphs import SampledDecodeGraphs, sampled_decode_graphs_enabled
-from dspark.runner.spec_runner import AwaitingMasks, SpecRunner
+from dspark.runner.spec_runner import AwaitingHost, SpecRunner
 from dspark.runner.staging import Staged, StepStager
 from dspark.sample.logits_shaping import apply_shaping
 from dspark.sample.sampler import SamplingTensors, sample, takes_fused_path, top_logprobs
@@ -262,7 +262,7 @@ class ModelRunner:
             step.logprobs = to_host(lp)
         if staged.prompt_scored:
             self._queue_prompt_logprobs(step, staged, logits)
-        if isinstance(spec_out, AwaitingMasks):  # verified once its masks are filled
+        if isinstance(spec_out, AwaitingHost):  # verified once the host has filled it in
             step.awaiting = spec_out
             return step
         if spec_out is not None:
@@ -272,9 +272,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify_awaiting(self, step: InFlightStep) -> None:
-        """The second half of a launched step with grammar windows (step.awaiting): their
-        masks filled from the drafts, verification launched, the results' copies queued
-        (runner/grammar_masks.py)."""
+        """The second half of a launched step (step.awaiting): its grammar rows' masks and
+        shaped rows' shaping filled in, verification launched, the results' copies queued
+        (SpecRunner.verify_awaiting)."""
         awaiting, step.awaiting = step.awaiting, None
         out = self.spec_runner.verify_awaiting(awaiting)
         self.spec_runner.queue_results(step, step.plan, awaiting.layout, awaiting.window_rows,
@@ -282,12 +282,16 @@ class ModelRunner:
         self._record_done(step)
 
     def wait_with(self, previous: InFlightStep, step: InFlightStep) -> None:
-        """Let previous's one wait cover the drafts of `step`, launched behind it with grammar
-        windows (runner/grammar_masks.py): their copy is queued after previous's results."""
-        grammar = step.awaiting.grammar
-        if grammar.copied is not None:
-            previous.done = grammar.copied
-        grammar.waited = True
+        """`step` was launched behind `previous` up to its verification: let previous's one
+        wait cover the drafts its grammar rows' masks need (runner/grammar_masks.py: their
+        copy is queued after previous's results)."""
+        awaiting = step.awaiting
+        self.stats["spec_steps_verified_after_previous"] += 1
+        if awaiting.grammar is None:
+            return
+        if awaiting.grammar.copied is not None:
+            previous.done = awaiting.grammar.copied
+        awaiting.grammar.waited = True
         self.stats["structured_output_steps_behind"] += 1
 
     def _record_done(self, step: InFlightStep) -> None:
@@ -356,18 +360,15 @@ class ModelRunner:
         one input of a decode row, or the anchor of a window (not a continuation) in a step
         that lays its windows out first (a step may launch behind it), fed from `previous` (a
         preempted request re-admitted at once would need its pending token on the host). Nor
-        may a request whose penalties or bad words read its outputs (sample/logits_shaping.py
-        builds them on the host), or a plain row whose grammar mask does (filled at launch; a
-        window's masks wait for the step before: runner/grammar_masks.py)."""
-        rows = plan.rows
-        if any(r.request.shapes_by_outputs and PENDING_TOKEN in r.request.token_ids[-2:]
-               for r in rows):  # fmt: skip
-            return False
-        for i in plan.grammar_rows:
-            row = rows[i]
-            window = row.num_draft or row.empty_window
-            if not window and PENDING_TOKEN in row.request.token_ids[-2:]:
-                return False
+        may a plain row whose request's penalties, bad words or grammar read its outputs
+        (sample/logits_shaping.py and runner/grammar_masks.py build them on the host at
+        launch); a window's are built once the step before is collected
+        (SpecRunner.verify_awaiting)."""
+        for r in plan.rows:
+            req = r.request
+            if req.reads_outputs and not (r.num_draft or r.empty_window):
+                if PENDING_TOKEN in req.token_ids[-2:]:
+                    return False
         if plan.is_decode:
             pending = [r.request.serial for r in plan.rows
                        if r.request.token_ids[r.start] == PENDING_TOKEN]  # fmt: skip

@@ -24,7 +24,8 @@ A step whose windows need what no graph holds replays the same graph, then runs 
 verification again, eagerly, on the target's logits the graph made; the captured
 verification's results are not read. Verification is a small part of the step. What it adds:
   - the shaping of windows whose requests shape their logits (penalties, logit_bias, bad
-    words, min_p: sample/logits_shaping.py), built on the host. The graph drafted their
+    words, min_p: sample/logits_shaping.py), built on the host from the outputs (after the
+    step before, when the step was launched behind one). The graph drafted their
     windows unshaped: lossless all the same (verification needs the distribution each draft
     was drawn from, not a shaped one), at some acceptance where the shaping moves the argmax
     (an eager step shapes the drafter too);

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from dspark.request import PENDING_TOKEN, TokenLogprobs
+from dspark.request import PENDING_TOKEN, Request, TokenLogprobs
 from dspark.runner.chosen_lengths import trimmed_target, trimmed_tokens
 from dspark.runner.continuations import next_anchors, write_continuations
 from dspark.runner.cuda_graph import graph_logits
@@ -70,15 +70,18 @@ from dspark.step_plan import InFlightStep, SampledTokens, StepPlan, new_tuple
 
 
 @dataclass(frozen=True)
-class AwaitingMasks:
-    """A speculative step with grammar windows launched up to verification, which waits for
-    the masks its drafts imply (runner/grammar_masks.py; SpecRunner.verify_awaiting)."""
+class AwaitingHost:
+    """A speculative step launched up to verification, which waits for what the host fills in
+    once the step before is collected: its grammar rows' masks from the drafts
+    (runner/grammar_masks.py), and its shaped rows' shaping from their outputs (the tokens of
+    the step before among them). SpecRunner.verify_awaiting finishes it."""
 
     scored: Scored
     layout: StepLayout
     window_rows: list[int]
     serials: np.ndarray
-    grammar: StepWindowGrammar
+    grammar: StepWindowGrammar | None
+    shaped: list[Request] | None  # the windows' requests, when a row shapes its logits
 
     @property
     def logits(self) -> torch.Tensor:  # [N, vocab] the target's (a mixed step's plain rows')
@@ -206,25 +209,37 @@ class SpecRunner:
         graph_size: int | None,
         graph_tail: int,  # a mixed step's captured P (0: a step of windows only)
         serials: np.ndarray,  # [R] the plan rows' request serials (Staged.serials)
-    ) -> SpecStepOutput | AwaitingMasks:
+    ) -> SpecStepOutput | AwaitingHost:
         """Stage the windows and run the speculative step: a captured graph when the step is
         all windows, or windows then a tail, of a captured size, else eagerly. A step with
-        grammar windows is launched up to its verification (AwaitingMasks: verify_awaiting
-        finishes it)."""
+        grammar windows or shaped rows is launched up to its verification (AwaitingHost:
+        verify_awaiting finishes it)."""
         grammar = None
         if plan.grammar_rows:  # (the drafts come to the host before verification)
             grammar = self.grammar_masks.window_grammar(plan, window_rows, 1 + self.spec.num_verify)
-        out = self._run(plan, layout, window_rows, graph_size, graph_tail, serials, grammar)
+        shaped = [plan.rows[i].request for i in window_rows] if shapes_logits(plan) else None
+        out = self._run(plan, layout, window_rows, graph_size, graph_tail, serials, grammar,
+                        shaped is not None)  # fmt: skip
         if isinstance(out, Scored):  # (its anchors are remembered once verified)
-            return AwaitingMasks(out, layout, window_rows, serials, grammar)
+            return AwaitingHost(out, layout, window_rows, serials, grammar, shaped)
         self._remember_anchors(layout, window_rows, serials, out)
         return out
 
-    def verify_awaiting(self, step: AwaitingMasks) -> SpecStepOutput:
-        """The second half of a step with grammar windows: their masks filled from the drafts
-        (runner/grammar_masks.py: waiting for them here unless a wait before did), uploaded,
-        and verification launched."""
-        out = self.spec.verify_scored(step.scored, step.grammar.masks(step.scored.num_rows))
+    def verify_awaiting(self, step: AwaitingHost) -> SpecStepOutput:
+        """The second half of a step launched up to verification: the shaped rows' shaping
+        built from their outputs as they stand now (after the step before), the grammar rows'
+        masks filled from the drafts (runner/grammar_masks.py: waiting for them here unless a
+        wait before did), and verification launched with them."""
+        scored = step.scored
+        if step.shaped is not None:
+            # window token j: the outputs up to the anchor, the request's last token now (a
+            # continuation's written by the step before; an empty window's is followed by the
+            # placeholder of the token it samples), then drafts 1..j
+            ends = [_anchor_end(req.token_ids) for req in step.shaped]
+            scored = _shaped(scored, build_shaping(step.shaped, ends, self.vocab_size,
+                                                   self.device))  # fmt: skip
+        masks = None if step.grammar is None else step.grammar.masks(scored.num_rows)
+        out = self.spec.verify_scored(scored, masks)
         self._remember_anchors(step.layout, step.window_rows, step.serials, out)
         return out
 
@@ -248,6 +263,7 @@ class SpecRunner:
         graph_tail: int,
         serials: np.ndarray,
         grammar: StepWindowGrammar | None,
+        shaped: bool,  # a window row shapes its logits: verified with them later
     ) -> SpecStepOutput | Scored:
         cu, plan_rows, vocab_size = layout.cu_num_tokens_cpu, plan.rows, self.vocab_size
         rows = []
@@ -264,14 +280,15 @@ class SpecRunner:
             fields = (anchor, start, num_draft, cu[i], i, sp.temperature, top_k, sp.top_p, req.seed)
             rows.append(new_tuple(WindowRow, fields))
         mode = SamplingMode.of(rows, vocab_size)
-        shaping = None
-        if shapes_logits(plan):
-            # window token j predicts the token after draft j: outputs up to the anchor, then
-            # drafts 1..j (sample/logits_shaping.py)
-            reqs = [plan_rows[i].request for i in window_rows]
-            ends = [plan_rows[i].start + 1 for i in window_rows]
-            shaping = build_shaping(reqs, ends, vocab_size, self.device)
+        shaping = None  # the drafter's (an eager step's): verification's is built later
+        if shaped:
             self.stats["spec_steps_logits_shaping"] += 1
+            if graph_size is None:
+                # slot k shaped by the outputs up to the anchor, then drafts 1..k-1
+                # (sample/logits_shaping.py), as far as the host knows them
+                reqs = [plan_rows[i].request for i in window_rows]
+                shaping = build_shaping(reqs, [_known_end(plan_rows[i]) for i in window_rows],
+                                        vocab_size, self.device)  # fmt: skip
         width, table = layout.window_width, self.buffers.np("block_table")
         trimmed = self._trimmed_tokens(plan, layout, rows, graph_size)
         if graph_size is not None:  # pad windows follow the plan's rows (a tail's too)
@@ -284,17 +301,14 @@ class SpecRunner:
             if graph_tail and len(self.graphs.tails) > 1:  # which of several sizes it took
                 self.stats[f"spec_graph_steps_mixed_p{graph_tail}"] += 1
             self.stats["spec_graph_steps_trimmed"] += trimmed is not None
-            if shaping is None and grammar is None:
+            if not shaped and grammar is None:
                 return self.graphs.replay(graph_size, mode, graph_tail, trimmed)
             # verified again, eagerly, with what no graph holds (runner/spec_graphs.py)
             scored = self.graphs.replay_scored(graph_size, mode, graph_tail, trimmed)
-            if shaping is not None:
-                self.stats["spec_graph_steps_logits_shaping"] += 1
-                scored = _shaped(scored, shaping)
-            if grammar is None:
-                return self.spec.verify_scored(scored)
-            self.stats["spec_graph_steps_structured_output"] += 1  # (with its masks, once filled)
-            grammar.copy_drafts(scored.block.tokens)
+            self.stats["spec_graph_steps_logits_shaping"] += shaped
+            if grammar is not None:
+                self.stats["spec_graph_steps_structured_output"] += 1
+                grammar.copy_drafts(scored.block.tokens)
             return scored
         self.spec.stage(rows, len(rows), window_width=width, block_table=table)
         self._feed_continuations(plan, width, serials)
@@ -333,9 +347,10 @@ class SpecRunner:
         shaping: LogitsShaping | None,
         grammar: StepWindowGrammar | None,
     ) -> SpecStepOutput | Scored:
-        """An eager speculative step; one with grammar windows up to its verification."""
-        if grammar is None:
-            return self.spec.step(num_rows, mode, target, window_index, cell, shaping)
+        """An eager speculative step; one with grammar windows or shaped rows up to its
+        verification."""
+        if grammar is None and shaping is None:
+            return self.spec.step(num_rows, mode, target, window_index, cell)
         return self.spec.launch(num_rows, mode, target, window_index, cell, shaping, grammar)
 
     def _trimmed_tokens(
@@ -576,3 +591,27 @@ def _shaped(scored: Scored, shaping: LogitsShaping) -> Scored:
         min_p[: shaping.min_p.shape[0]] = shaping.min_p
         st = replace(st, min_p=min_p)
     return replace(scored, st=st, shaping=shaping)
+
+
+def _known_end(row) -> int:
+    """The end of a window row's outputs as the host knows them at launch: through its anchor,
+    or up to it while the anchor is in flight (sampled by the plain step before), or up to the
+    window in flight before a continuation. Drafts shaped by fewer outputs stay exact (the
+    distribution each was drawn from is verification's q); verification's shaping is built
+    once the step before is collected (verify_awaiting).
+
+      token_ids [5, 6, 9], start 2 -> 3;  [5, 6, PENDING], start 2 -> 2;  [5, 6], continuation -> 2
+    """
+    tokens = row.request.token_ids
+    if row.is_continuation:
+        return len(tokens)
+    return row.start + (tokens[row.start] != PENDING_TOKEN)
+
+
+def _anchor_end(tokens: list[int]) -> int:
+    """One past a window's anchor once every token before it is known: its last token that
+    is not a placeholder. [5, 6, 9] -> 3;  [5, 6, 9, PENDING] (an empty window) -> 3"""
+    end = len(tokens)
+    while end and tokens[end - 1] == PENDING_TOKEN:
+        end -= 1
+    return end

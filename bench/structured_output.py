@@ -18,8 +18,9 @@ serve the same prompts greedily without and with a JSON schema, once to warm and
 speculative steps, those whose windows carry a grammar, how many of those had their drafts come
 with the wait for the step before and how many waited for them on their own (the extra host
 synchronisations, runner/grammar_masks.py), and the wall time a step. Drafting is fixed K
-(no policy). On a GPU the same again with CUDA graphs off (`syncs_without_cuda_graphs`): a step
-with grammar windows runs eagerly, so its cost is the eager step's plus the masks'.
+(no policy). On a GPU the same again with CUDA graphs off (`syncs_without_cuda_graphs`): what
+a step costs eagerly, against the captured step a grammar step replays before it verifies
+again with its masks (runner/spec_graphs.py).
 
 On a GPU host without the model (random weights: the sync counts and step times do not depend
 on them; the acceptance does):
@@ -208,7 +209,7 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
     syncs = _syncs(llm, args.max_tokens, chat=args.model == "default")
     eager = None
-    if args.device == "cuda":  # (a step with grammar windows runs eagerly: the eager baseline)
+    if args.device == "cuda":  # (the eager baseline)
         del llm
         gc.collect()
         llm = LLM(args.model, dtype=args.dtype, device=args.device, use_cuda_graphs=False,

@@ -217,7 +217,11 @@ class SpecRunner:
         grammar = None
         if plan.grammar_rows:  # (the drafts come to the host before verification)
             grammar = self.grammar_masks.window_grammar(plan, window_rows, 1 + self.spec.num_verify)
-        shaped = [plan.rows[i].request for i in window_rows] if shapes_logits(plan) else None
+        shaped = None  # the windows' requests, if one of them shapes its logits
+        if shapes_logits(plan):  # (a plain row of a mixed step may be the one)
+            reqs = [plan.rows[i].request for i in window_rows]
+            if any(req.sampling_params.shapes_logits for req in reqs):
+                shaped = reqs
         out = self._run(plan, layout, window_rows, graph_size, graph_tail, serials, grammar,
                         shaped is not None)  # fmt: skip
         if isinstance(out, Scored):  # (its anchors are remembered once verified)
@@ -580,8 +584,8 @@ class SpecRunner:
 
 
 def _shaped(scored: Scored, shaping: LogitsShaping) -> Scored:
-    """A captured step's Scored half to verify with the live windows' shaping: min_p per
-    window row, 0 for the pad windows after them.
+    """A step's Scored half to verify with the live windows' shaping: min_p per window row,
+    0 for a captured step's pad windows after them.
 
       4 windows, shaping.min_p [0.1, 0, 0.3] (3 live) -> st.min_p [0.1, 0, 0.3, 0]
     """

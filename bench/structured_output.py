@@ -14,7 +14,8 @@ median and the least over the prefixes, in microseconds per row and position (on
 host the least is the closer to the work's own cost: other processes only add).
 
 Syncs: the default model and its shipped drafter (float32, CPU; or --model, --drafter, --device)
-serve the same prompts greedily without and with a JSON schema, once to warm and once timed: the
+serve the same prompts greedily without and with a JSON schema (and, beside them, with
+penalties: PENALTIES), once to warm and once timed: the
 speculative steps, those whose windows carry a grammar, how many of those had their drafts come
 with the wait for the step before and how many waited for them on their own (the extra host
 synchronisations, runner/grammar_masks.py), and the wall time a step. Drafting is fixed K
@@ -60,6 +61,9 @@ PERSON = {
                                                         "items": {"type": "string"}}},
     "required": ["name", "age", "city"],
 }  # fmt: skip
+# the third arm of the sync run: a step with such rows verifies again, eagerly, with the shaping
+# (runner/spec_graphs.py), as one with grammar rows does with the masks
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5}
 # (constraint, a valid output to walk)
 CASES = {
     "json_schema": (
@@ -132,43 +136,47 @@ PROMPTS = [
 
 
 def _syncs(llm: LLM, max_tokens: int, chat: bool) -> dict:
-    """The same prompts greedily without and with a JSON schema: steps, speculative steps,
-    those with grammar windows, the extra host syncs and the wall time a step."""
+    """The same prompts greedily without and with a JSON schema, and with penalties: steps,
+    speculative steps, those with grammar windows, the extra host syncs and the wall time a
+    step."""
     runner = llm.engine.runner
-    counted = {"steps": 0, "spec_steps": 0, "grammar_window_steps": 0}
+    counted = {"steps": 0, "spec_steps": 0}
     real_launch = runner.launch
 
     def launch(plan):
         counted["steps"] += 1
         counted["spec_steps"] += any(r.num_draft for r in plan.rows)
-        rows = plan.rows
-        counted["grammar_window_steps"] += any(rows[i].num_draft or rows[i].empty_window
-                                               for i in plan.grammar_rows)  # fmt: skip
         return real_launch(plan)
 
-    def run(so):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+    def run(so, shaping):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so,
+                                **shaping)  # fmt: skip
         if chat:
             llm.chat([[{"role": "user", "content": t}] for t in PROMPTS], params, use_tqdm=False)
         else:
             llm.generate(PROMPTS, params, use_tqdm=False)
 
     result = {}
-    for arm, so in (("without_grammar", None), ("with_json_schema", S(json=PERSON))):
-        run(so)  # (warm: the grammar compiled, the kernels built)
+    arms = (("without_grammar", None, {}), ("with_json_schema", S(json=PERSON), {}),
+            ("with_penalties", None, PENALTIES))  # fmt: skip
+    for arm, so, shaping in arms:
+        run(so, shaping)  # (warm: the grammar compiled, the kernels built)
         runner.launch = launch
         stats = runner.stats
         before = (dict(counted), stats["structured_output_syncs"],
                   stats["structured_output_steps_behind"])  # fmt: skip
         start = time.perf_counter()
-        run(so)
+        run(so, shaping)
         seconds = time.perf_counter() - start
         runner.launch = real_launch
         steps = {key: counted[key] - before[0][key] for key in counted}
         syncs = stats["structured_output_syncs"] - before[1]
         # (a step with grammar windows launched behind another waits for its drafts with it)
         behind = stats["structured_output_steps_behind"] - before[2]
-        result[arm] = {**steps, "drafts_with_previous_wait": behind, "extra_syncs": syncs,
+        # (a step with grammar windows waits for its drafts once: with the step before, or
+        # alone)
+        result[arm] = {**steps, "grammar_window_steps": behind + syncs,
+                       "drafts_with_previous_wait": behind, "extra_syncs": syncs,
                        "extra_syncs_per_step": round(syncs / steps["steps"], 3),
                        "ms_per_step": round(seconds / steps["steps"] * 1e3, 3)}  # fmt: skip
     return result

@@ -95,7 +95,7 @@ class GrammarMasks:
         reqs = [plan.rows[window_rows[j]].request for j in rows]
         # (a trimmed cell verifies at most a row's num_draft)
         lengths = [plan.rows[window_rows[j]].num_draft for j in rows]
-        return StepWindowGrammar(self, len(window_rows), rows, reqs, lengths, width)
+        return StepWindowGrammar(self, rows, reqs, lengths, width)
 
 
 class StepWindowGrammar:
@@ -110,13 +110,12 @@ class StepWindowGrammar:
     def __init__(
         self,
         owner: GrammarMasks,
-        num_windows: int,  # R
-        rows: list[int],  # the windows with a grammar (indices into the R windows)
+        rows: list[int],  # the windows with a grammar (indices into the step's windows)
         reqs: list[Request],  # their requests
         lengths: list[int],  # the drafts each verifies at most
         width: int,  # K + 1
     ) -> None:
-        self.owner, self.num_windows, self.rows, self.reqs = owner, num_windows, rows, reqs
+        self.owner, self.rows, self.reqs = owner, rows, reqs
         self.lengths, self.width = lengths, width
         self._drafts: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None  # recorded behind the drafts' copy

@@ -145,7 +145,8 @@ class SpecGraphs:
         self, size: int, mode: SamplingMode, tail: int = 0, trimmed: int | None = None
     ) -> Scored:
         """Replay, and hand back the step's half up to verification, for a step whose
-        verification runs again with its grammar rows' masks (its captured one is not read)."""
+        verification runs again with what no graph holds: its shaping, its grammar rows'
+        masks (the captured verification is not read)."""
         key = (size, tail, trimmed, graph_mode(mode))
         self._graphs[key].replay()
         return self._outputs[key][1]

@@ -192,8 +192,9 @@ def test_each_graph_set_writes_one_logits_buffer(tiny_vocab_dir, vocab_drafter):
     decode = runner.stager.graphs
     outputs = runner.spec_runner.graphs._outputs
     assert len(outputs) > 3
-    for out in outputs.values():
+    for out, scored in outputs.values():  # the step's output and its half up to verification
         assert out.logits.data_ptr() == spec_buffer.data_ptr()
+        assert scored.logits.data_ptr() == spec_buffer.data_ptr()
     for key in decode._graphs:
         assert decode.output(*key).data_ptr() == decode.logits.data_ptr()
     # ... and they still generate (the replays' equality with eager steps: the tests above)

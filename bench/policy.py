@@ -42,6 +42,7 @@ from dspark.engine.spec_setup import probe_steps
 from dspark.models.loader import default_model_path
 from dspark.policy.cost_table import COST_TABLES_DIR, CostTable, full_block_tokens, parse_table
 from dspark.policy.policy import DraftingPolicy
+from dspark.policy.survival import host_survivals
 from dspark.policy.trace import PolicyTrace
 from dspark.policy.tuning import TUNING
 from dspark.spec.calibration import load_calibration
@@ -113,13 +114,14 @@ Host cost of the drafting policy per engine step (the scheduling overhead issue 
 With the shipped drafter's H200 cost table and calibration, R running requests whose last
 blocks were observed: times decide() (before every step: the O(R) survival sum and the cell
 choice; after a drafting step, its blocks just observed, and while drafting is off, no block
-observed between decisions and two requests ending and two arriving a step: "not drafting")
-and observe() (after a drafting step: survivals from [R, K] raw confidences and the
-recalibration), and a step trace's line after a decision (DSPARK_POLICY_TRACE), medians over
---steps calls in microseconds. The list of running ids is built
-per call, as the engine builds it. The policy does no device work: the confidences it reads
-come back with the drafting step's one sync. Its share of a step is these figures over the
-step times of docs/PERFORMANCE.md.
+observed between decisions and two requests ending and two arriving a step: "not drafting"),
+the survivals of a drafting step's [R, K] raw confidences (computed once a step for the
+metrics and the policy: every speculative engine pays them), observe_survivals() (the policy's
+share after a drafting step: its estimates and the recalibration) and a step trace's line
+after a decision (DSPARK_POLICY_TRACE), medians over --steps calls in microseconds. The list
+of running ids is built per call, as the engine builds it. The policy does no device work: the
+confidences it reads come back with the drafting step's one sync. Its share of a step is these
+figures over the step times of docs/PERFORMANCE.md.
 """
 
 DRAFTER = Path(__file__).resolve().parents[1] / "dspark/drafters/smollm2_135m_instruct"
@@ -534,7 +536,12 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
     running[:] = [_Request(i) for i in ids]
     for rid in ids:
         policy.running(rid, True)
-    observe = _median_us(lambda: policy.observe(ids, logits, greedy, accepted, verify_len), steps)
+    # after a drafting step: the survivals, computed once for the metrics and the policy
+    # (SpecDecoder.survivals: every speculative engine pays them), then the policy's share
+    survivals = _median_us(lambda: host_survivals(logits, greedy, policy.estimates.temperatures),
+                           steps)  # fmt: skip
+    a = host_survivals(logits, greedy, policy.estimates.temperatures)
+    observe = _median_us(lambda: policy.observe_survivals(ids, a, accepted, verify_len), steps)
     # a step trace's line after the decision (DSPARK_POLICY_TRACE, policy/trace.py)
     with tempfile.TemporaryDirectory() as directory:
         trace = PolicyTrace(policy, Path(directory) / "trace.jsonl")
@@ -546,7 +553,8 @@ def _measure(r: int, table, temperatures: dict, steps: int, greedy_rows: str = "
         line = _median_us(lambda: trace.decided(decision, ids, scheduler, stats, None, 0.0), steps)
         trace.close()
     return {"batch": r, "decide_us": decide, "decide_not_drafting_us": decide_off,
-            "observe_us": observe, "trace_line_us": line}  # fmt: skip
+            "survivals_us": survivals, "observe_us": observe,
+            "trace_line_us": line}  # fmt: skip
 
 
 def host_cost(args: argparse.Namespace) -> int:
@@ -558,11 +566,12 @@ def host_cost(args: argparse.Namespace) -> int:
     result = {"date": time.strftime("%Y-%m-%d"), "table": table_path.name,
               "greedy": args.greedy, "rows": rows}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'batch':>5} {'decide us':>10} {'off us':>9} {'observe us':>11} "
+    print(f"{'batch':>5} {'decide us':>10} {'off us':>9} {'survivals us':>13} {'observe us':>11} "
           f"{'trace line us':>14}")  # fmt: skip
     for row in rows:
         print(f"{row['batch']:5d} {row['decide_us']:10.1f} {row['decide_not_drafting_us']:9.1f} "
-              f"{row['observe_us']:11.1f} {row['trace_line_us']:14.1f}")  # fmt: skip
+              f"{row['survivals_us']:13.1f} {row['observe_us']:11.1f} "
+              f"{row['trace_line_us']:14.1f}")  # fmt: skip
     return 0
 
 

@@ -167,12 +167,12 @@ def build_policy(
 
 
 def _timed_observe(policy: DraftingPolicy) -> Callable[..., None]:
-    """policy.observe, its host time counted in policy.host_time["observe_s"] (the bench
-    reports scheduling overhead per step)."""
+    """policy.observe_survivals, its host time counted in policy.host_time["observe_s"] (the
+    bench reports scheduling overhead per step)."""
 
     def observe(*args, **kwargs) -> None:
         start = time.perf_counter()
-        policy.observe(*args, **kwargs)
+        policy.observe_survivals(*args, **kwargs)
         policy.host_time["observe_s"] += time.perf_counter() - start
 
     return observe

@@ -129,6 +129,7 @@ class DraftingPolicy:
         self.drafting = True
         self._steps_in_mode = 0
         self.counters: Counter[str] = Counter()
+        self._counter_keys: dict[tuple, tuple[str, ...]] = {}  # a decision's kind -> _keys
         # the host's scheduling overhead, timed by its callers (the engine, the confidence
         # sink): seconds in decide (with record_step), observe and the trace, and decisions
         self.host_time: Counter[str] = Counter()
@@ -146,6 +147,16 @@ class DraftingPolicy:
         (SurvivalEstimates.observe)."""
         self.estimates.observe(request_ids, confidence_logits, greedy, num_accepted, verify_len)
 
+    def observe_survivals(
+        self,
+        request_ids: list[str],
+        survivals: np.ndarray,  # [R, K] calibrated (SpecDecoder.survivals)
+        num_accepted: list[int] | None = None,
+        verify_len: list[int] | None = None,
+    ) -> None:
+        """observe() from the step's calibrated survivals, as the engine has them."""
+        self.estimates.observe_survivals(request_ids, survivals, num_accepted, verify_len)
+
     def forget(self, request_id: str) -> None:
         self.estimates.forget(request_id)
 
@@ -161,14 +172,11 @@ class DraftingPolicy:
             self.drafting, self._steps_in_mode = decision.drafting, 0
         self._steps_in_mode += 1
         self.estimates.step += 1
-        self.counters[f"steps_{'drafting' if decision.drafting else 'not_drafting'}"] += 1
-        self.counters[f"decision_{decision.reason.replace(' ', '_')}"] += 1
-        if decision.cell is not None:  # where in the batch-size range the policy drafts
-            mode = "drafting" if decision.drafting else "not_drafting"
-            self.counters[f"g{decision.cell[0]}_{mode}"] += 1
-        if decision.trimmed_cell is not None:  # the chosen budget: tokens per row of the cell
-            g, v = decision.trimmed_cell
-            self.counters[f"trimmed_w{v // g}"] += 1
+        kind = (decision.drafting, decision.reason, decision.cell)
+        keys = self._counter_keys.get(kind) or self._counter_keys.setdefault(kind, _keys(*kind))
+        counters = self.counters
+        for key in keys:
+            counters[key] += 1
         return decision
 
     def _decide(self, request_ids: list[str], sampled: bool) -> Decision:
@@ -189,8 +197,10 @@ class DraftingPolicy:
             a = self.lagged_survival(request_ids, g, sampled)
             choice = choose_cell(a, g, table, self.draft_len, gain, self.drafting)
         else:
-            choice = choose_drafting(len(request_ids), self.survival_sum(request_ids, g, sampled),
-                                     g, table, self.draft_len, gain, self.drafting)  # fmt: skip
+            fresh_since = self.estimates.step - self._stale_after(row)
+            total = self.estimates.running_sum(request_ids, fresh_since)
+            choice = choose_drafting(len(request_ids), total, g, table, self.draft_len, gain,
+                                     self.drafting)  # fmt: skip
         geometry = choice.geometry
         return Decision(geometry.drafts, choice.reason, (g, geometry.num_tokens), sampled)
 
@@ -232,6 +242,11 @@ class DraftingPolicy:
         probe costs: at G = 256 a drafting step can cost 3.1-3.7 plain ones where the table
         says 2.04, and probing at the table's horizon then spends ~5% of the time, not 1%."""
         _, row, _ = self.priced_cells(g, sampled)  # (G is one of the table's: it prices itself)
+        return self._stale_after(row)
+
+    def _stale_after(self, row: dict[int, float]) -> int:
+        """stale_after from G's priced cells (V -> seconds; V = G the plain one)."""
+        g = min(row)
         ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
         return max(1, math.ceil(self.probe_steps * (ratio - 1) / self.tuning.probe_budget))
 
@@ -260,6 +275,19 @@ class DraftingPolicy:
         """[R, K] the requests' lagged survivals per position (estimate_vectors)."""
         totals, kinds = self.row_totals(request_ids, g, sampled)
         return self.estimates.estimate_vectors(request_ids, totals, kinds)
+
+
+def _keys(drafting: bool, reason: str, cell: tuple[int, int] | None) -> tuple[str, ...]:
+    """The counters a decision moves: its mode, its reason, where in the batch-size range it
+    drafts, a trimmed cell's width (tokens per row: the chosen budget). Built once per kind of
+    decision (DraftingPolicy._counter_keys), not every step."""
+    mode = "drafting" if drafting else "not_drafting"
+    keys = [f"steps_{mode}", f"decision_{reason.replace(' ', '_')}"]
+    if cell is not None:
+        keys.append(f"g{cell[0]}_{mode}")
+        if reason == "trimmed":
+            keys.append(f"trimmed_w{cell[1] // cell[0]}")
+    return tuple(keys)
 
 
 def _runnable(

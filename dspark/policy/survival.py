@@ -85,6 +85,23 @@ def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor) -> tor
     return torch.sigmoid(confidence_logits / temperatures).cumprod(dim=-1)
 
 
+def host_survivals(
+    confidence_logits: torch.Tensor,  # [R, >= K] raw (host)
+    greedy: list[bool],  # per row
+    temperatures: dict[bool, np.ndarray],  # greedy? -> [K] STS temperatures (float64)
+) -> np.ndarray:
+    """survival() on the host for a step's windows, greedy rows by the greedy fit: [R, K]
+    float64 (numpy: a handful of small ops, computed once a step for the metrics and the
+    drafting policy)."""
+    k = len(temperatures[True])
+    logits = confidence_logits.numpy()[:, :k].astype(np.float64)
+    if all(greedy) or not any(greedy):  # (the usual batch: one row of temperatures)
+        t = temperatures[bool(greedy and greedy[0])]
+    else:
+        t = np.where(np.asarray(greedy)[:, None], temperatures[True], temperatures[False])
+    return np.cumprod(1.0 / (1.0 + np.exp(-logits / t)), axis=1)
+
+
 class SurvivalEstimates:
     """The drafting policy's evidence: observe() after each speculative step, estimate_totals()
     and estimate_vectors() before the next; `step` is the clock of staleness and age (the
@@ -105,7 +122,9 @@ class SurvivalEstimates:
         self._population_vector = np.zeros(draft_len)  # weighted observed survivals [K]
         self._population_step = 0  # the step of the population's newest block
         self.draft_len = draft_len
-        self.temperatures = {g: t.float().cpu()[:draft_len] for g, t in temperatures.items()}
+        self.temperatures = {
+            g: t.double().cpu()[:draft_len].numpy() for g, t in temperatures.items()
+        }  # fmt: skip
         self._decay = 0.5 ** (1.0 / tuning.calibration_half_life)
         # weight of a request's newest block in its smoothed sum (1: the last block alone)
         half_life = tuning.block_half_life
@@ -144,8 +163,19 @@ class SurvivalEstimates:
         verify_len: list[int] | None = None,
     ) -> None:
         """After a speculative step's sync: each window's raw confidences and what it kept."""
+        a = host_survivals(confidence_logits.float(), greedy, self.temperatures)
+        self.observe_survivals(request_ids, a, num_accepted, verify_len)
+
+    def observe_survivals(
+        self,
+        request_ids: list[str],
+        a: np.ndarray,  # [R, K] calibrated survivals (float64)
+        num_accepted: list[int] | None = None,
+        verify_len: list[int] | None = None,
+    ) -> None:
+        """observe() from the survivals the engine computed once for the step
+        (SpecDecoder.survivals)."""
         self._observations += 1
-        a = survival(confidence_logits[:, : self.draft_len].float(), self._row_temperatures(greedy))
         sums = a.sum(-1).tolist()
         if num_accepted is not None and verify_len is not None:
             self._fit_persistence(request_ids, num_accepted, verify_len)  # (estimates before)
@@ -165,7 +195,7 @@ class SurvivalEstimates:
         if sums:
             self._population_step = self.step
         if self.keep_vectors:
-            self._observe_vectors(request_ids, a.double().numpy(), decay)
+            self._observe_vectors(request_ids, a, decay)
         self._population_blocks = self._population_blocks * decay + len(sums)
         if num_accepted is None or verify_len is None:
             return
@@ -177,15 +207,6 @@ class SurvivalEstimates:
         decay = self._decay ** len(predicted)
         self._predicted = self._predicted * decay + sum(predicted)
         self._realised = self._realised * decay + sum(realised)
-
-    def _row_temperatures(self, greedy: list[bool]) -> torch.Tensor:
-        """[1, K] when every row is greedy, or every row samples (the usual batch: one
-        broadcast row), else [R, K]: stacking R rows costs observe() a third of its time at 64
-        rows."""
-        if all(greedy) or not any(greedy):
-            return self.temperatures[bool(greedy and greedy[0])][None]
-        mask = torch.from_numpy(np.array(greedy, dtype=bool))[:, None]  # (torch.tensor: 9x slower)
-        return torch.where(mask, self.temperatures[True], self.temperatures[False])
 
     def _fit_persistence(
         self, request_ids: list[str], num_accepted: list[int], verify_len: list[int]

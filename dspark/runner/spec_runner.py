@@ -130,9 +130,9 @@ class SpecRunner:
         # windows, and each window's request serial [R] (host): continuations read them
         self._next_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
         self._next_anchor_serials = np.empty(0, dtype=np.int64)
-        # called after each speculative step's sync with the windows' request ids, raw
-        # confidence logits [R, K] (host), greedy flags, accepted drafts and verify lengths:
-        # the drafting policy's survivals and its online recalibration
+        # called after each speculative step's sync with the windows' request ids, calibrated
+        # survivals [R, K] (host, SpecDecoder.survivals), accepted drafts and verify lengths:
+        # the drafting policy's evidence and its online recalibration
         self.confidence_sinks: list[Callable[..., None]] = []
 
     def window_width(self, plan: StepPlan) -> int | None:
@@ -475,20 +475,21 @@ class SpecRunner:
         caps = step.verify_len
         if step.device_verify_len is not None:
             step.verify_len = step.device_verify_len.tolist()
-        self.spec.record(step.verify_len, accepted, step.confidence, greedy)
-        if step.confidence is not None and self.confidence_sinks:
+        survivals = None  # [R, K] calibrated, once a step: the metrics' and the sinks'
+        if step.confidence is not None:
+            survivals = self.spec.survivals(step.confidence, greedy)
+        self.spec.record(step.verify_len, accepted, step.confidence, survivals)
+        if survivals is not None and self.confidence_sinks:
             # (an empty window's block drafted over scratch-page slots: no evidence)
-            seen_rows, confidence = step.window_rows, step.confidence
-            seen_greedy, seen_accepted, verify_len = greedy, accepted, step.verify_len
+            seen_rows, seen_accepted, verify_len = step.window_rows, accepted, step.verify_len
             if 0 in caps:
                 seen = [j for j, v in enumerate(caps) if v]
-                seen_rows, confidence = [seen_rows[j] for j in seen], confidence[seen]
-                seen_greedy = [greedy[j] for j in seen]
+                seen_rows, survivals = [seen_rows[j] for j in seen], survivals[seen]
                 seen_accepted = [accepted[j] for j in seen]
                 verify_len = [verify_len[j] for j in seen]
             ids = [rows[i].request.request_id for i in seen_rows]
             for sink in self.confidence_sinks:
-                sink(ids, confidence, seen_greedy, seen_accepted, verify_len)
+                sink(ids, survivals, seen_accepted, verify_len)
         if step.verify_len != caps:  # (continuations near their requests' ends)
             self.stats["continuation_windows_shortened"] += sum(
                 1 for j, i in enumerate(step.window_rows)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from dspark.models.dspark_drafter import DSparkDrafter
-from dspark.policy.survival import survival
+from dspark.policy.survival import host_survivals, survival
 from dspark.sample.logits_shaping import LogitsShaping, apply_window_shaping
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.sample.token_bitmask import (
@@ -367,12 +367,17 @@ class SpecDecoder:
             )
         )
 
+    def survivals(self, confidence_logits: torch.Tensor, greedy: list[bool]) -> np.ndarray:
+        """[R, K] the windows' calibrated survivals on the host: computed once a step, for the
+        metrics (record) and the drafting policy."""
+        return host_survivals(confidence_logits, greedy, self._temperatures_np)
+
     def record(
         self,
         verify_len: list[int],
         num_accepted: list[int],
         confidence_logits: torch.Tensor | None = None,  # [R, K] raw, host copy (observers only)
-        greedy: list[bool] | None = None,  # per window: its request samples greedily
+        survivals: np.ndarray | None = None,  # [R, K] the same windows' (self.survivals)
     ) -> None:
         """vLLM's counters: drafts (windows), drafted tokens, accepted tokens, per position;
         then every observer sees the step's windows (after the step's host sync)."""
@@ -392,20 +397,17 @@ class SpecDecoder:
             self.accepted_per_position[k] += int(kept[k])
         for v in range(len(lengths)):
             self.verify_len_counts[v] += int(lengths[v])
-        if confidence_logits is not None:
-            greedy = greedy or [False] * len(verify_len)
-            self._record_survival(verify_len, num_accepted, confidence_logits, greedy)
+        if survivals is not None:
+            self._record_survival(verify_len, num_accepted, survivals)
 
-    def _record_survival(self, verify_len, num_accepted, confidence_logits, greedy) -> None:
-        """(numpy: a dozen small host ops per step, several times cheaper than torch's)"""
+    def _record_survival(self, verify_len, num_accepted, survivals: np.ndarray) -> None:
+        """The calibration's reliability: predicted (summed survivals) against realised
+        (drafts kept) per position, over uncensored windows (verified in full)."""
         K = self.num_verify
         full = np.flatnonzero(np.asarray(verify_len) == K)
         if not full.size:
             return
-        logits = confidence_logits.numpy()[full, :K].astype(np.float64)  # [F, K]
-        temps = self._temperatures_np
-        t = np.where(np.asarray(greedy)[full, None], temps[True], temps[False])  # [F, K]
-        predicted = np.cumprod(1.0 / (1.0 + np.exp(-logits / t)), axis=1).sum(0)
+        predicted = survivals[full].sum(0)
         accepted = np.asarray(num_accepted)[full]
         realised = (accepted[:, None] > np.arange(K)[None, :]).sum(0)  # drafts 1..k kept
         self.metrics["num_survival_windows"] += len(full)

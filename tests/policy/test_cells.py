@@ -8,7 +8,7 @@ import torch
 
 from dspark.policy.cells import cell_geometry, choose_cell, choose_drafting, expected_tokens
 from dspark.policy.cost_table import CostTable
-from dspark.policy.survival import survival
+from dspark.policy.survival import host_survivals, survival
 
 K = 3
 
@@ -29,6 +29,22 @@ def test_survival_is_the_cumulative_product_of_calibrated_confidences():
     torch.testing.assert_close(a[0], torch.cumprod(c, 0))
     assert (a[:, 1:] <= a[:, :-1]).all()
     assert expected_tokens(torch.tensor([[0.9, 0.5], [0.8, 0.1]]), 2) == pytest.approx(2 + 1.7)
+
+
+def test_host_survivals_equal_the_devices_row_by_row():
+    """The host's survivals (once a step, for the metrics and the policy) are survival() with
+    each row's temperatures: greedy rows the greedy fit, sampled rows the other; a block wider
+    than K is cut to K."""
+    temps = {False: torch.tensor([1.0, 2.0, 0.5]), True: torch.tensor([0.7, 1.5, 1.0])}
+    logits = torch.randn(4, K + 2)
+    greedy = [True, False, False, True]
+    a = host_survivals(logits, greedy, {g: t.double().numpy() for g, t in temps.items()})
+    rows = torch.stack([temps[g] for g in greedy])
+    torch.testing.assert_close(torch.from_numpy(a), survival(logits[:, :K], rows).double())
+    for same in ([True] * 4, [False] * 4):  # (one row of temperatures for the batch)
+        a = host_survivals(logits, same, {g: t.double().numpy() for g, t in temps.items()})
+        expected = survival(logits[:, :K], temps[same[0]]).double()
+        torch.testing.assert_close(torch.from_numpy(a), expected)
 
 
 def _table(g, times):  # times: V -> seconds

@@ -25,6 +25,7 @@ COMMANDS = {
     "latency": [["prefill-silence"], ["prefix-caching"]],
     "startup_time": [[]],
     "structured_output": [[]],
+    "shaped_drafts": [[]],
     "real_target_shapes": [[]],
     "tensor_parallel": [[]],
 }

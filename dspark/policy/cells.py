@@ -13,6 +13,13 @@ their anchors plus D = V - G drafts in all. V = G means no drafting (plain decod
 
   G 4, R 3, V 10:  pad rows 1 x 1 token; live rows 3 anchors + D = 6 drafts
 
+Reach: the most drafts a row of the cell may verify, one past the cell's mean budget a row
+(D / G rounded up), at most K. No row verifies a slot past it, so the drafter's heads (LM,
+Markov, confidence) run over the first `reach` slots only, and the device's selection caps
+every row there. The full block reaches K; a narrow cell drafts (and costs) less:
+
+  K 7, G 256:  V 512 (D/G 1) -> reach 2;  V 1024 (3) -> 4;  V 1536 (5) -> 6;  V 2048 -> 7
+
 Survival a[r, j] is the calibrated probability that drafts 1..j of row r all survive
 (survival.py survival).
 """
@@ -39,6 +46,11 @@ class CellGeometry:
     @property
     def drafts(self) -> bool:
         return self.num_drafts > 0
+
+
+def cell_reach(g: int, v: int, draft_len: int) -> int:
+    """The cell (G, V)'s reach (module docstring): ceil(D / G) + 1, at most K."""
+    return min(draft_len, -(-(v - g) // g) + 1)
 
 
 def cell_geometry(g: int, v: int, num_live: int) -> CellGeometry:
@@ -86,9 +98,15 @@ def choose_cell(
     decoding while not. Another cell must beat the incumbent by min_gain, and by that margin
     twice over when it switches drafting off or back on (hysteresis: noise in the lagged
     estimates cannot flip the mode every step). A budget of D drafts expects R plus the sum of
-    the D largest survivals.
+    the D largest survivals within the cell's reach (the first `reach` of each row).
     """
-    expected = _expected_by_budget(lagged_survival)
+    by_reach: dict[int, Callable[[int], float]] = {}  # (one sort per distinct reach)
+
+    def expected(num_drafts: int, reach: int) -> float:
+        if reach not in by_reach:
+            by_reach[reach] = _expected_by_budget(np.asarray(lagged_survival)[:, :reach])
+        return by_reach[reach](num_drafts)
+
     num_live = lagged_survival.shape[0]
     return _best_cell(g, table.cells[g], num_live, draft_len, expected, min_gain, drafting_now)
 
@@ -111,7 +129,7 @@ def choose_drafting(
     row = table.cells[g]
     cells = {v: row[v] for v in (g, g * (draft_len + 1)) if v in row}
 
-    def expected(num_drafts: int) -> float:
+    def expected(num_drafts: int, reach: int) -> float:
         return num_live + (survival_sum if num_drafts > 0 else 0.0)
 
     return _best_cell(g, cells, num_live, draft_len, expected, min_gain, drafting_now)
@@ -122,15 +140,16 @@ def _best_cell(
     row: dict[int, float],  # V -> seconds
     num_live: int,
     draft_len: int,
-    expected: Callable[[int], float],  # num_drafts -> expected tokens
+    expected: Callable[[int, int], float],  # (num_drafts, reach) -> expected tokens
     min_gain: float,
     drafting_now: bool,
 ) -> CellChoice:
-    """Argmax of expected(num_drafts) / seconds over the cells in `row` (V -> seconds)."""
+    """Argmax of expected tokens / seconds over the cells in `row` (V -> seconds)."""
     full = g * (draft_len + 1)
 
     def theta(v: int) -> float:
-        return expected(cell_geometry(g, v, num_live).num_drafts) / row[v]
+        num_drafts = cell_geometry(g, v, num_live).num_drafts
+        return expected(num_drafts, cell_reach(g, v, draft_len)) / row[v]
 
     incumbent = full if drafting_now or g not in row else g
     floor = theta(incumbent)

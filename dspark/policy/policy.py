@@ -52,10 +52,11 @@ where the table has none (counted: sampled_priced_by_greedy_cells).
 
 Trimmed cells. With trimmed_widths (the cells (G, w G) the runner can run, spec/ragged.py) and a
 table that measured them, the choice is cells.choose_cell over G's plain, trimmed and full
-cells: the expected tokens of a budget of D drafts are R plus the D highest lagged survivals,
-so each request's survivals are kept per position, not only summed. A row's vector is its own
-smoothed one (or the population's, for a request that never drafted) rescaled to the total the
-sums above give it, each position clipped to 1; a stale row is all ones. The full block's
+cells: the expected tokens of a budget of D drafts are R plus the D highest lagged survivals
+within the cell's reach (cells.py), so each request's survivals are kept per position, not only
+summed. A row's vector is its own smoothed one (or the population's, for a request that never
+drafted) rescaled to the total the sums above give it, each position clipped to 1; a stale row
+is all ones. The full block's
 expected tokens are then those of the sum-only choice, and a table without trimmed cells gives
 exactly the choices above. A trimmed choice reaches the runner as StepPlan.trimmed_cell; the
 device fills its budget from the step's fresh survivals.

@@ -91,14 +91,14 @@ def host_survivals(
     temperatures: dict[bool, np.ndarray],  # greedy? -> [K] STS temperatures (float64)
 ) -> np.ndarray:
     """survival() on the host for a step's windows, greedy rows by the greedy fit: [R, K]
-    float64 (numpy: a handful of small ops, computed once a step for the metrics and the
-    drafting policy)."""
-    k = len(temperatures[True])
+    float64, or [R, reach] for a trimmed cell's narrower block (numpy: a handful of small ops,
+    computed once a step for the metrics and the drafting policy)."""
+    k = min(len(temperatures[True]), confidence_logits.shape[1])
     logits = confidence_logits.numpy()[:, :k].astype(np.float64)
     if all(greedy) or not any(greedy):  # (the usual batch: one row of temperatures)
-        t = temperatures[bool(greedy and greedy[0])]
+        t = temperatures[bool(greedy and greedy[0])][:k]
     else:
-        t = np.where(np.asarray(greedy)[:, None], temperatures[True], temperatures[False])
+        t = np.where(np.asarray(greedy)[:, None], temperatures[True][:k], temperatures[False][:k])
     return np.cumprod(1.0 / (1.0 + np.exp(-logits / t)), axis=1)
 
 

@@ -3,10 +3,10 @@
 The trimmed cell (G, V) the drafting policy chose (StepPlan.trimmed_cell, spec/ragged.py) is
 staged exactly like the full block; the captured trimmed cell (or, without graphs, the eager
 step) chooses each row's verify length on the device under the budget D = V - G and runs the
-target over the compacted windows. A step that cannot run it (some row is not a window or
-wants logprobs, its G is not the cell's) verifies the full block instead, the reason counted
-(`trimmed_fallback_*`). Rows whose caps hold fewer than D drafts run the cell all the same:
-it verifies every candidate, as the full block would, in fewer tokens.
+target over the compacted windows. A step that cannot run it (some row is not a window, wants
+logprobs or follows a grammar, its G is not the cell's) verifies the full block instead, the
+reason counted (`trimmed_fallback_*`). Rows whose caps hold fewer than D drafts run the cell
+all the same: it verifies every candidate within the cell's reach, in fewer tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from dspark.policy.cells import cell_reach
 from dspark.runner.input_buffers import InputBuffers, StepLayout
 from dspark.runner.spec_graphs import trimmed_layout
 from dspark.spec.ragged import FullWidthWindows, TrimmedCell
@@ -44,6 +45,8 @@ def trimmed_tokens(
         return "not_all_windows", None
     if any(plan.rows[r.table_row].request.sampling_params.logprobs is not None for r in rows):
         return "logprobs", None  # (the host packs logprobs by window lengths it knows)
+    if plan.grammar_rows:  # (the host fills masks along the K drafts it staged)
+        return "structured_output", None
     if graph_size is not None and (graph_size != g or v not in captured.get(g, ())):
         return "cell_not_captured", None
     # A captured cell runs V tokens; an eager step its R live rows and the same D, or all the
@@ -62,10 +65,12 @@ def trimmed_target(
     run_model: Callable,  # (layout, hidden_layers) -> ModelOutput
     num_rows: int,
     num_tokens: int,
+    cell: tuple[int, int],  # (G, V) the policy chose: its reach (policy/cells.py cell_reach)
     logits_out: torch.Tensor | None = None,  # the graph set's logits (captured steps)
 ) -> tuple[TargetStep, TrimmedCell]:
-    """The target of num_rows full-width windows cut to num_tokens tokens: drafts go into the
-    full-width ids, the target reads the compacted ones."""
+    """The target of num_rows full-width windows cut to num_tokens tokens (the cell's V, or an
+    eager step's fewer): drafts go into the full-width ids, the target reads the compacted
+    ones."""
     b, width = buffers, 1 + spec.num_verify
     t = num_rows * width
     windows = FullWidthWindows(
@@ -80,4 +85,4 @@ def trimmed_target(
         slot_mapping=b.slot_mapping[:num_tokens],
         block_table=b.block_table,
     )
-    return target, TrimmedCell(num_tokens, windows)
+    return target, TrimmedCell(num_tokens, windows, cell_reach(*cell, spec.num_verify))

@@ -320,7 +320,8 @@ class SpecRunner:
         self.stats["eager_spec_steps"] += 1
         if trimmed is not None:
             self.stats["spec_steps_trimmed_eager"] += 1
-            target, cell = self._trimmed_step(len(rows), trimmed)
+            target, cell = trimmed_target(self.buffers, self.spec, self.run_model, len(rows),
+                                          trimmed, plan.trimmed_cell)  # fmt: skip
             return self._eager(len(rows), mode, target, None, cell, shaping, grammar)
         b, dev = self.buffers, self.device
         if layout.tail_rows:  # a mixed layout: windows in rows 0..R-1, their logits first
@@ -372,9 +373,6 @@ class SpecRunner:
             if candidates < v - g:  # every candidate verified
                 self.stats["spec_steps_trimmed_below_budget"] += 1
         return tokens
-
-    def _trimmed_step(self, num_rows: int, num_tokens: int) -> tuple[TargetStep, TrimmedCell]:
-        return trimmed_target(self.buffers, self.spec, self.run_model, num_rows, num_tokens)
 
     def _feed_continuations(self, plan: StepPlan, width: int | None, serials: np.ndarray) -> None:
         """The continuation rows' anchors, from the previous step's verification on the device,
@@ -479,7 +477,11 @@ class SpecRunner:
         if step.confidence is not None:
             survivals = self.spec.survivals(step.confidence, greedy)
         self.spec.record(step.verify_len, accepted, step.confidence, survivals)
-        if survivals is not None and self.confidence_sinks:
+        # (a trimmed cell's block reaches fewer than K slots: no evidence of the rest, so the
+        # policy learns from it no more than from a plain step)
+        if survivals is not None and survivals.shape[1] == self.spec.num_verify and (
+            self.confidence_sinks
+        ):  # fmt: skip
             # (an empty window's block drafted over scratch-page slots: no evidence)
             seen_rows, seen_accepted, verify_len = step.window_rows, accepted, step.verify_len
             if 0 in caps:
@@ -569,7 +571,7 @@ class SpecRunner:
         cell = None
         if trimmed is not None:
             target, cell = trimmed_target(self.buffers, self.spec, self.run_model, size, trimmed,
-                                          logits(trimmed))  # fmt: skip
+                                          (size, trimmed), logits(trimmed))  # fmt: skip
             index = None
         else:
             if tail:  # a mixed step: the windows' logits come first

@@ -3,13 +3,15 @@ verify batch of V target tokens after drafting (docs/SPECULATION.md 5.3, 8.3).
 
 The host stages every window at full width, exactly as for the fixed-K graph (so continuation
 anchors, pad rows and short windows need nothing new), and picks only the cell: its budget of
-D = V - G drafts, from survivals at least one step old. Inside the step, after the block is
-drafted and its drafts scattered into the full-width inputs:
+D = V - G drafts, from survivals at least one step old. Inside the step the block is drafted
+over the cell's reach only (policy/cells.py cell_reach: no row verifies a slot past it, so the
+LM, Markov and confidence heads skip those slots), its drafts scattered into the full-width
+inputs (the anchor in the slots past the reach), then:
 
-  1. the D candidates of highest fresh survival (lagged.select_verify_lengths, over
+  1. the D candidates of highest fresh survival (selector.select_verify_lengths, over
      SpecDecoder.calibrated_survival) under each row's cap (the host's verify_len: shortened
-     windows, empty windows and pad rows cap lower, pad rows at 0), giving each row its verify
-     length;
+     windows, empty windows and pad rows cap lower, pad rows at 0; and the reach), giving each
+     row its verify length;
   2. compact_windows: the full-width inputs are rewritten in place as the ragged layout of
      those windows, V tokens in all, with their cu_num_tokens and seq_lens.
 
@@ -63,6 +65,7 @@ class TrimmedCell:
 
     num_tokens: int  # V
     windows: FullWidthWindows
+    reach: int  # no row verifies more drafts: the drafter's heads run over these slots only
 
 
 def compact_windows(

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.policy.survival import host_survivals, survival
@@ -200,7 +201,7 @@ class SpecDecoder:
         if shaping is not None and shaping.min_p is not None:
             st = replace(st, min_p=shaping.min_p)
         block = self.draft(num_rows, st, target.input_ids, target.block_table[:num_rows],
-                           shaping)  # fmt: skip
+                           shaping, None if trimmed is None else trimmed.reach)  # fmt: skip
         verify_len = cu = None
         if trimmed is not None:
             verify_len, cu = self.trim(num_rows, st, block, trimmed)
@@ -216,16 +217,19 @@ class SpecDecoder:
         be staged between launch and this: verification reads the staged windows.)"""
         verified = self.verify(s.window_logits, s.num_rows, s.st, s.block, s.verify_len, s.cu,
                                s.shaping, masks)  # fmt: skip
+        tokens = verified.tokens  # [R, reach + 1] from a trimmed cell's narrower block
+        if tokens.shape[1] <= self.num_verify:
+            tokens = F.pad(tokens, (0, self.num_verify + 1 - tokens.shape[1]))
         return SpecStepOutput(
-            s.logits, s.window_logits, verified.tokens, verified.num_accepted,
-            s.block.confidence_logits, s.verify_len,
+            s.logits, s.window_logits, tokens, verified.num_accepted, s.block.confidence_logits,
+            s.verify_len,
         )  # fmt: skip
 
     def calibrated_survival(
         self, st: SamplingTensors, block: DraftBlock
     ) -> torch.Tensor:  # [R, K] this block's survivals (greedy rows by the greedy fit)
         assert block.confidence_logits is not None, "choosing lengths needs the confidence head"
-        k = self.num_verify
+        k = block.confidence_logits.shape[1]  # K, or a trimmed cell's reach
         temps = torch.where(
             (st.temperature == 0)[:, None], self.greedy_confidence_temperatures[None, :k],
             self.confidence_temperatures[None, :k],
@@ -239,7 +243,7 @@ class SpecDecoder:
         full-width inputs become the ragged layout of trimmed.num_tokens tokens."""
         verify_len = select_verify_lengths(
             self.calibrated_survival(st, block), trimmed.num_tokens - num_rows,
-            self.buffers.verify_cap[:num_rows],
+            self.buffers.verify_cap[:num_rows].clamp(max=trimmed.reach),
         )  # fmt: skip
         return verify_len, compact_windows(trimmed.windows, verify_len, trimmed.num_tokens)
 
@@ -252,12 +256,14 @@ class SpecDecoder:
         input_ids: torch.Tensor,  # the target's input ids: drafts are scattered in
         block_table: torch.Tensor,  # [R, W] the window rows' pages
         shaping: LogitsShaping | None = None,
+        reach: int | None = None,  # a trimmed cell's (ragged.py): no row verifies more
     ) -> DraftBlock:
-        """The block of K = num_verify drafts a row: the backbone runs over the whole
-        drafter block (draft_len slots, which attend to each other), the LM head, the Markov
-        head and the confidence head over the first K slots only, the ones a window can
-        verify (K = 3 of a block of 7: three slots' vocabulary logits, not seven)."""
-        b, R, K = self.buffers, num_rows, self.num_verify
+        """The block of K = num_verify drafts a row (or a trimmed cell's reach, fewer): the
+        backbone runs over the whole drafter block (draft_len slots, which attend to each
+        other), the LM head, the Markov head and the confidence head over the first K slots
+        only, the ones a window can verify (K = 3 of a block of 7: three slots' vocabulary
+        logits, not seven)."""
+        b, R, K = self.buffers, num_rows, min(self.num_verify, reach or self.num_verify)
         anchors = b.anchors[:R]
         hidden = self.drafter.block_hidden(
             anchors, b.block_positions[: R * self.draft_len], b.block_metadata(R, block_table),
@@ -278,7 +284,7 @@ class SpecDecoder:
             temps = torch.where((st.temperature == 0)[:, None],
                                 self.greedy_confidence_temperatures[None, :K],
                                 self.confidence_temperatures[None, :K])  # [R, K]  # fmt: skip
-            logits = synthetic_confidence_logits(self._synthetic_logits, temps)
+            logits = synthetic_confidence_logits(self._synthetic_logits[:K], temps)
             block = dataclasses.replace(block, confidence_logits=logits)
         return block
 
@@ -315,7 +321,8 @@ class SpecDecoder:
         if self.synthetic is None:
             return verified
         # (the target's verification above still ran: its cost is part of the step measured)
-        return synthetic_verify(self._synthetic_rates, self.synthetic.seed, window_logits,
+        rates = self._synthetic_rates[: block.tokens.shape[1]]  # (a trimmed cell's reach)
+        return synthetic_verify(rates, self.synthetic.seed, window_logits,
                                 block.tokens, verify_len, cu, st.seeds,
                                 b.anchor_pos[:R])  # fmt: skip
 

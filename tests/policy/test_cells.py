@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.policy.cells import cell_geometry, choose_cell, choose_drafting, expected_tokens
+from dspark.policy.cells import (
+    cell_geometry,
+    cell_reach,
+    choose_cell,
+    choose_drafting,
+    expected_tokens,
+)
 from dspark.policy.cost_table import CostTable
 from dspark.policy.survival import host_survivals, survival
 
@@ -29,6 +35,18 @@ def test_survival_is_the_cumulative_product_of_calibrated_confidences():
     torch.testing.assert_close(a[0], torch.cumprod(c, 0))
     assert (a[:, 1:] <= a[:, :-1]).all()
     assert expected_tokens(torch.tensor([[0.9, 0.5], [0.8, 0.1]]), 2) == pytest.approx(2 + 1.7)
+
+
+def test_a_cells_reach_caps_what_it_expects():
+    """policy/cells.py's worked example of the reach (one past the mean budget a row, at most
+    K); a narrow cell expects only the survivals within its reach: one confident row among
+    hopeless ones fills a budget of 4 with 3 drafts uncapped, 2 within a reach of 2."""
+    assert [cell_reach(256, v, 7) for v in (256, 512, 1024, 1536, 2048)] == [1, 2, 4, 6, 7]
+    assert cell_reach(3, 4, 7) == 2  # (D / G rounded up: 1 / 3 -> 1)
+    a = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert expected_tokens(a, 4) == 4 + 3
+    choice = choose_cell(a, 4, _table(4, {4: 1.0, 8: 1.0, 16: 100.0}), K, drafting_now=False)
+    assert choice.geometry.num_tokens == 8 and choice.expected_tokens_per_s == 4 + 2
 
 
 def test_host_survivals_equal_the_devices_row_by_row():

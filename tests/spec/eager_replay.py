@@ -4,6 +4,7 @@ cells) run through the engine on the CPU."""
 
 from __future__ import annotations
 
+from dspark.runner.chosen_lengths import trimmed_target
 from dspark.runner.mixed_layout import graph_tail_rows
 from dspark.runner.spec_graphs import graph_mode
 
@@ -45,7 +46,8 @@ class EagerReplay:
         self.modes.append(graph_mode(mode))
         if trimmed is not None:
             assert trimmed in self.trimmed[size]
-            target, cell = r._trimmed_step(size, trimmed)
+            target, cell = trimmed_target(r.buffers, r.spec, r.run_model, size, trimmed,
+                                          (size, trimmed))  # fmt: skip
             return r.spec.launch(size, graph_mode(mode), target, None, cell)
         target = r._target_step(self.layout, r.buffers.block_table)
         index = slice(0, size * width) if tail else None

@@ -161,6 +161,44 @@ def test_trimmed_cell_below_its_budget_verifies_every_candidate(tiny_vocab_dir, 
     assert e.allocator.num_free == e.allocator.num_usable
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
+def test_a_trimmed_cell_drafts_only_its_reach(tiny_vocab_dir, drafter, tmp_path, padded):
+    """The cell (G, 2 G) at K = 3 reaches 2 drafts a row (policy/cells.py cell_reach): its
+    drafter's heads run over 2 slots, no window of it verifies a third, its confidences are
+    not the policy's evidence (they stop at the reach), and greedy output equals plain."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 16, 21)]
+    plain = LLM(str(tiny_vocab_dir), **KW).generate(PROMPTS12[:3], params, use_tqdm=False)
+    llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded, cheapest=2)
+    spec = llm.engine.runner.spec_runner.spec
+    drafted, verified, draft, trim = [], [], spec.draft, spec.trim
+
+    def recording_draft(*args):  # (num_rows, st, input_ids, block_table, shaping, reach)
+        block = draft(*args)
+        drafted.append((args[5], block.tokens.shape[1]))
+        return block
+
+    def recording_trim(*args):
+        verify_len, cu = trim(*args)
+        verified.append(verify_len.clone())
+        return verify_len, cu
+
+    spec.draft, spec.trim = recording_draft, recording_trim
+    policy, observed = llm.engine.policy, []  # the shapes the policy's sink is given
+    observe = policy.observe_survivals
+
+    def recording_observe(ids, a, *rest):
+        observed.append(a.shape)
+        observe(ids, a, *rest)
+
+    policy.observe_survivals = recording_observe
+    got = llm.generate(PROMPTS12[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert (2, 2) in drafted and all(width == min(reach or K, K) for reach, width in drafted)
+    assert verified and all(int(v.max()) <= 2 for v in verified)
+    assert all(shape[1] == K for shape in observed)
+    assert sum(r is None for r, _ in drafted) == len(observed)  # (the full blocks only)
+
+
 def test_stats_line_names_the_trimmed_cell(tiny_vocab_dir, drafter, tmp_path, caplog):
     llm = _llm(tiny_vocab_dir, drafter, tmp_path, padded=False, log_stats_interval_s=1e-9)
     with caplog.at_level(logging.INFO, logger="dspark.engine.stats"):

@@ -255,6 +255,26 @@ def test_arm_ratios_against_the_first_and_the_best_other_arm():
     assert rows[1]["vs_first"] == {"plain": 1.0, "k7": 0.75, "k3": None}
     assert rows[1]["vs_best_other"] == {"plain": 40.0 / 30.0, "k7": 0.75, "k3": None}
     assert arm_ratios((1,), {"one": arm((1, 7.0))})[0]["vs_best_other"] == {"one": None}
+    assert rows[0]["paired_vs_first"] == {"plain": None, "k7": None, "k3": None}  # (no runs)
+
+
+def test_paired_ratios_take_each_repeat_apart():
+    """report.arm_ratios's example: a slow second repeat hits both arms; the paired ratio is
+    the median of the repeats' own ratios, not the ratio of the medians."""
+
+    def arm(runs: list[float]) -> dict:
+        level = {"concurrency": 1, "output_tokens_per_s": sorted(runs)[len(runs) // 2],
+                 "output_tokens_per_s_runs": runs}  # fmt: skip
+        return {"levels": [level]}
+
+    row = arm_ratios((1,), {"plain": arm([100.0, 50.0, 120.0]), "k7": arm([150.0, 80.0, 150.0]),
+                            "k3": arm([90.0, 60.0])})[0]  # fmt: skip
+    assert row["vs_first"]["k7"] == 1.5  # (150 / 100)
+    assert row["paired_vs_first"]["k7"] == pytest.approx(1.5)  # median(1.5, 1.6, 1.25)
+    assert row["paired_vs_first"]["plain"] == 1.0
+    # k3 ran two repeats: no pair with the others' three
+    assert row["paired_vs_best_other"]["plain"] == pytest.approx(100 / 150)
+    assert row["paired_vs_best_other"]["k3"] is None and row["paired_vs_first"]["k3"] is None
 
 
 def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
@@ -269,7 +289,8 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
                       "--max-prompt-len", "48", "--repeats", "2",
                       "--arms", json.dumps({"plain": None, "k2": spec}))  # fmt: skip
     assert args.func(args) == 0
-    assert "k2/plain" in capsys.readouterr().out  # the arms table
+    printed = capsys.readouterr().out
+    assert "k2/plain" in printed and "the median of each repeat's ratio" in printed  # the tables
     results = json.loads(out.read_text())
     arms = results["arms"]
     assert list(arms) == ["plain", "k2"] and arms["k2"]["speculative_config"] == spec
@@ -295,6 +316,8 @@ def test_bench_runs_two_arms_interleaved(tiny_llama_dir, tmp_path, capsys):
         plain, k2 = row["output_tokens_per_s"]["plain"], row["output_tokens_per_s"]["k2"]
         assert row["vs_first"] == {"plain": 1.0, "k2": pytest.approx(k2 / plain)}
         assert row["vs_best_other"]["plain"] * row["vs_best_other"]["k2"] == pytest.approx(1.0)
+        paired = row["paired_vs_best_other"]  # two repeats each: paired ratios exist
+        assert paired["plain"] is not None and paired["k2"] is not None
     # the runs in the order they began: each level, each repeat, every arm in turn
     runs = sorted(
         (start, wall, lv["concurrency"], repeat, name)

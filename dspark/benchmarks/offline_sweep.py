@@ -31,6 +31,7 @@ from dspark.benchmarks.report import (
     environment,
     format_arms_table,
     format_overhead_table,
+    format_paired_table,
     format_table,
     ratios,
     write_results,
@@ -162,6 +163,7 @@ def run_offline_bench(
     print(format_table(results))
     if len(results.get("arms") or {}) > 1:
         print(format_arms_table(results))
+        print(format_paired_table(results))
     if (overhead := format_overhead_table(results)) is not None:
         print(overhead)
     return results

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -32,30 +33,52 @@ def ratios(concurrency: tuple[int, ...], dspark: dict | None, hf: dict | None) -
 
 
 def arm_ratios(concurrency: tuple[int, ...], arms: dict[str, dict]) -> list[dict]:
-    """Per level: each arm's output tokens/s, over the first arm's (the baseline) and over the
-    best other arm's; None where an arm did not run, or (vs_best_other) there is no other arm.
+    """Per level: each arm's output tokens/s (the median of its repeats), over the first arm's
+    (the baseline) and over the best other arm's; None where an arm did not run, or
+    (vs_best_other) there is no other arm.
+
+    The arms run each repeat in turn (offline_sweep.py), so a repeat's arms share the host's
+    state: the paired ratios take each repeat's ratio within it, then the median over repeats
+    ("paired_vs_first", "paired_vs_best_other"). On a host whose throughput drifts between
+    repeats (docs/PERFORMANCE.md, Measurement noise) they spread less than the ratio of medians.
 
     e.g. {"concurrency": 4, "output_tokens_per_s": {"plain": 100.0, "k7": 150.0},
-          "vs_first": {"plain": 1.0, "k7": 1.5}, "vs_best_other": {"plain": 0.67, "k7": 1.5}}
+          "vs_first": {"plain": 1.0, "k7": 1.5}, "vs_best_other": {"plain": 0.67, "k7": 1.5},
+          "paired_vs_first": {...}, "paired_vs_best_other": {...}}
+      runs plain [100, 50, 120], k7 [150, 80, 150] -> paired k7 / plain median(1.5, 1.6, 1.25)
     """
-    by_level = {
-        name: {lv["concurrency"]: lv["output_tokens_per_s"] for lv in measured_levels(arm)}
-        for name, arm in arms.items()
-    }
+    measured = {name: {lv["concurrency"]: lv for lv in measured_levels(arm)}
+                for name, arm in arms.items()}  # fmt: skip
     baseline = next(iter(arms))
     rows = []
     for c in concurrency:
-        tok_s = {name: levels.get(c) for name, levels in by_level.items()}
+        levels = {name: by_c.get(c) for name, by_c in measured.items()}
+        tok_s = {name: lv and lv["output_tokens_per_s"] for name, lv in levels.items()}
         best_other = {name: _best_other(tok_s, name) for name in tok_s}
+        runs = {name: lv and lv.get("output_tokens_per_s_runs") for name, lv in levels.items()}
         rows.append(
             {
                 "concurrency": c,
                 "output_tokens_per_s": tok_s,
                 "vs_first": {name: _div(x, tok_s[baseline]) for name, x in tok_s.items()},
                 "vs_best_other": {name: _div(x, best_other[name]) for name, x in tok_s.items()},
+                "paired_vs_first": {name: _paired(runs[name], [runs[baseline]]) for name in runs},
+                "paired_vs_best_other": {
+                    name: _paired(runs[name], [r for other, r in runs.items() if other != name])
+                    for name in runs
+                },
             }
         )
     return rows
+
+
+def _paired(runs: list[float] | None, others: list[list[float] | None]) -> float | None:
+    """The median over repeats of runs[i] / max(other[i] over others), over the other arms that
+    ran as many repeats; None without runs or such an arm."""
+    others = [o for o in others if o is not None and runs and len(o) == len(runs)]
+    if not runs or not others:
+        return None
+    return statistics.median(x / max(o[i] for o in others) for i, x in enumerate(runs))
 
 
 def _best_other(tok_s: dict[str, float | None], name: str) -> float | None:
@@ -192,6 +215,21 @@ def format_arms_table(results: dict) -> str:
     for row in results["arm_ratios"]:
         cells = [_fmt(row["output_tokens_per_s"][name], ".1f") for name in names]
         cells += [_fmt(row["vs_first"][name], ".2f") for name in names[1:]]
+        text = " ".join(f"{cell:>{w}}" for cell, w in zip(cells, widths, strict=True))
+        lines.append(f"{row['concurrency']:>5} {text}")
+    return "\n".join(lines)
+
+
+def format_paired_table(results: dict) -> str:
+    """C | each arm over the best other arm, paired within each repeat (arm_ratios)."""
+    names = list(results["arms"])
+    widths = [max(len(name), 6) for name in names]
+    lines = [
+        "each arm / the best other arm, the median of each repeat's ratio",
+        f"{'C':>5} " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True)),
+    ]
+    for row in results["arm_ratios"]:
+        cells = [_fmt(row["paired_vs_best_other"][name], ".3f") for name in names]
         text = " ".join(f"{cell:>{w}}" for cell, w in zip(cells, widths, strict=True))
         lines.append(f"{row['concurrency']:>5} {text}")
     return "\n".join(lines)

@@ -7,7 +7,10 @@ is gone stops the others inside their next collective:
 
   - a worker dies:  rank 0's next collective raises (gloo reports the closed connection at
     once); the engine turns that into WorkerDiedError naming the rank and its exit code, and
-    ends the other workers.
+    ends the other workers. Over NCCL a collective with a peer gone does not fail: its kernel
+    waits, and rank 0 with it (in the step's host sync) until the 10-minute collective
+    timeout. So rank 0 watches its workers there (Workers.watch): a worker that exits while
+    the job runs has the communicators aborted, and the stuck collective then fails.
   - rank 0 dies:    each worker's next collective raises, or its watchdog thread sees its
     parent gone within WATCHDOG_PERIOD_S; the worker exits.
   - a worker fails while starting (a bad checkpoint, no memory): rank 0 waits for the group
@@ -22,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -62,6 +65,23 @@ class Workers:
     """Ranks 1..N-1, as processes rank 0 started."""
 
     processes: list[mp.Process]
+    _watching: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self, on_death: Callable[[int, int], None]) -> None:
+        """Call on_death(rank, exit code) once, from a thread, when a worker exits while the
+        job runs (checked every WATCHDOG_PERIOD_S); stop() ends the watch first, since workers
+        told to stop exit on purpose."""
+        self._watching.set()
+
+        def watch() -> None:
+            while self._watching.is_set():
+                if (dead := self.dead()) is not None:
+                    if self._watching.is_set():
+                        on_death(*dead)
+                    return
+                time.sleep(WATCHDOG_PERIOD_S)
+
+        threading.Thread(target=watch, name="dspark-tp-rank0-watchdog", daemon=True).start()
 
     def dead(self) -> tuple[int, int] | None:
         """(rank, exit code) of the first worker that has exited, None while all run."""
@@ -83,6 +103,7 @@ class Workers:
 
     def stop(self) -> None:
         """Wait for the workers to leave (after the stop header), killing any that do not."""
+        self._watching.clear()
         for p in self.processes:
             p.join(JOIN_TIMEOUT_S if p.exitcode is None else 0)
             if p.exitcode is None:

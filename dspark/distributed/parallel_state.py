@@ -15,11 +15,14 @@ model, whose layers keep it (None: one rank, no collectives anywhere).
 from __future__ import annotations
 
 import datetime
+import logging
 import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 # how long a collective may wait for a peer before torch.distributed raises; a dead peer is
 # normally noticed sooner (its sockets close, and the watchdogs in launch.py end the job)
@@ -85,6 +88,15 @@ def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device) 
     world = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else world
     return TensorParallel(rank, size, world, cpu_group)
+
+
+def abort_tensor_parallel(rank: int, code: int) -> None:
+    """A worker exited mid-job (launch.Workers.watch, NCCL): abort every communicator, so that
+    a collective waiting for it fails instead of waiting out COLLECTIVE_TIMEOUT."""
+    logger.error("tensor-parallel rank %d exited with code %d: aborting the collectives",
+                 rank, code)  # fmt: skip
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
 
 
 def destroy_tensor_parallel() -> None:

@@ -56,7 +56,11 @@ from collections.abc import Iterator
 
 from dspark.config import EngineConfig
 from dspark.distributed.launch import Workers, join_as_worker, rank_device, start_workers
-from dspark.distributed.parallel_state import TensorParallel, destroy_tensor_parallel
+from dspark.distributed.parallel_state import (
+    TensorParallel,
+    abort_tensor_parallel,
+    destroy_tensor_parallel,
+)
 from dspark.engine.delta import DeltaCursor
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import PageAllocator, allocate_kv_caches
@@ -117,6 +121,8 @@ class LLMEngine:
         self._workers: Workers | None = None
         if tp is None and config.tensor_parallel_size > 1:
             tp, self._workers = start_workers(config, config.torch_device(), run_worker)
+            if config.torch_device().type == "cuda":  # (NCCL: distributed/launch.py)
+                self._workers.watch(abort_tensor_parallel)
         with _workers_stopped_on_error(self._workers):  # (no rank left running, no group)
             self.tp = tp
             device = config.torch_device()

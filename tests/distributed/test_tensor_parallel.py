@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
 from dspark import LLM, SamplingParams
-from dspark.distributed.launch import WorkerDiedError
+from dspark.distributed.launch import WATCHDOG_PERIOD_S, WorkerDiedError, Workers
 from dspark.models.drafter_config import DrafterMismatchError
 from dspark.policy.cost_table import CostTable
 from tests.policy.helpers import by_table
@@ -172,6 +173,28 @@ def test_a_killed_worker_ends_the_job_within_seconds(tiny_vocab_dir):
             llm.generate(PROMPTS, params, use_tqdm=False)
     assert time.monotonic() - start < 15
     llm.shutdown()
+
+
+def test_rank_0s_watchdog_reports_a_worker_that_exits_and_not_one_told_to_stop():
+    """Workers.watch (rank 0 over NCCL, where a collective with a peer gone waits instead of
+    failing): a worker that exits while the job runs is reported once, with its exit code,
+    within the watch period; workers stopped on purpose (stop() first) are not."""
+    ctx = mp.get_context("spawn")
+    reported = []
+    workers = Workers([ctx.Process(target=os._exit, args=(3,))])
+    workers.processes[0].start()
+    start = time.monotonic()
+    workers.watch(lambda rank, code: reported.append((rank, code, time.monotonic() - start)))
+    while not reported and time.monotonic() - start < 15:
+        time.sleep(0.05)
+    assert [(rank, code) for rank, code, _ in reported] == [(1, 3)]
+    workers.stop()
+    stopped = Workers([ctx.Process(target=time.sleep, args=(1.0,))])
+    stopped.processes[0].start()
+    stopped.watch(lambda rank, code: reported.append((rank, code, 0.0)))
+    stopped.stop()  # (joins the worker as it exits after 1 s: the watch has ended before)
+    time.sleep(3 * WATCHDOG_PERIOD_S)
+    assert len(reported) == 1 and stopped.processes[0].exitcode == 0
 
 
 RANK0_SCRIPT = """

@@ -5,19 +5,15 @@ two GPUs: a killed worker ends an NCCL job within seconds."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 import torch
 
 from dspark import LLM, SamplingParams
 from dspark.config import EngineConfig
-from dspark.distributed.launch import WorkerDiedError, pick_port
+from dspark.distributed.launch import pick_port
 from dspark.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from dspark.engine.engine import LLMEngine
+from tests.distributed.test_tensor_parallel import assert_a_killed_worker_ends_the_job
 from tests.tiny_models import make_tiny_drafter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -63,12 +59,4 @@ def test_a_killed_worker_ends_an_nccl_job_within_seconds(tiny_vocab_dir):
     communicators, so the job still ends within seconds, naming the rank."""
     llm = LLM(str(tiny_vocab_dir), tensor_parallel_size=2, dtype="float32", device="cuda",
               num_kv_pages=128, max_num_seqs=4, max_model_len=256)  # fmt: skip
-    worker = llm.engine._workers.processes[0]
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
-    start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="rank 1 exited with code -9"):
-        for _ in range(1000):  # (long enough to be running when the worker is killed)
-            llm.generate(PROMPTS, params, use_tqdm=False)
-    assert time.monotonic() - start < 30
-    llm.shutdown()
+    assert_a_killed_worker_ends_the_job(llm, within_s=30)

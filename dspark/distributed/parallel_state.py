@@ -95,7 +95,7 @@ def abort_tensor_parallel(rank: int, code: int) -> None:
     a collective waiting for it fails instead of waiting out COLLECTIVE_TIMEOUT."""
     logger.error("tensor-parallel rank %d exited with code %d: aborting the collectives",
                  rank, code)  # fmt: skip
-    if dist.is_initialized():
+    if dist.is_initialized():  # (torch's abort of every group: experimental, NCCL's)
         dist.distributed_c10d._abort_process_group()
 
 

@@ -56,10 +56,9 @@ cells: the expected tokens of a budget of D drafts are R plus the D highest lagg
 within the cell's reach (cells.py), so each request's survivals are kept per position, not only
 summed. A row's vector is its own smoothed one (or the population's, for a request that never
 drafted) rescaled to the total the sums above give it, each position clipped to 1; a stale row
-is all ones. The full block's
-expected tokens are then those of the sum-only choice, and a table without trimmed cells gives
-exactly the choices above. A trimmed choice reaches the runner as StepPlan.trimmed_cell; the
-device fills its budget from the step's fresh survivals.
+is all ones. The full block's expected tokens are then those of the sum-only choice, and a
+table without trimmed cells gives exactly the choices above. A trimmed choice reaches the runner
+as StepPlan.trimmed_cell; the device fills its budget from the step's fresh survivals.
 """
 
 from __future__ import annotations

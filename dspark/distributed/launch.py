@@ -69,8 +69,8 @@ class Workers:
 
     def watch(self, on_death: Callable[[int, int], None]) -> None:
         """Call on_death(rank, exit code) once, from a thread, when a worker exits while the
-        job runs (checked every WATCHDOG_PERIOD_S); stop() ends the watch first, since workers
-        told to stop exit on purpose."""
+        job runs (checked every WATCHDOG_PERIOD_S); unwatch() ends the watch, before the
+        workers are told to stop: they then exit on purpose."""
         self._watching.set()
 
         def watch() -> None:
@@ -101,9 +101,12 @@ class Workers:
         rank, code = dead
         return WorkerDiedError(f"tensor-parallel rank {rank} exited with code {code}: {cause}")
 
+    def unwatch(self) -> None:
+        self._watching.clear()
+
     def stop(self) -> None:
         """Wait for the workers to leave (after the stop header), killing any that do not."""
-        self._watching.clear()
+        self.unwatch()
         for p in self.processes:
             p.join(JOIN_TIMEOUT_S if p.exitcode is None else 0)
             if p.exitcode is None:

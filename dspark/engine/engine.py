@@ -660,6 +660,7 @@ def _workers_stopped_on_error(workers: Workers | None) -> Iterator[None]:
 
 def _stop_workers(steps: TPSteps, workers: Workers) -> None:
     """Tell the workers to stop (a header of None), reap them, leave the group."""
+    workers.unwatch()  # (their exits are no death now)
     try:
         steps.share(None)
     except RuntimeError:

@@ -182,7 +182,8 @@ def assert_a_killed_worker_ends_the_job(llm: LLM, within_s: float = 15) -> None:
 def test_rank_0s_watchdog_reports_a_worker_that_exits_and_not_one_told_to_stop():
     """Workers.watch (rank 0 over NCCL, where a collective with a peer gone waits instead of
     failing): a worker that exits while the job runs is reported once, with its exit code,
-    within the watch period; workers stopped on purpose (stop() first) are not."""
+    within the watch period; one that exits after unwatch() (the shutdown's first move) is
+    not."""
     ctx = mp.get_context("spawn")
     reported = []
     workers = Workers([ctx.Process(target=os._exit, args=(3,))])
@@ -196,9 +197,11 @@ def test_rank_0s_watchdog_reports_a_worker_that_exits_and_not_one_told_to_stop()
     stopped = Workers([ctx.Process(target=time.sleep, args=(1.0,))])
     stopped.processes[0].start()
     stopped.watch(lambda rank, code: reported.append((rank, code, 0.0)))
-    stopped.stop()  # (joins the worker as it exits after 1 s: the watch has ended before)
-    time.sleep(3 * WATCHDOG_PERIOD_S)
+    stopped.unwatch()  # (as before the stop header: the worker's exit after 1 s is no death)
+    stopped.processes[0].join(15)
+    time.sleep(3 * WATCHDOG_PERIOD_S)  # (a watch still running would have seen it by now)
     assert len(reported) == 1 and stopped.processes[0].exitcode == 0
+    stopped.stop()
 
 
 RANK0_SCRIPT = """

@@ -193,11 +193,11 @@ class DraftingPolicy:
         if not self.drafting and self._steps_in_mode < self.tuning.dwell_steps:
             return Decision(False, "dwell", (g, g), sampled)
         table, gain = CostTable({}, {g: row}), self.tuning.min_gain
+        fresh_since = self.estimates.step - self._stale_after(row)
         if len(row) > 2:  # trimmed cells: per-position survivals price them
-            a = self.lagged_survival(request_ids, g, sampled)
+            a = self._lagged_survival(request_ids, fresh_since)
             choice = choose_cell(a, g, table, self.draft_len, gain, self.drafting)
         else:
-            fresh_since = self.estimates.step - self._stale_after(row)
             total = self.estimates.running_sum(request_ids, fresh_since)
             choice = choose_drafting(len(request_ids), total, g, table, self.draft_len, gain,
                                      self.drafting)  # fmt: skip
@@ -254,8 +254,7 @@ class DraftingPolicy:
         """Sum of the requests' recalibrated lagged survivals at graph size G; missing or stale
         rows count K (a = 1). (Kept by groups as the scheduler reports requests joining and
         leaving: SurvivalEstimates.running_sum; a trace asks row_totals for its evidence.)"""
-        fresh_since = self.estimates.step - self.stale_after(g, sampled)
-        return self.estimates.running_sum(request_ids, fresh_since)
+        return self.estimates.running_sum(request_ids, self._fresh_since(g, sampled))
 
     def running(self, request_id: str, joined: bool) -> None:
         """The scheduler's report of a request joining or leaving the running set."""
@@ -266,14 +265,24 @@ class DraftingPolicy:
     ) -> tuple[list[float], list[int]]:
         """Each request's estimated survival sum and its kind (FRESH, STALE or UNSEEN), stale
         after stale_after(G) steps by the cells that price the step (`sampled`)."""
-        fresh_since = self.estimates.step - self.stale_after(g, sampled)
+        return self._row_totals(request_ids, self._fresh_since(g, sampled))
+
+    def lagged_survival(self, request_ids: list[str], g: int, sampled: bool = False) -> np.ndarray:
+        """[R, K] the requests' lagged survivals per position (estimate_vectors)."""
+        return self._lagged_survival(request_ids, self._fresh_since(g, sampled))
+
+    def _fresh_since(self, g: int, sampled: bool) -> int:
+        return self.estimates.step - self.stale_after(g, sampled)
+
+    def _row_totals(
+        self, request_ids: list[str], fresh_since: int
+    ) -> tuple[list[float], list[int]]:
         totals = self.estimates.estimate_totals(request_ids, fresh_since)
         self.last_row_totals = totals  # (the decision's evidence, for trace.py)
         return totals
 
-    def lagged_survival(self, request_ids: list[str], g: int, sampled: bool = False) -> np.ndarray:
-        """[R, K] the requests' lagged survivals per position (estimate_vectors)."""
-        totals, kinds = self.row_totals(request_ids, g, sampled)
+    def _lagged_survival(self, request_ids: list[str], fresh_since: int) -> np.ndarray:
+        totals, kinds = self._row_totals(request_ids, fresh_since)
         return self.estimates.estimate_vectors(request_ids, totals, kinds)
 
 

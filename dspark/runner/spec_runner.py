@@ -479,9 +479,11 @@ class SpecRunner:
         self.spec.record(step.verify_len, accepted, step.confidence, survivals)
         # (a trimmed cell's block reaches fewer than K slots: no evidence of the rest, so the
         # policy learns from it no more than from a plain step)
-        if survivals is not None and survivals.shape[1] == self.spec.num_verify and (
+        if (
             self.confidence_sinks
-        ):  # fmt: skip
+            and survivals is not None
+            and (survivals.shape[1] == self.spec.num_verify)
+        ):
             # (an empty window's block drafted over scratch-page slots: no evidence)
             seen_rows, seen_accepted, verify_len = step.window_rows, accepted, step.verify_len
             if 0 in caps:

@@ -128,6 +128,7 @@ class InFlightStep:
     device_verify_len: torch.Tensor | None = None  # [R] chosen on the device: a trimmed
     #   cell's, or lowered for continuations near their requests' ends
     confidence: torch.Tensor | None = None  # [R, K] raw confidence logits (for observers)
+    survivals: torch.Tensor | None = None  # [R, K] calibrated (SpecStepOutput.survivals)
     window_logprobs: tuple[torch.Tensor, ...] | None = None
     # prompt_logprobs: (plan row, first position, count) per scored chunk, and the host copies
     # of the scored tokens' (logprob of the next prompt token, top ids, top logprobs)

@@ -26,6 +26,7 @@ COMMANDS = {
     "startup_time": [[]],
     "structured_output": [[]],
     "shaped_drafts": [[]],
+    "host_loop": [[]],
     "real_target_shapes": [[]],
     "tensor_parallel": [[]],
 }
@@ -72,6 +73,23 @@ def test_policy_host_cost_runs(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["decide_us"] > 0 and r["trace_line_us"] > 0 for r in rows)
+
+
+def test_host_loop_times_the_policy_beside_fixed_k(tmp_path):
+    """The policy under the always-drafting table runs K = 7's steps (the same windows and
+    synthetic draws), so the two arms differ only by the policy's host work, which it reports."""
+    out = tmp_path / "host_loop.json"
+    host_loop = bench_module("host_loop")
+    assert host_loop.main(["--concurrency", "2", "--arms", "k7,policy", "--repeats", "1",
+                           "--num-requests", "3", "--output-len", "12", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    k7, policy = result["levels"]
+    assert (k7["arm"], policy["arm"]) == ("k7", "policy")
+    assert k7["steps"] == policy["steps"] and k7["acceptance_length"] > 1
+    assert policy["parts_us_per_step"]["policy decide"] > 0
+    assert policy["parts_us_per_step"]["policy observe"] > 0
+    assert all(level["host_us"]["median"] > 0 for level in result["levels"])
+    assert result["synthetic"].startswith("acceptance by the smollm2 profile")
 
 
 def test_cost_tables_side_by_side(capsys):

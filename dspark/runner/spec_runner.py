@@ -454,7 +454,9 @@ class SpecRunner:
             step.device_verify_len = to_host(out.verify_len[:R])
         elif any(plan.rows[i].is_continuation for i in window_rows):  # (continuations.py)
             step.device_verify_len = to_host(self.spec.buffers.verify_len[:R])
-        if out.confidence_logits is not None:  # (R x K floats: the metrics' survivals too)
+        if out.survivals is not None:  # (R x K floats: the metrics' and the policy's)
+            step.survivals = to_host(out.survivals[:R])
+        if out.confidence_logits is not None and self.spec.observers:
             step.confidence = to_host(out.confidence_logits[:R].float())
         cu = layout.cu_num_tokens_cpu
         widths = [cu[i + 1] - cu[i] for i in window_rows]  # window tokens in window_logits
@@ -467,15 +469,14 @@ class SpecRunner:
         plan = step.plan
         emitted, accepted = (x.tolist() for x in step.verified)
         rows = plan.rows
-        greedy = [rows[i].request.sampling_params.is_greedy for i in step.window_rows]
         # what the host allowed; a trimmed cell, or a continuation near its request's end,
         # verified fewer (window logprobs are packed by these)
         caps = step.verify_len
         if step.device_verify_len is not None:
             step.verify_len = step.device_verify_len.tolist()
-        survivals = None  # [R, K] calibrated, once a step: the metrics' and the sinks'
-        if step.confidence is not None:
-            survivals = self.spec.survivals(step.confidence, greedy)
+        survivals = None  # [R, K] calibrated in the step: the metrics' and the sinks'
+        if step.survivals is not None:
+            survivals = step.survivals.numpy().astype(np.float64)
         self.spec.record(step.verify_len, accepted, step.confidence, survivals)
         # (a trimmed cell's block reaches fewer than K slots: no evidence of the rest, so the
         # policy learns from it no more than from a plain step)

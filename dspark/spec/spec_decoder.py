@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.models.dspark_drafter import DSparkDrafter
-from dspark.policy.survival import host_survivals, survival
+from dspark.policy.survival import survival
 from dspark.sample.logits_shaping import LogitsShaping, apply_window_shaping
 from dspark.sample.sampler import SamplingTensors, sampling_probs
 from dspark.sample.token_bitmask import (
@@ -79,8 +79,11 @@ class SpecStepOutput:
     window_logits: torch.Tensor  # [Tw, vocab] the rows of `logits` that are window tokens
     tokens: torch.Tensor  # [R, K + 1] accepted drafts, then the recovered/bonus token
     num_accepted: torch.Tensor  # [R]
-    confidence_logits: torch.Tensor | None  # [R, K] raw, for the scheduler
+    confidence_logits: torch.Tensor | None  # [R, K] raw (the observers')
     verify_len: torch.Tensor | None = None  # [R] chosen on the device (a trimmed cell only)
+    # [R, K] calibrated (calibrated_survival), for the metrics and the drafting policy: computed
+    # in the step (inside its graph), so the host only copies them
+    survivals: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,6 @@ class SpecDecoder:
             True: torch.tensor((greedy_confidence_temperatures or temps)[: self.num_verify],
                                dtype=torch.float32),
         }  # fmt: skip
-        self._temperatures_np = {g: t.double().numpy() for g, t in
-                                 self.survival_temperatures.items()}  # fmt: skip
         self.buffers = SpecBuffers(max_rows, self.draft_len, page_size, device)
         self.synthetic = synthetic
         if synthetic is not None:  # (made once: a captured step cannot copy from the host)
@@ -220,9 +221,12 @@ class SpecDecoder:
         tokens = verified.tokens  # [R, reach + 1] from a trimmed cell's narrower block
         if tokens.shape[1] <= self.num_verify:
             tokens = F.pad(tokens, (0, self.num_verify + 1 - tokens.shape[1]))
+        survivals = None
+        if s.block.confidence_logits is not None:
+            survivals = self.calibrated_survival(s.st, s.block)
         return SpecStepOutput(
             s.logits, s.window_logits, tokens, verified.num_accepted, s.block.confidence_logits,
-            s.verify_len,
+            s.verify_len, survivals,
         )  # fmt: skip
 
     def calibrated_survival(
@@ -374,17 +378,12 @@ class SpecDecoder:
             )
         )
 
-    def survivals(self, confidence_logits: torch.Tensor, greedy: list[bool]) -> np.ndarray:
-        """[R, K] the windows' calibrated survivals on the host: computed once a step, for the
-        metrics (record) and the drafting policy."""
-        return host_survivals(confidence_logits, greedy, self._temperatures_np)
-
     def record(
         self,
         verify_len: list[int],
         num_accepted: list[int],
         confidence_logits: torch.Tensor | None = None,  # [R, K] raw, host copy (observers only)
-        survivals: np.ndarray | None = None,  # [R, K] the same windows' (self.survivals)
+        survivals: np.ndarray | None = None,  # [R, K] the same windows' (SpecStepOutput's)
     ) -> None:
         """vLLM's counters: drafts (windows), drafted tokens, accepted tokens, per position;
         then every observer sees the step's windows (after the step's host sync)."""

@@ -26,10 +26,10 @@ def spec_metrics(
     m = dict(spec.metrics)
     drafts = m.get("num_drafts", 0)
     m["mean_acceptance_length"] = 1 + m.get("num_accepted_tokens", 0) / drafts if drafts else 0
-    m["num_accepted_tokens_per_pos"] = list(spec.accepted_per_position)
-    m["verify_len_counts"] = list(spec.verify_len_counts)
-    m["predicted_survival_per_pos"] = list(spec.predicted_survival)
-    m["realised_survival_per_pos"] = list(spec.realised_survival)
+    m["num_accepted_tokens_per_pos"] = spec.accepted_per_position.tolist()
+    m["verify_len_counts"] = spec.verify_len_counts.tolist()
+    m["predicted_survival_per_pos"] = spec.predicted_survival.tolist()
+    m["realised_survival_per_pos"] = spec.realised_survival.tolist()
     m["drafting"] = int(scheduler.drafting)
     m["scheduling"] = scheduling_status
     fallbacks = {k.removeprefix("eager_spec_steps_"): n for k, n in stats.items()

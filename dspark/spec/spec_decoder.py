@@ -148,13 +148,15 @@ class SpecDecoder:
 
     def reset_metrics(self) -> None:
         """vLLM's counters from zero (at construction, and after a start-up profile)."""
+        # (numpy: record() adds a step's counts in a few vector operations)
         self.metrics: Counter[str] = Counter()
-        self.accepted_per_position = [0] * self.draft_len
-        self.verify_len_counts = [0] * (self.num_verify + 1)  # windows by verify_len
+        self.accepted_per_position = np.zeros(self.draft_len, dtype=np.int64)
+        self.verify_len_counts = np.zeros(self.num_verify + 1, dtype=np.int64)  # by verify_len
         # calibration in production: over full-block windows, the calibrated survival each
         # position was predicted (summed) next to how often it was realised (drafts 1..k kept)
-        self.predicted_survival = [0.0] * self.num_verify
-        self.realised_survival = [0] * self.num_verify
+        self.predicted_survival = np.zeros(self.num_verify)
+        self.realised_survival = np.zeros(self.num_verify, dtype=np.int64)
+        self._positions = np.arange(self.num_verify)
 
     def stage(
         self,
@@ -389,34 +391,26 @@ class SpecDecoder:
         then every observer sees the step's windows (after the step's host sync)."""
         for observe in self.observers:
             observe(verify_len, num_accepted, confidence_logits)
-        # (counted by numpy: a few hundred windows a step at high load)
-        lengths = np.bincount(verify_len, minlength=len(self.verify_len_counts))  # [K + 1]
-        accepted = np.bincount(num_accepted, minlength=self.draft_len + 1)  # [K + 1]
-        self.metrics["num_drafts"] += len(verify_len) - int(lengths[0])  # (not empty windows)
-        self.metrics["num_draft_tokens"] += sum(verify_len)
-        self.metrics["num_verified_tokens"] += len(verify_len) + sum(verify_len)
-        self.metrics["num_accepted_tokens"] += sum(num_accepted)
+        verified, kept_by_window = np.asarray(verify_len), np.asarray(num_accepted)
+        lengths = np.bincount(verified, minlength=len(self.verify_len_counts))  # [K + 1]
+        accepted = np.bincount(kept_by_window, minlength=self.draft_len + 1)  # [K + 1]
+        num_draft_tokens = int(verified.sum())
+        m = self.metrics
+        m["num_drafts"] += len(verify_len) - int(lengths[0])  # (not empty windows)
+        m["num_draft_tokens"] += num_draft_tokens
+        m["num_verified_tokens"] += len(verify_len) + num_draft_tokens
+        m["num_accepted_tokens"] += int(kept_by_window.sum())
         # windows that kept position k: those that accepted more than k drafts
         #   num_accepted [2, 0, 3] (K = 3): accepted [1, 0, 1, 1] -> kept [2, 2, 1]
-        kept = accepted[::-1].cumsum()[::-1][1:]
-        for k in range(self.draft_len):
-            self.accepted_per_position[k] += int(kept[k])
-        for v in range(len(lengths)):
-            self.verify_len_counts[v] += int(lengths[v])
-        if survivals is not None:
-            self._record_survival(verify_len, num_accepted, survivals)
-
-    def _record_survival(self, verify_len, num_accepted, survivals: np.ndarray) -> None:
-        """The calibration's reliability: predicted (summed survivals) against realised
-        (drafts kept) per position, over uncensored windows (verified in full)."""
-        K = self.num_verify
-        full = np.flatnonzero(np.asarray(verify_len) == K)
-        if not full.size:
+        self.accepted_per_position += accepted[::-1].cumsum()[::-1][1:]
+        self.verify_len_counts += lengths
+        if survivals is None:
             return
-        predicted = survivals[full].sum(0)
-        accepted = np.asarray(num_accepted)[full]
-        realised = (accepted[:, None] > np.arange(K)[None, :]).sum(0)  # drafts 1..k kept
-        self.metrics["num_survival_windows"] += len(full)
-        for k in range(K):
-            self.predicted_survival[k] += float(predicted[k])
-            self.realised_survival[k] += int(realised[k])
+        # the calibration's reliability: predicted (summed survivals) against realised (drafts
+        # kept) per position, over uncensored windows (verified in full)
+        full = verified == self.num_verify
+        if full.any():
+            m["num_survival_windows"] += int(full.sum())
+            self.predicted_survival += survivals[full].sum(0)
+            kept = kept_by_window[full][:, None] > self._positions[None, :]  # drafts 1..k kept
+            self.realised_survival += kept.sum(0)

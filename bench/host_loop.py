@@ -95,7 +95,10 @@ class _Clock:
 
 
 def _engine(
-    target: Path, drafter: Path | None, concurrency: int, table: Path | None = None,
+    target: Path,
+    drafter: Path | None,
+    concurrency: int,
+    table: Path | None = None,
     replay: bool = True,  # False: as built (the fingerprint a table must carry)
 ) -> LLMEngine:
     spec = None
@@ -158,10 +161,12 @@ def measure(target: Path, drafter: Path | None, concurrency: int, num_requests: 
             setattr(obj, method, clock.part(label, getattr(obj, method)))
     llm = LLM.from_engine(engine)
     prompts = [[2 + (i * 7 + j) % 9 for j in range(12 + i % 9)] for i in range(num_requests)]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
-                            output_kind="final_only")  # (as LLM.generate runs them)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:concurrency]], params,
-                 use_tqdm=False)  # fmt: skip (warm-up)
+    params = SamplingParams(
+        temperature=0, max_tokens=output_len, ignore_eos=True, output_kind="final_only"
+    )  # (as LLM.generate runs them)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:concurrency]], params, use_tqdm=False
+    )  # fmt: skip (warm-up)
     clock.parts.clear()
     if engine.policy is not None:  # (its own account of its host work: the bench's overhead)
         engine.policy.host_time.clear()
@@ -183,8 +188,10 @@ def measure(target: Path, drafter: Path | None, concurrency: int, num_requests: 
         "concurrency": concurrency,
         "steps": steps,
         "wall_s": round(wall, 3),
-        "host_us": {"median": round(statistics.median(hosts) * 1e6, 1),
-                    "mean": round(statistics.mean(hosts) * 1e6, 1)},  # fmt: skip
+        "host_us": {
+            "median": round(statistics.median(hosts) * 1e6, 1),
+            "mean": round(statistics.mean(hosts) * 1e6, 1),
+        },  # fmt: skip
         "parts_us_per_step": {k: round(v * 1e6 / steps, 1) for k, v in clock.parts.most_common()},
         "acceptance_length": metrics.get("mean_acceptance_length"),
     }

@@ -80,8 +80,25 @@ def test_host_loop_times_the_policy_beside_fixed_k(tmp_path):
     synthetic draws), so the two arms differ only by the policy's host work, which it reports."""
     out = tmp_path / "host_loop.json"
     host_loop = bench_module("host_loop")
-    assert host_loop.main(["--concurrency", "2", "--arms", "k7,policy", "--repeats", "1",
-                           "--num-requests", "3", "--output-len", "12", "--out", str(out)]) == 0
+    assert (
+        host_loop.main(
+            [
+                "--concurrency",
+                "2",
+                "--arms",
+                "k7,policy",
+                "--repeats",
+                "1",
+                "--num-requests",
+                "3",
+                "--output-len",
+                "12",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     k7, policy = result["levels"]
     assert (k7["arm"], policy["arm"]) == ("k7", "policy")

@@ -150,7 +150,7 @@ class DraftingPolicy:
     def observe_survivals(
         self,
         request_ids: list[str],
-        survivals: np.ndarray,  # [R, K] calibrated (SpecDecoder.survivals)
+        survivals: np.ndarray,  # [R, K] calibrated (SpecStepOutput.survivals, host copy)
         num_accepted: list[int] | None = None,
         verify_len: list[int] | None = None,
     ) -> None:

@@ -174,7 +174,7 @@ class SurvivalEstimates:
         verify_len: list[int] | None = None,
     ) -> None:
         """observe() from the survivals the engine computed once for the step
-        (SpecDecoder.survivals)."""
+        (SpecStepOutput.survivals)."""
         self._observations += 1
         sums = a.sum(-1).tolist()
         if num_accepted is not None and verify_len is not None:

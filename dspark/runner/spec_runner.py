@@ -131,8 +131,8 @@ class SpecRunner:
         self._next_anchors: tuple[torch.Tensor, torch.Tensor] | None = None
         self._next_anchor_serials = np.empty(0, dtype=np.int64)
         # called after each speculative step's sync with the windows' request ids, calibrated
-        # survivals [R, K] (host, SpecDecoder.survivals), accepted drafts and verify lengths:
-        # the drafting policy's evidence and its online recalibration
+        # survivals [R, K] (SpecStepOutput.survivals, copied to the host), accepted drafts and
+        # verify lengths: the drafting policy's evidence and its online recalibration
         self.confidence_sinks: list[Callable[..., None]] = []
 
     def window_width(self, plan: StepPlan) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,3 +222,33 @@ def test_cli_generate_with_speculation(tiny_llama_dir, llama_drafter, capsys):
                "--speculative-config", json.dumps({"model": str(llama_drafter)})])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 0 and "speculation: mean acceptance length" in err
+
+
+def test_the_steps_survivals_are_the_calibrated_confidences(tiny_vocab_dir, vocab_drafter):
+    """A step's survivals come from the device (SpecStepOutput.survivals): every recorded
+    window's equal the host's calibration of the raw confidences the observers get, and the
+    raw confidences are copied only while an observer wants them."""
+    from dspark.policy.survival import host_survivals
+
+    spec_config = {"model": str(vocab_drafter), "num_speculative_tokens": K}
+    llm = LLM(str(tiny_vocab_dir), dtype="float32", device="cpu", num_kv_pages=128,
+              speculative_config=spec_config)  # fmt: skip
+    spec = llm.engine.spec
+    temperatures = {g: t.double().numpy() for g, t in spec.survival_temperatures.items()}
+    record, seen = spec.record, []
+
+    def recording(verify_len, num_accepted, confidence_logits=None, survivals=None):
+        seen.append((confidence_logits, survivals))
+        return record(verify_len, num_accepted, confidence_logits, survivals)
+
+    spec.record = recording
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    _outputs(llm, PROMPTS12[:3], params)
+    assert seen and all(c is None and s is not None for c, s in seen)  # (no observer)
+    seen.clear()
+    spec.observers.append(lambda *args: None)
+    _outputs(llm, PROMPTS12[:3], params)
+    assert seen
+    for confidences, survivals in seen:
+        expected = host_survivals(confidences, [True] * len(confidences), temperatures)
+        np.testing.assert_allclose(survivals, expected, rtol=1e-5, atol=1e-6)

@@ -98,6 +98,7 @@ class Scored:
     window_logits: torch.Tensor  # [Tw, vocab]
     verify_len: torch.Tensor | None  # [R] chosen after drafting (a trimmed cell), else None
     cu: torch.Tensor | None  # [R + 1] their windows' starts, with verify_len
+    survivals: torch.Tensor | None  # [R, K] calibrated (None without a confidence head)
     shaping: LogitsShaping | None
 
 
@@ -205,15 +206,20 @@ class SpecDecoder:
             st = replace(st, min_p=shaping.min_p)
         block = self.draft(num_rows, st, target.input_ids, target.block_table[:num_rows],
                            shaping, None if trimmed is None else trimmed.reach)  # fmt: skip
+        # (once: a trimmed cell's fill ranks them, the host's metrics and policy read them)
+        survivals = None
+        if block.confidence_logits is not None:
+            survivals = self.calibrated_survival(st, block)
         verify_len = cu = None
         if trimmed is not None:
-            verify_len, cu = self.trim(num_rows, st, block, trimmed)
+            verify_len, cu = self.trim(num_rows, survivals, trimmed)
         if grammar is not None:
             grammar.copy_drafts(block.tokens)
         out = target.run()
         self.append_context(out.features, target.positions, target.slot_mapping)
         window_logits = out.logits if window_index is None else out.logits[window_index]
-        return Scored(num_rows, st, block, out.logits, window_logits, verify_len, cu, shaping)
+        return Scored(num_rows, st, block, out.logits, window_logits, verify_len, cu, survivals,
+                      shaping)  # fmt: skip
 
     def verify_scored(self, s: Scored, masks: WindowMasks | None = None) -> SpecStepOutput:
         """Step 4 of a launched step, its grammar rows' logits masked by `masks`. (Nothing may
@@ -223,12 +229,9 @@ class SpecDecoder:
         tokens = verified.tokens  # [R, reach + 1] from a trimmed cell's narrower block
         if tokens.shape[1] <= self.num_verify:
             tokens = F.pad(tokens, (0, self.num_verify + 1 - tokens.shape[1]))
-        survivals = None
-        if s.block.confidence_logits is not None:
-            survivals = self.calibrated_survival(s.st, s.block)
         return SpecStepOutput(
             s.logits, s.window_logits, tokens, verified.num_accepted, s.block.confidence_logits,
-            s.verify_len, survivals,
+            s.verify_len, s.survivals,
         )  # fmt: skip
 
     def calibrated_survival(
@@ -243,12 +246,14 @@ class SpecDecoder:
         return survival(block.confidence_logits[:, :k].float(), temps)
 
     def trim(
-        self, num_rows: int, st: SamplingTensors, block: DraftBlock, trimmed: TrimmedCell
+        self, num_rows: int, survivals: torch.Tensor | None, trimmed: TrimmedCell
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [R] verify lengths, [R + 1] their cu
-        """The trimmed cell's stage (spec/ragged.py): fresh survivals fill the budget, and the
-        full-width inputs become the ragged layout of trimmed.num_tokens tokens."""
+        """The trimmed cell's stage (spec/ragged.py): the block's fresh survivals
+        (calibrated_survival) fill the budget, and the full-width inputs become the ragged
+        layout of trimmed.num_tokens tokens."""
+        assert survivals is not None, "choosing lengths needs the confidence head"
         verify_len = select_verify_lengths(
-            self.calibrated_survival(st, block), trimmed.num_tokens - num_rows,
+            survivals, trimmed.num_tokens - num_rows,
             self.buffers.verify_cap[:num_rows].clamp(max=trimmed.reach),
         )  # fmt: skip
         return verify_len, compact_windows(trimmed.windows, verify_len, trimmed.num_tokens)

@@ -28,6 +28,7 @@ failure `load_cost_table` returns no table and the reason; the engine then verif
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -70,12 +71,18 @@ def user_tables_dir() -> Path:
 
 
 def table_file_name(fingerprint: dict) -> str:
-    """A file name that tells tables of different engines apart, e.g.
-    "nvidia_h100_80gb_hbm3_5b106d5f638fe6b5_k7_torch2.11.0_cu130.json" (the fingerprint inside
-    is what authenticates it, not the name)."""
+    """A file name that tells tables of different engines apart: what the GPU, drafter, K and
+    torch are, then a digest of the whole fingerprint, e.g.
+    "nvidia_h100_80gb_hbm3_5b106d5f638fe6b5_k7_torch2.11.0_cu130_3f2a9c1e.json". The digest keeps
+    apart engines the readable part does not (another target, graph ladder, dtype or trimmed
+    widths), which would otherwise overwrite each other's table at every start and each measure
+    its own again (a bench's policy arms with and without trimmed cells did). The fingerprint
+    inside is what authenticates a table, not its name."""
     parts = (fingerprint["gpu"], fingerprint["drafter_hash"], f"k{fingerprint['draft_len']}",
              f"torch{fingerprint['torch']}")  # fmt: skip
-    return re.sub(r"[^a-z0-9.]+", "_", "_".join(map(str, parts)).lower()).strip("_") + ".json"
+    readable = re.sub(r"[^a-z0-9.]+", "_", "_".join(map(str, parts)).lower()).strip("_")
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{readable}_{digest}.json"
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -115,10 +116,19 @@ def test_the_users_tables_live_in_the_cache_directory(monkeypatch, set_envs, tmp
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert user_tables_dir() == tmp_path / "home" / ".cache" / "dspark" / "cost_tables"
-    # a name per GPU, drafter, K and torch (the fingerprint inside authenticates it)
+    # a name per GPU, drafter, K and torch, then a digest of the whole fingerprint (the
+    # fingerprint inside authenticates it)
     h100 = dict(live, gpu="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130")
-    assert table_file_name(h100) == "nvidia_h100_80gb_hbm3_dddddddd_k7_torch2.11.0_cu130.json"
-    assert table_file_name(live) != table_file_name(h100)
+    name = table_file_name(h100)
+    assert re.fullmatch(r"nvidia_h100_80gb_hbm3_dddddddd_k7_torch2\.11\.0_cu130_[0-9a-f]{8}\.json",
+                        name), name  # fmt: skip
+    assert table_file_name(live) != name
+    # engines the readable part does not tell apart get files of their own, not one that each
+    # start overwrites: trimmed widths, another graph ladder or target
+    for other in (dict(h100, trimmed_widths=[3, 4]), dict(h100, graph_sizes=[1, 2, 4]),
+                  dict(h100, target_hash="another")):  # fmt: skip
+        assert table_file_name(other) != name
+    assert table_file_name(dict(h100)) == name  # (the same fingerprint, the same name)
 
 
 def _fingerprint(**extra) -> dict:

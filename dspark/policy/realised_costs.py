@@ -14,7 +14,13 @@ its table time scaled by the realised / table ratio of recent steps in that cell
 weighted, half-life price_half_life steps; each ratio clipped to [1/4, 4], so an idle pause
 between calls cannot swing it), once min_price_steps steps of that cell were seen. A cell
 without enough steps is scaled by its G's plain cell's ratio when that one has them (the
-machine's drift: a slower host makes every step dearer), else priced by the table alone.
+machine's drift: a slower host makes every step dearer), else priced by the table alone; a
+trimmed cell without enough steps, by its G's full block's ratio first (the drafting step that
+runs: the same drafter and verification, the same host work). Priced by plain's instead, a
+trimmed cell not yet run looks cheaper than the full block that runs whenever this host is
+slower than the profile was: on an H100 at C = 1 a policy with trimmed cells then ran a trimmed
+cell in 1,275 of 1,310 steps, where the table prices every one of them above the full block
+(docs/PERFORMANCE.md, trimmed cells).
 
   table: G 256 plain 2.2 ms, full 5.2 ms; realised ratios plain 1.1, full 1.6 (8+ steps each)
   priced: plain 2.42 ms, full 8.3 ms  ->  full / plain 3.4 instead of 2.36
@@ -145,10 +151,13 @@ class RealisedCosts:
         return long_run + (recent - long_run) * stale
 
     def priced(self, g: int, row: Mapping[int, float], sampled: bool) -> dict[int, float]:
-        """G's cells (V -> table seconds), each scaled by its own realised ratio, else by the
-        plain cell's, else as the table has it (module docstring)."""
+        """G's cells (V -> table seconds), each scaled by its own realised ratio, else (a
+        trimmed cell) by the full block's, else by the plain cell's, else as the table has it
+        (module docstring)."""
         drift = self.ratio((g, g), sampled) or 1.0
-        return {v: t * (self.ratio((g, v), sampled) or drift) for v, t in row.items()}
+        drafting = self.ratio((g, max(row)), sampled) or drift  # (the full block: G's widest)
+        return {v: t * (self.ratio((g, v), sampled) or (drift if v == g else drafting))
+                for v, t in row.items()}  # fmt: skip
 
     def as_dict(self) -> dict[str, float]:
         """The known ratios for the metrics, each part on its own: "G=256 V=2048 greedy

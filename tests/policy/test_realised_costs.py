@@ -49,6 +49,29 @@ def test_worked_example_of_the_docstring():
         _costs(price_half_life=0)
 
 
+def test_a_trimmed_cell_not_yet_run_is_priced_like_the_full_block_that_runs():
+    """On a host slower than the profile, the full block that runs realises dearer than its
+    table time. A trimmed cell not yet run takes the full block's ratio, not the plain cell's:
+    it stays above the full block as the table has it (the H100's G = 1: trimmed 1.38 ms, full
+    1.34 ms), where priced by plain's it would look cheaper and be chosen."""
+    g, full, trimmed = 1, 8, 6
+    row = {g: 0.73e-3, trimmed: 1.38e-3, full: 1.34e-3}
+    costs = _costs(min_price_steps=8)
+    for _ in range(8):
+        costs.record((g, g), False, 0.73e-3, 0.73e-3)  # plain as the table
+        costs.record((g, full), False, 1.34e-3, 1.34e-3 * 1.2)  # drafting 1.2x it
+    priced = costs.priced(g, row, False)
+    assert priced[trimmed] == pytest.approx(1.38e-3 * 1.2) and priced[trimmed] > priced[full]
+    assert priced[g] == pytest.approx(0.73e-3)
+    # with the full block unmeasured too, the plain cell's drift prices both
+    costs = _costs(min_price_steps=8)
+    for _ in range(8):
+        costs.record((g, g), False, 0.73e-3, 0.73e-3 * 1.1)
+    priced = costs.priced(g, row, False)
+    assert priced[trimmed] == pytest.approx(1.38e-3 * 1.1)
+    assert priced[full] == pytest.approx(1.34e-3 * 1.1)
+
+
 def test_policy_stops_drafting_when_drafting_steps_realise_dearer():
     g, full = 64, 64 * (K + 1)
     table = CostTable({}, {g: {g: 1.0, full: 2.2}})

@@ -32,7 +32,7 @@ budget). Load that falls (a smaller G, where the full block costs relatively les
 requests and stale rows bring drafting back.
 
 Flapping is prevented twice over. The other mode must beat the incumbent by (1 + min_gain)^2
-(cells.choose_drafting), and once drafting is off it stays off for at least dwell_steps steps.
+(cells.full_block_pays), and once drafting is off it stays off for at least dwell_steps steps.
 Switching drafting off is not delayed: a drafting step costs several plain steps at high load,
 so one step of fresh confidences is enough to stop. (A switch costs one step that cannot launch
 ahead: the plain step after a drafting one, whose inputs only verification knows; the drafting
@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dspark.policy.cells import choose_cell, choose_drafting
+from dspark.policy.cells import choose_cell, full_block_pays
 from dspark.policy.cost_table import CostTable, full_block_tokens
 from dspark.policy.realised_costs import RealisedCosts
 from dspark.policy.survival import SurvivalEstimates
@@ -91,6 +91,33 @@ class Decision:
     def trimmed_cell(self) -> tuple[int, int] | None:
         """(G, V) when the choice is a trimmed cell (StepPlan.trimmed_cell), else None."""
         return self.cell if self.reason == "trimmed" else None
+
+
+NO_TABLE = Decision(True, "no table")
+BEYOND_TABLE = Decision(True, "batch beyond the table")
+IDLE = {drafting: Decision(drafting, "idle") for drafting in (False, True)}
+
+
+@dataclass(frozen=True)
+class GraphCells:
+    """One G's runnable cells in one table (greedy or sampled), and the decision that runs each
+    of them: built once, so that a step's decision is one of these, not a new object (decide
+    runs before every step)."""
+
+    g: int
+    row: dict[int, float]  # V -> table seconds: plain, the full block, any trimmed cells
+    full: int  # V of the full block
+    sampled: bool  # the sampled cells
+    decisions: dict[int, Decision]  # V -> "no drafting" (V = G), "full block" or "trimmed"
+    dwell: Decision  # "dwell" (plain)
+
+    @staticmethod
+    def of(g: int, row: dict[int, float], draft_len: int, sampled: bool) -> GraphCells:
+        full = full_block_tokens(g, draft_len)
+        reasons = {g: "no drafting", full: "full block"}
+        decisions = {v: Decision(v != g, reasons.get(v, "trimmed"), (g, v), sampled) for v in row}
+        return GraphCells(g, row, full, sampled, decisions,
+                          Decision(False, "dwell", (g, g), sampled))  # fmt: skip
 
 
 class DraftingPolicy:
@@ -126,6 +153,13 @@ class DraftingPolicy:
         self.realised_costs = RealisedCosts(tuning)
         self.tuning, self.draft_len, self.probe_steps = tuning, draft_len, probe_steps
         self.sizes = sorted(self.table.cells) if self.table else []
+        # some row samples? -> [num_rows] -> the cells of the G that holds them (the greedy
+        # ones where the table has no sampled cells): bisect over the sizes, done once
+        self._graphs: dict[bool, list[GraphCells]] = {
+            sampled: _graphs_by_rows(self._cells(sampled), draft_len, sampled and
+                                     self.sampled_table is not None)
+            for sampled in (False, True)
+        }  # fmt: skip
         self.drafting = True
         self._steps_in_mode = 0
         self.counters: Counter[str] = Counter()
@@ -181,28 +215,29 @@ class DraftingPolicy:
 
     def _decide(self, request_ids: list[str], sampled: bool) -> Decision:
         if self.table is None:
-            return Decision(True, "no table")
+            return NO_TABLE
         if not request_ids:
-            return Decision(self.drafting, "idle")
-        priced = self.priced_cells(len(request_ids), sampled)
-        if priced is None:
-            return Decision(True, "batch beyond the table")
+            return IDLE[self.drafting]
+        graphs, num_rows = self._graphs[sampled], len(request_ids)
+        if num_rows >= len(graphs):
+            return BEYOND_TABLE
+        graph = graphs[num_rows]
         if sampled and self.sampled_table is None:
             self.counters["sampled_priced_by_greedy_cells"] += 1
-        g, row, sampled = priced
         if not self.drafting and self._steps_in_mode < self.tuning.dwell_steps:
-            return Decision(False, "dwell", (g, g), sampled)
-        table, gain = CostTable({}, {g: row}), self.tuning.min_gain
-        fresh_since = self.estimates.step - self._stale_after(row)
-        if len(row) > 2:  # trimmed cells: per-position survivals price them
+            return graph.dwell
+        g, full = graph.g, graph.full
+        row = self.realised_costs.priced(g, graph.row, graph.sampled)
+        fresh_since = self.estimates.step - self._stale_after(row[g], row[full])
+        if len(graph.row) > 2:  # trimmed cells: per-position survivals price them
             a = self._lagged_survival(request_ids, fresh_since)
-            choice = choose_cell(a, g, table, self.draft_len, gain, self.drafting)
-        else:
-            total = self.estimates.running_sum(request_ids, fresh_since)
-            choice = choose_drafting(len(request_ids), total, g, table, self.draft_len, gain,
-                                     self.drafting)  # fmt: skip
-        geometry = choice.geometry
-        return Decision(geometry.drafts, choice.reason, (g, geometry.num_tokens), sampled)
+            table = CostTable({}, {g: row})
+            choice = choose_cell(a, g, table, self.draft_len, self.tuning.min_gain, self.drafting)
+            return graph.decisions[choice.geometry.num_tokens]
+        total = self.estimates.running_sum(request_ids, fresh_since)
+        pays = full_block_pays(len(request_ids), total, row[g], row[full], self.tuning.min_gain,
+                               self.drafting)  # fmt: skip
+        return graph.decisions[full if pays else g]
 
     def _cells(self, sampled: bool) -> CostTable:
         """The table that prices a step: the sampled cells when some row samples and the
@@ -215,24 +250,21 @@ class DraftingPolicy:
         """The graph size G a step of num_rows rows runs at, its runnable cells' prices (V ->
         seconds: the table's, scaled by realised step costs), and whether they are the sampled
         cells; None when no G of the table holds num_rows."""
-        i = bisect.bisect_left(self.sizes, num_rows)
-        if self.table is None or i == len(self.sizes):
+        graphs = self._graphs[sampled]
+        if num_rows >= len(graphs):
             return None
-        g = self.sizes[i]
-        table = self._cells(sampled)
-        sampled = table is self.sampled_table
-        return g, self.realised_costs.priced(g, table.cells[g], sampled), sampled
+        graph = graphs[num_rows]
+        return graph.g, self.realised_costs.priced(graph.g, graph.row, graph.sampled), graph.sampled
 
     def record_step(self, decision: Decision, seconds: float, arrivals: bool = False) -> None:
         """The engine's period of a step the policy decided (realised_costs.py), and whether
         that step admitted or prefilled requests; a decision with no cell (no table, idle,
         beyond the table) teaches nothing."""
-        if decision.cell is None:
+        cell = decision.cell
+        if cell is None:
             return
-        g, v = decision.cell
-        table = self._cells(decision.sampled)
-        self.realised_costs.record(decision.cell, decision.sampled, table.cells[g][v], seconds,
-                                   arrivals)  # fmt: skip
+        table_s = self._graphs[decision.sampled][cell[0]].row[cell[1]]  # ([G]: G's own cells)
+        self.realised_costs.record(cell, decision.sampled, table_s, seconds, arrivals)
 
     def stale_after(self, g: int, sampled: bool = False) -> int:
         """Steps after which a request's survivals are stale at graph size G (module doc), by
@@ -242,12 +274,11 @@ class DraftingPolicy:
         probe costs: at G = 256 a drafting step can cost 3.1-3.7 plain ones where the table
         says 2.04, and probing at the table's horizon then spends ~5% of the time, not 1%."""
         _, row, _ = self.priced_cells(g, sampled)  # (G is one of the table's: it prices itself)
-        return self._stale_after(row)
+        return self._stale_after(row[g], row[full_block_tokens(g, self.draft_len)])
 
-    def _stale_after(self, row: dict[int, float]) -> int:
-        """stale_after from G's priced cells (V -> seconds; V = G the plain one)."""
-        g = min(row)
-        ratio = row[full_block_tokens(g, self.draft_len)] / row[g]
+    def _stale_after(self, plain_s: float, full_s: float) -> int:
+        """stale_after from G's priced plain and full-block cells (seconds)."""
+        ratio = full_s / plain_s
         return max(1, math.ceil(self.probe_steps * (ratio - 1) / self.tuning.probe_budget))
 
     def survival_sum(self, request_ids: list[str], g: int, sampled: bool = False) -> float:
@@ -297,6 +328,19 @@ def _keys(drafting: bool, reason: str, cell: tuple[int, int] | None) -> tuple[st
         if reason == "trimmed":
             keys.append(f"trimmed_w{cell[1] // cell[0]}")
     return tuple(keys)
+
+
+def _graphs_by_rows(table: CostTable | None, draft_len: int, sampled: bool) -> list[GraphCells]:
+    """[num_rows] -> the cells of the smallest G of the table that holds num_rows rows, for
+    num_rows up to the largest G (no table: an empty list).
+
+      G 1, 4, 16:  num_rows 0 1 | 2 3 4 | 5 .. 16  ->  G 1 1 | 4 4 4 | 16 .. 16
+    """
+    if table is None:
+        return []
+    sizes = sorted(table.cells)
+    graphs = {g: GraphCells.of(g, table.cells[g], draft_len, sampled) for g in sizes}
+    return [graphs[sizes[bisect.bisect_left(sizes, r)]] for r in range(sizes[-1] + 1)]
 
 
 def _runnable(

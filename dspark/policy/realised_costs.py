@@ -89,9 +89,10 @@ class RealisedCosts:
         self.min_steps = tuning.min_price_steps
         self.stale_half_life = tuning.stale_price_half_life
         self._counted = 0  # steps counted in any cell: the clock of a price's staleness
-        # (G, V, sampled, arrivals) -> [weighted sum of ratios, weight, steps seen, the
-        # long-run sum and weight, the clock when last counted]: realised / table
-        self._ratios: dict[tuple[int, int, bool, bool], list] = {}
+        # (G, V, sampled) -> the cell's [steady part, part with arrivals], each None until its
+        # first step, then [weighted sum of ratios, weight, steps seen, the long-run sum and
+        # weight, the clock when last counted]: realised / table
+        self._cells: dict[tuple[int, int, bool], list] = {}
         self._share_decay = 0.5 ** (1.0 / tuning.arrival_share_half_life)
         # (G, sampled) -> [weighted count of steps with arrivals, weight]
         self._shares: dict[tuple[int, bool], list[float]] = {}
@@ -106,13 +107,19 @@ class RealisedCosts:
     ) -> None:
         """One step of `cell` took `seconds`; the table says `table_s`."""
         ratio = min(MAX_RATIO, max(MIN_RATIO, seconds / table_s))
-        key = (*cell, sampled, arrivals)
-        share = self._shares.setdefault((cell[0], sampled), [0.0, 0.0])
+        g, v = cell
+        share = self._shares.get((g, sampled))
+        if share is None:
+            share = self._shares[g, sampled] = [0.0, 0.0]
         d = self._share_decay
-        share[:] = [share[0] * d + arrivals, share[1] * d + 1.0]
-        state = self._ratios.get(key)
+        share[0], share[1] = share[0] * d + arrivals, share[1] * d + 1.0
+        parts = self._cells.get((g, v, sampled))
+        if parts is None:
+            parts = self._cells[g, v, sampled] = [None, None]
+        part = 1 if arrivals else 0
+        state = parts[part]
         if state is None:
-            state = self._ratios[key] = [0.0, 0.0, 0, 0.0, 0.0, self._counted]
+            state = parts[part] = [0.0, 0.0, 0, 0.0, 0.0, self._counted]
         total, weight, steps, long_total, long_weight, _ = state
         if weight:  # (start from the reverted price: module docstring)
             total = self._reverted(state) * weight
@@ -126,20 +133,50 @@ class RealisedCosts:
         it goes stale: the mix of its steady part and its part with arrivals (module
         docstring), or None with fewer than min_steps steps in both."""
         g, v = cell
-        steady, busy = self._ratio_of((g, v, sampled, False)), self._ratio_of((g, v, sampled, True))
+        return self._ratio(g, v, sampled, self._share(g, sampled))
+
+    def priced(self, g: int, row: Mapping[int, float], sampled: bool) -> dict[int, float]:
+        """G's cells (V -> table seconds), each scaled by its own realised ratio, else (a
+        trimmed cell) by the full block's, else by the plain cell's, else as the table has it
+        (module docstring). (Before every step: G's share of steps with arrivals is read once,
+        each cell's ratio once.)"""
+        share, full = self._share(g, sampled), max(row)  # (the full block: G's widest)
+        drift = self._ratio(g, g, sampled, share) or 1.0
+        drafting = self._ratio(g, full, sampled, share) or drift
+        prices = {}
+        for v, t in row.items():
+            if v == g:
+                prices[v] = t * drift
+            elif v == full:
+                prices[v] = t * drafting
+            else:  # (a trimmed cell)
+                prices[v] = t * (self._ratio(g, v, sampled, share) or drafting)
+        return prices
+
+    def _share(self, g: int, sampled: bool) -> float:
+        """The share of recent steps at G that had arrivals (0 before any)."""
+        count, weight = self._shares.get((g, sampled), (0.0, 0.0))
+        return count / weight if weight else 0.0
+
+    def _ratio(self, g: int, v: int, sampled: bool, share: float) -> float | None:
+        """ratio((G, V), sampled), given G's share of steps with arrivals."""
+        parts = self._cells.get((g, v, sampled))
+        if parts is None:
+            return None
+        steady, busy = self._measured(parts[0]), self._measured(parts[1])
         if steady is None and busy is None:
             return None
         if steady is None:  # seen only with arrivals: the plain cell's steady part (drift)
-            plain = self._ratio_of((g, g, sampled, False)) if v != g else None
-            steady = plain if plain is not None else 1.0
+            plain = self._cells.get((g, g, sampled)) if v != g else None
+            steady = None if plain is None else self._measured(plain[0])
+            if steady is None:
+                steady = 1.0
         if busy is None:
             busy = steady
-        count, weight = self._shares.get((g, sampled), (0.0, 0.0))
-        share = count / weight if weight else 0.0
         return (1.0 - share) * steady + share * busy
 
-    def _ratio_of(self, key: tuple[int, int, bool, bool]) -> float | None:
-        state = self._ratios.get(key)
+    def _measured(self, state: list | None) -> float | None:
+        """A part's reverted ratio, or None with fewer than min_steps steps."""
         if state is None or state[2] < self.min_steps:
             return None
         return self._reverted(state)
@@ -150,22 +187,15 @@ class RealisedCosts:
         stale = 0.5 ** ((self._counted - last) / self.stale_half_life)
         return long_run + (recent - long_run) * stale
 
-    def priced(self, g: int, row: Mapping[int, float], sampled: bool) -> dict[int, float]:
-        """G's cells (V -> table seconds), each scaled by its own realised ratio, else (a
-        trimmed cell) by the full block's, else by the plain cell's, else as the table has it
-        (module docstring)."""
-        drift = self.ratio((g, g), sampled) or 1.0
-        drafting = self.ratio((g, max(row)), sampled) or drift  # (the full block: G's widest)
-        return {v: t * (self.ratio((g, v), sampled) or (drift if v == g else drafting))
-                for v, t in row.items()}  # fmt: skip
-
     def as_dict(self) -> dict[str, float]:
         """The known ratios for the metrics, each part on its own: "G=256 V=2048 greedy
         steady" -> 1.6."""
         out = {}
-        for (g, v, sampled, arrivals), (total, weight, *_) in sorted(self._ratios.items()):
-            kind = f"{'sampled' if sampled else 'greedy'} {'arrivals' if arrivals else 'steady'}"
-            out[f"G={g} V={v} {kind}"] = round(total / weight, 3)
+        for (g, v, sampled), parts in sorted(self._cells.items()):
+            for part, state in zip(("steady", "arrivals"), parts, strict=True):
+                if state is not None:
+                    kind = f"{'sampled' if sampled else 'greedy'} {part}"
+                    out[f"G={g} V={v} {kind}"] = round(state[0] / state[1], 3)
         return out
 
 

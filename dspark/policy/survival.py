@@ -70,6 +70,9 @@ Everything both use was verified before the current drafts exist.
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import eq
+
 import numpy as np
 import torch
 
@@ -133,16 +136,15 @@ class SurvivalEstimates:
         # the persistence fit (module docstring): weighted pairs and their sums x, y, xx, xy
         self._pairs = [0.0] * 5
         self.decision_lag = decision_lag
-        # with decision_lag 2: request id -> its smoothed sum before its newest block (what
-        # the decision about its next block read)
-        self._earlier_sums: dict[str, float] = {}
         self._fit_start = 0  # the row the next step's pairs start from (modulo the batch)
         # exponentially weighted predicted and realised accepted drafts over full blocks, each
         # starting from prior_blocks blocks of one accepted draft predicted and realised
         self._predicted = self._realised = tuning.prior_blocks
         self.step = 0  # the clock: survivals observed at a step, estimates aged by it
-        # request id -> (sum of its smoothed K survivals, the step it was last observed at)
-        self._survival_sums: dict[str, tuple[float, int]] = {}
+        # request id -> (sum of its smoothed K survivals, the step it was last observed at,
+        # with decision_lag 2 its smoothed sum before its newest block: what the decision
+        # about its next block read, None before a second block)
+        self._survival_sums: dict[str, tuple[float, int, float | None]] = {}
         # with keep_vectors, each request's smoothed survivals per position [K] too (kept only
         # then: a dozen numpy calls per row cost the step loop ~1 us each)
         self.keep_vectors = keep_vectors
@@ -176,22 +178,21 @@ class SurvivalEstimates:
         """observe() from the survivals the engine computed once for the step
         (SpecStepOutput.survivals)."""
         self._observations += 1
-        sums = a.sum(-1).tolist()
+        sums = np.add.reduce(a, axis=-1).tolist()  # (a.sum(-1) less its Python-level wrapper)
         if num_accepted is not None and verify_len is not None:
             self._fit_persistence(request_ids, num_accepted, verify_len)  # (estimates before)
-        w, step, smoothed_sums = self._block_weight, self.step, self._survival_sums
-        earlier = self._earlier_sums if self.decision_lag == 2 else None
+        w, step, rows = self._block_weight, self.step, self._survival_sums
+        lagged = self.decision_lag == 2
         for rid, total in zip(request_ids, sums, strict=True):  # (hundreds of rows a step)
-            seen = smoothed_sums.get(rid)
-            if seen is None:
-                smoothed_sums[rid] = (total, step)
+            row = rows.get(rid)
+            if row is None:
+                rows[rid] = (total, step, None)
                 continue
-            before = seen[0]
-            smoothed_sums[rid] = (before + w * (total - before), step)
-            if earlier is not None:
-                earlier[rid] = before
+            before = row[0]
+            rows[rid] = (before + w * (total - before), step, before if lagged else row[2])
+        observed = sum(sums)
         decay = self._decay ** len(sums)
-        self._population_sum = self._population_sum * decay + sum(sums)
+        self._population_sum = self._population_sum * decay + observed
         if sums:
             self._population_step = self.step
         if self.keep_vectors:
@@ -199,14 +200,15 @@ class SurvivalEstimates:
         self._population_blocks = self._population_blocks * decay + len(sums)
         if num_accepted is None or verify_len is None:
             return
-        if verify_len.count(self.draft_len) == len(verify_len):  # every block uncensored (the
-            predicted, realised = sums, num_accepted  # usual step: no index lists to build)
-        else:
-            full = [j for j, v in enumerate(verify_len) if v == self.draft_len]  # uncensored
-            predicted, realised = [sums[j] for j in full], [num_accepted[j] for j in full]
-        decay = self._decay ** len(predicted)
-        self._predicted = self._predicted * decay + sum(predicted)
-        self._realised = self._realised * decay + sum(realised)
+        uncensored = verify_len.count(self.draft_len)
+        if uncensored == len(verify_len):  # every block uncensored (the usual step)
+            predicted, realised = observed, sum(num_accepted)
+        else:  # (the uncensored blocks' sums, in order: no per-row Python)
+            full = list(map(eq, verify_len, repeat(self.draft_len)))
+            predicted, realised = sum(compress(sums, full)), sum(compress(num_accepted, full))
+            decay = self._decay**uncensored
+        self._predicted = self._predicted * decay + predicted
+        self._realised = self._realised * decay + realised
 
     def _fit_persistence(
         self, request_ids: list[str], num_accepted: list[int], verify_len: list[int]
@@ -221,7 +223,7 @@ class SurvivalEstimates:
         if not r:
             return
         scale, k = self.correction, self.draft_len
-        lagged, earlier, smoothed = self.decision_lag == 2, self._earlier_sums, self._survival_sums
+        rows, read = self._survival_sums, 2 if self.decision_lag == 2 else 0  # (the sum then)
         start, most = self._fit_start, self.tuning.persistence_pairs_per_step
         self._fit_start += most
         n = sx = sy = sxx = sxy = 0.0
@@ -229,11 +231,8 @@ class SurvivalEstimates:
             j = (start + i) % r
             if verify_len[j] != k:
                 continue
-            if lagged:
-                before = earlier.get(request_ids[j])
-            else:
-                seen = smoothed.get(request_ids[j])
-                before = None if seen is None else seen[0]
+            row = rows.get(request_ids[j])
+            before = None if row is None else row[read]
             if before is None:
                 continue
             x, y = min(k, scale * before), num_accepted[j]
@@ -288,8 +287,13 @@ class SurvivalEstimates:
             self._survival_sums.pop(request_id, None)
             self._sums.moved(request_id, True)
         self._survival_sums.pop(request_id, None)
-        self._earlier_sums.pop(request_id, None)
         self._survival_vectors.pop(request_id, None)
+
+    @property
+    def _earlier_sums(self) -> dict[str, float]:
+        """With decision_lag 2: request id -> its smoothed sum before its newest block (a view
+        of _survival_sums, for inspection)."""
+        return {rid: row[2] for rid, row in self._survival_sums.items() if row[2] is not None}
 
     def estimate_totals(
         self, request_ids: list[str], fresh_since: int
@@ -304,31 +308,34 @@ class SurvivalEstimates:
         unseen ones the population's mean while its newest block is fresh (an unseen row
         priced by a stale population counts K and is reported STALE).
 
-        (Called before every step: plain floats, no numpy.)
+        (Called before every step: plain floats, no numpy; running_sum's pass over the rows
+        computes the estimates alone, _totals.)
         """
-        scale, k = self.correction, self.draft_len
-        unseen, unseen_kind = self.unobserved_sum(), UNSEEN
-        if self._population_step < fresh_since:
-            unseen, unseen_kind = float(k), STALE  # (the population's evidence is stale)
-        mean = self.population_mean()
+        unseen = STALE if self._population_step < fresh_since else UNSEEN
+        kinds = [unseen if seen is None else STALE if seen[1] < fresh_since else FRESH
+                 for seen in map(self._survival_sums.get, request_ids)]  # fmt: skip
+        return self._totals(request_ids, fresh_since), kinds
+
+    def _totals(self, request_ids: list[str], fresh_since: int) -> list[float]:
+        """estimate_totals' estimates, without their kinds."""
+        scale, k, mean = self.correction, self.draft_len, self.population_mean()
         target = float(k) if mean is None else mean  # (no population yet: what unseen counts)
+        # (an unseen row counts unobserved_sum(), the target, or K while the population is stale)
+        unseen = float(k) if self._population_step < fresh_since else target
         decay, rho = self._regression_decay, self.persistence
-        step, sums, stale = self.step, self._survival_sums, float(k)
-        totals, kinds = [], []
-        for rid in request_ids:
-            seen = sums.get(rid)
+        step, stale = self.step, float(k)
+        totals = []
+        estimate = totals.append
+        for seen in map(self._survival_sums.get, request_ids):
             if seen is None:
-                totals.append(unseen)
-                kinds.append(unseen_kind)
+                estimate(unseen)
             elif seen[1] < fresh_since:
-                totals.append(stale)
-                kinds.append(STALE)
+                estimate(stale)
             else:
                 own = scale * seen[0]
-                totals.append(target + ((k if own > k else own) - target) * rho
-                              * decay ** (step - seen[1]))  # fmt: skip
-                kinds.append(FRESH)
-        return totals, kinds
+                estimate(target + ((k if own > k else own) - target) * rho
+                         * decay ** (step - seen[1]))  # fmt: skip
+        return totals
 
     def running_sum(self, request_ids: list[str], fresh_since: int) -> float:
         """sum(estimate_totals(request_ids, fresh_since)[0]). While no block is observed
@@ -346,7 +353,7 @@ class SurvivalEstimates:
         # (after an observe the pass costs less than building the groups, and drafting steps
         # observe before every call: the groups pay only once drafting stops)
         self._sums, self._passed_at = None, self._observations
-        return sum(self.estimate_totals(request_ids, fresh_since)[0])
+        return sum(self._totals(request_ids, fresh_since))
 
     def estimate_vectors(
         self, request_ids: list[str], totals: list[float], kinds: list[int]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from dspark.policy.cells import (
     choose_cell,
     choose_drafting,
     expected_tokens,
+    full_block_pays,
 )
 from dspark.policy.cost_table import CostTable
 from dspark.policy.survival import host_survivals, survival
@@ -89,3 +91,25 @@ def test_host_choice_full_trimmed_plain_and_hysteresis():
     # the sum-only choice agrees: plain and the full block of G
     assert choose_drafting(2, 2.1, g, slight, K, 0.02, drafting_now=True).reason == "full block"
     assert choose_drafting(2, 2.1, g, slight, K, 0.02, drafting_now=False).reason == "no drafting"
+
+
+def test_the_policys_two_cell_choice_is_choose_cell_over_plain_and_the_full_block():
+    """full_block_pays (the policy's choice before every step: a few float comparisons, no
+    objects) picks what choose_cell picks over G's plain and full-block cells, incumbent and
+    margins included; its docstring's example first."""
+    assert full_block_pays(2, 2.1, 1.0, 2.0, min_gain=0.02, drafting_now=True)
+    assert not full_block_pays(2, 2.1, 1.0, 2.0, min_gain=0.02, drafting_now=False)
+    rng = np.random.default_rng(0)
+    g, chosen = 4, set()
+    for _ in range(2000):
+        a = np.cumprod(rng.uniform(0.0, 1.0, (int(rng.integers(1, g + 1)), K)), axis=1)
+        plain_s = float(rng.uniform(0.5, 1.5))
+        table = _table(g, {g: plain_s, g * (K + 1): plain_s * float(rng.uniform(1.0, 3.0))})
+        gain, drafting_now = float(rng.uniform(0.0, 0.1)), bool(rng.integers(2))
+        total = float(np.cumsum(np.sort(a, axis=None)[::-1])[-1])  # (choose_cell's sum)
+        pays = full_block_pays(a.shape[0], total, table.cells[g][g], table.cells[g][g * (K + 1)],
+                               gain, drafting_now)  # fmt: skip
+        reason = choose_cell(a, g, table, K, gain, drafting_now).reason
+        assert reason == ("full block" if pays else "no drafting")
+        chosen.add((pays, drafting_now))
+    assert len(chosen) == 4  # (both choices from both incumbents)

@@ -161,3 +161,13 @@ def test_a_batch_that_samples_is_priced_by_the_sampled_cells():
     assert greedy_only.decide(["r0"], sampled=True).drafting
     assert greedy_only.counters["sampled_priced_by_greedy_cells"] == 1
     assert _policy(CostTable({}, dict(TABLE.cells), {1: sampled[1]})).sampled_table is None
+
+
+def test_a_batch_runs_at_the_smallest_g_that_holds_it():
+    """policy._graphs_by_rows' example: with G 1, 4, 16, num_rows 0 1 | 2 3 4 | 5 .. 16 are
+    priced at G 1 1 | 4 4 4 | 16; 17 rows are beyond the table."""
+    table = CostTable({}, {g: {g: 1.0, full_block_tokens(g, K): 2.0} for g in (1, 4, 16)})
+    p = _policy(table)
+    assert [p.priced_cells(n, False)[0] for n in range(17)] == [1, 1, 4, 4, 4] + [16] * 12
+    assert p.priced_cells(17, False) is None
+    assert p.decide(_ids(17)) == Decision(True, "batch beyond the table")

@@ -151,10 +151,10 @@ def full_block_pays(
       2.13); not drafting, plain stays (the full block would need 2.0 x 1.02^2 = 2.08).
     """
     plain, full = num_live / plain_s, (num_live + survival_sum) / full_s
-    margin = (1 + min_gain) ** 2
+    margin = (1 + min_gain) ** 2  # (>= 1: beating the incumbent by it beats the incumbent)
     if drafting_now:  # (the incumbent is the full block)
-        return not (plain > full * margin and plain > full)
-    return full > plain * margin and full > plain
+        return not plain > full * margin
+    return full > plain * margin
 
 
 def _best_cell(

@@ -206,7 +206,7 @@ class SurvivalEstimates:
         else:  # (the uncensored blocks' sums, in order: no per-row Python)
             full = list(map(eq, verify_len, repeat(self.draft_len)))
             predicted, realised = sum(compress(sums, full)), sum(compress(num_accepted, full))
-            decay = self._decay**uncensored
+        decay = self._decay**uncensored
         self._predicted = self._predicted * decay + predicted
         self._realised = self._realised * decay + realised
 

@@ -51,14 +51,17 @@ temperature 1: a sampled drafting step costs more than a greedy one), or by the 
 where the table has none (counted: sampled_priced_by_greedy_cells).
 
 Trimmed cells. With trimmed_widths (the cells (G, w G) the runner can run, spec/ragged.py) and a
-table that measured them, the choice is cells.choose_cell over G's plain, trimmed and full
+table that measured them, the choice is cells.best_cell over G's plain, trimmed and full
 cells: the expected tokens of a budget of D drafts are R plus the D highest lagged survivals
 within the cell's reach (cells.py), so each request's survivals are kept per position, not only
 summed. A row's vector is its own smoothed one (or the population's, for a request that never
 drafted) rescaled to the total the sums above give it, each position clipped to 1; a stale row
-is all ones. The full block's expected tokens are then those of the sum-only choice, and a
-table without trimmed cells gives exactly the choices above. A trimmed choice reaches the runner
-as StepPlan.trimmed_cell; the device fills its budget from the step's fresh survivals.
+is all ones. The full block's expected tokens are those of the sum-only choice (R plus the
+sum), and a table without trimmed cells gives exactly the choices above. The vectors are read
+only when a trimmed cell could win (cells.trimmed_may_win: a bound from the sum alone); at
+G = 1-8 of the H100 tables every trimmed cell costs more than the full block, and none is. A
+trimmed choice reaches the runner as StepPlan.trimmed_cell; the device fills its budget from
+the step's fresh survivals.
 """
 
 from __future__ import annotations
@@ -66,12 +69,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from dspark.policy.cells import choose_cell, full_block_pays
+from dspark.policy.cells import best_cell, full_block_pays, trimmed_may_win
 from dspark.policy.cost_table import CostTable, full_block_tokens
 from dspark.policy.realised_costs import RealisedCosts
 from dspark.policy.survival import SurvivalEstimates
@@ -110,14 +114,16 @@ class GraphCells:
     sampled: bool  # the sampled cells
     decisions: dict[int, Decision]  # V -> "no drafting" (V = G), "full block" or "trimmed"
     dwell: Decision  # "dwell" (plain)
+    trimmed: tuple[int, ...]  # V of the trimmed cells
 
     @staticmethod
     def of(g: int, row: dict[int, float], draft_len: int, sampled: bool) -> GraphCells:
         full = full_block_tokens(g, draft_len)
         reasons = {g: "no drafting", full: "full block"}
         decisions = {v: Decision(v != g, reasons.get(v, "trimmed"), (g, v), sampled) for v in row}
+        trimmed = tuple(v for v in sorted(row) if g < v < full)
         return GraphCells(g, row, full, sampled, decisions,
-                          Decision(False, "dwell", (g, g), sampled))  # fmt: skip
+                          Decision(False, "dwell", (g, g), sampled), trimmed)  # fmt: skip
 
 
 class DraftingPolicy:
@@ -167,7 +173,9 @@ class DraftingPolicy:
         # the host's scheduling overhead, timed by its callers (the engine, the confidence
         # sink): seconds in decide (with record_step), observe and the trace, and decisions
         self.host_time: Counter[str] = Counter()
-        self.last_row_totals: tuple[list[float], list[int]] | None = None  # of the last decide()
+        # each row's survival total and kind (lists, or arrays where trimmed cells priced the
+        # step) of the last decide()
+        self.last_row_totals: tuple[Sequence[float], Sequence[int]] | None = None
 
     def observe(
         self,
@@ -229,13 +237,15 @@ class DraftingPolicy:
         g, full = graph.g, graph.full
         row = self.realised_costs.priced(g, graph.row, graph.sampled)
         fresh_since = self.estimates.step - self._stale_after(row[g], row[full])
-        if len(graph.row) > 2:  # trimmed cells: per-position survivals price them
-            a = self._lagged_survival(request_ids, fresh_since)
-            table = CostTable({}, {g: row})
-            choice = choose_cell(a, g, table, self.draft_len, self.tuning.min_gain, self.drafting)
-            return graph.decisions[choice.geometry.num_tokens]
         total = self.estimates.running_sum(request_ids, fresh_since)
-        pays = full_block_pays(len(request_ids), total, row[g], row[full], self.tuning.min_gain,
+        if graph.trimmed and trimmed_may_win(graph.trimmed, num_rows, total, row, g, full,
+                                             self.tuning.min_gain, self.drafting):  # fmt: skip
+            # (per-position survivals price the trimmed cells; the full block, R + total)
+            a = self._lagged_survival(request_ids, fresh_since)
+            v, _ = best_cell(a, g, row, self.draft_len, self.tuning.min_gain, self.drafting,
+                             full_tokens=num_rows + total)  # fmt: skip
+            return graph.decisions[v]
+        pays = full_block_pays(num_rows, total, row[g], row[full], self.tuning.min_gain,
                                self.drafting)  # fmt: skip
         return graph.decisions[full if pays else g]
 
@@ -313,8 +323,9 @@ class DraftingPolicy:
         return totals
 
     def _lagged_survival(self, request_ids: list[str], fresh_since: int) -> np.ndarray:
-        totals, kinds = self._row_totals(request_ids, fresh_since)
-        return self.estimates.estimate_vectors(request_ids, totals, kinds)
+        a, totals, kinds = self.estimates.estimate_vectors(request_ids, fresh_since)
+        self.last_row_totals = totals, kinds  # (the decision's evidence, for trace.py)
+        return a
 
 
 def _keys(drafting: bool, reason: str, cell: tuple[int, int] | None) -> tuple[str, ...]:

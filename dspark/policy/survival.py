@@ -76,6 +76,7 @@ from operator import eq
 import numpy as np
 import torch
 
+from dspark.policy.survival_vectors import FLAT, POPULATION, SurvivalVectors
 from dspark.policy.tuning import TUNING, PolicyTuning
 
 # what a request's lagged survivals rest on (SurvivalEstimates.estimate_totals)
@@ -122,7 +123,6 @@ class SurvivalEstimates:
             raise ValueError(f"decision_lag must be 1 or 2, got {decision_lag}")
         self.tuning = tuning
         self._population_sum = self._population_blocks = 0.0  # weighted observed sums, blocks
-        self._population_vector = np.zeros(draft_len)  # weighted observed survivals [K]
         self._population_step = 0  # the step of the population's newest block
         self.draft_len = draft_len
         self.temperatures = {
@@ -146,9 +146,9 @@ class SurvivalEstimates:
         # about its next block read, None before a second block)
         self._survival_sums: dict[str, tuple[float, int, float | None]] = {}
         # with keep_vectors, each request's smoothed survivals per position [K] too (kept only
-        # then: a dozen numpy calls per row cost the step loop ~1 us each)
+        # then), as rows of one array
         self.keep_vectors = keep_vectors
-        self._survival_vectors: dict[str, np.ndarray] = {}
+        self.vectors = SurvivalVectors(draft_len, self._block_weight)
         # the running requests as the scheduler reports them joining and leaving (running());
         # while no block is observed their sum is kept by groups, not passed over (RunningSums)
         self._running: dict[str, None] = {}
@@ -196,7 +196,7 @@ class SurvivalEstimates:
         if sums:
             self._population_step = self.step
         if self.keep_vectors:
-            self._observe_vectors(request_ids, a, decay)
+            self.vectors.observe(request_ids, a, decay, step)
         self._population_blocks = self._population_blocks * decay + len(sums)
         if num_accepted is None or verify_len is None:
             return
@@ -256,14 +256,6 @@ class SurvivalEstimates:
             return 1.0
         return min(1.0, max(0.0, (sxy / n - sx * sy / n**2) / var))
 
-    def _observe_vectors(self, request_ids: list[str], a: np.ndarray, decay: float) -> None:
-        """observe()'s per-position twin of the smoothed sums (trimmed cells only)."""
-        w = self._block_weight
-        for rid, vector in zip(request_ids, a, strict=True):
-            seen = self._survival_vectors.get(rid)
-            self._survival_vectors[rid] = vector if seen is None else seen + w * (vector - seen)
-        self._population_vector = self._population_vector * decay + a.sum(0)
-
     @property
     def correction(self) -> float:
         """Realised / predicted accepted drafts over recent full blocks (1 with no evidence)."""
@@ -287,7 +279,7 @@ class SurvivalEstimates:
             self._survival_sums.pop(request_id, None)
             self._sums.moved(request_id, True)
         self._survival_sums.pop(request_id, None)
-        self._survival_vectors.pop(request_id, None)
+        self.vectors.forget(request_id)
 
     @property
     def _earlier_sums(self) -> dict[str, float]:
@@ -356,23 +348,34 @@ class SurvivalEstimates:
         return sum(self._totals(request_ids, fresh_since))
 
     def estimate_vectors(
-        self, request_ids: list[str], totals: list[float], kinds: list[int]
-    ) -> np.ndarray:
-        """[R, K] the requests' lagged survivals per position: each row's vector (its own, or
-        the population's for a request that never drafted; ones when stale or without
-        evidence) rescaled to the row's total of estimate_totals, clipped to 1."""
-        k = self.draft_len
-        flat = np.ones(k) / k  # (the shape of a row with no vector: its total spread evenly)
-        population = self._population_vector if self.population_mean() is not None else flat
-        vectors = np.stack([
-            self._survival_vectors.get(rid, flat) if kind == FRESH
-            else population if kind == UNSEEN else flat
-            for rid, kind in zip(request_ids, kinds, strict=True)
-        ]).reshape(len(request_ids), k)  # fmt: skip
-        mass = vectors.sum(axis=1, keepdims=True)
-        scale = np.asarray(totals)[:, None] / np.where(mass > 0, mass, 1.0)
-        rows = np.where(mass > 0, vectors * scale, np.asarray(totals)[:, None] / k)
-        return np.minimum(1.0, rows)
+        self, request_ids: list[str], fresh_since: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[R, K] the requests' lagged survivals per position, with their totals and kinds
+        ([R] each: estimate_totals', as arrays). Each row's vector (its own, the population's
+        for a request that never drafted, FLAT when stale or without evidence) is rescaled to
+        the row's total and clipped to 1. Computed over the rows' slots at once
+        (SurvivalVectors): a fresh row's smoothed sum is its vector's sum.
+
+          K 2, fresh row [0.9, 0.3] (sum 1.2) with total 1.5 -> [1.0 (1.125 clipped), 0.375]
+        """
+        k, vectors, step = self.draft_len, self.vectors, self.step
+        mean = self.population_mean()
+        target = float(k) if mean is None else mean  # (no population yet: what unseen counts)
+        slots = vectors.slots(request_ids)
+        observed = slots >= 0
+        seen = vectors.seen[slots]  # (slot -1: the last row's, masked below)
+        fresh = observed & (seen >= fresh_since)
+        unseen = ~observed & (self._population_step >= fresh_since)  # (else it counts K, STALE)
+        kinds = np.where(fresh, FRESH, np.where(unseen, UNSEEN, STALE))
+        own = np.minimum(k, self.correction * vectors.rows[slots].sum(axis=1))
+        pull = self.persistence * self._regression_decay ** np.where(fresh, step - seen, 0)
+        totals = np.where(fresh, target + (own - target) * pull, np.where(unseen, target, k))
+        population = POPULATION if mean is not None else FLAT
+        shapes = vectors.rows[np.where(fresh, slots, np.where(unseen, population, FLAT))]
+        mass = shapes.sum(axis=1, keepdims=True)
+        scale = totals[:, None] / np.where(mass > 0, mass, 1.0)
+        rows = np.where(mass > 0, shapes * scale, totals[:, None] / k)
+        return np.minimum(1.0, rows), totals, kinds
 
     def population_mean(self) -> float | None:
         """The recent requests' recalibrated mean survival sum per block (exponentially

@@ -54,6 +54,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
+
 from dspark import envs
 from dspark.policy.policy import Decision, DraftingPolicy
 from dspark.policy.survival import FRESH, STALE, UNSEEN
@@ -161,15 +163,16 @@ class PolicyTrace:
         totals, kinds = policy.last_row_totals or policy.row_totals(
             request_ids, g, decision.sampled
         )
+        kinds = np.asarray(kinds)  # (lists or, where trimmed cells priced it, arrays)
         estimates = policy.estimates
         mean = estimates.population_mean()
         return {
             "priced": {str(v): round(s, 7) for v, s in priced[1].items()} if priced else None,
             "table": {str(v): s for v, s in table.cells[g].items()},
-            "survival_sum": round(sum(totals), 4),
-            "fresh": kinds.count(FRESH),
-            "stale": kinds.count(STALE),
-            "unseen": kinds.count(UNSEEN),
+            "survival_sum": round(float(np.sum(totals)), 4),
+            "fresh": int(np.count_nonzero(kinds == FRESH)),
+            "stale": int(np.count_nonzero(kinds == STALE)),
+            "unseen": int(np.count_nonzero(kinds == UNSEEN)),
             "correction": round(estimates.correction, 4),
             "persistence": round(estimates.persistence, 4),
             "population_mean": None if mean is None else round(mean, 4),

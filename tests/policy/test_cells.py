@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from dspark.policy.cells import (
+    best_cell,
     cell_geometry,
     cell_reach,
+    cell_tokens,
     choose_cell,
     choose_drafting,
     expected_tokens,
     full_block_pays,
+    trimmed_may_win,
 )
 from dspark.policy.cost_table import CostTable
 from dspark.policy.survival import host_survivals, survival
@@ -113,3 +116,48 @@ def test_the_policys_two_cell_choice_is_choose_cell_over_plain_and_the_full_bloc
         assert reason == ("full block" if pays else "no drafting")
         chosen.add((pays, drafting_now))
     assert len(chosen) == 4  # (both choices from both incumbents)
+
+
+def test_cell_tokens_is_the_sum_of_the_highest_survivals_within_reach():
+    """One partition, against the sort it replaces: R + the D highest of a[:, :reach]; the
+    docstring's example first."""
+    a = np.array([[0.9, 0.5], [0.8, 0.1]])
+    assert cell_tokens(a, 3, 2) == pytest.approx(4.2)
+    assert cell_tokens(a, 3, 1) == pytest.approx(3.7)
+    assert cell_tokens(a, 0, 2) == 2.0
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        r, k = int(rng.integers(1, 20)), int(rng.integers(1, 8))
+        a = np.cumprod(rng.uniform(0.0, 1.0, (r, k)), axis=1)
+        reach, drafts = int(rng.integers(1, k + 1)), int(rng.integers(0, r * k + 3))
+        best_first = np.sort(a[:, :reach], axis=None)[::-1]
+        assert cell_tokens(a, drafts, reach) == pytest.approx(r + best_first[:drafts].sum())
+
+
+def test_trimmed_cells_that_cannot_win_leave_the_two_cell_choice():
+    """trimmed_may_win's bound (R + min(D, sum) tokens) is safe: where it says no trimmed cell
+    can win, best_cell over every cell chooses what full_block_pays chooses; and where a trimmed
+    cell wins, the bound let it through. Its docstring's example first."""
+    row = {16: 1.1, 48: 3.6, 128: 4.0}
+    assert not trimmed_may_win((48,), 16, 56.0, row, 16, 128, 0.02, True)
+    rng = np.random.default_rng(2)
+    g, k, outcomes = 8, 7, set()
+    full = g * (k + 1)
+    for _ in range(3000):
+        r = int(rng.integers(1, g + 1))
+        a = np.cumprod(rng.uniform(0.2, 1.0, (r, k)) ** rng.uniform(0.1, 3.0), axis=1)
+        plain_s = float(rng.uniform(0.5, 1.5))
+        full_s = plain_s * float(rng.uniform(1.2, 3.0))
+        row = {g: plain_s, full: full_s}
+        row |= {w * g: full_s * float(rng.uniform(0.6, 1.1)) for w in (2, 3, 5)}
+        gain, drafting_now = float(rng.uniform(0.0, 0.05)), bool(rng.integers(2))
+        total = float(a.sum())
+        may_win = trimmed_may_win((2 * g, 3 * g, 5 * g), r, total, row, g, full, gain,
+                                  drafting_now)  # fmt: skip
+        v, _ = best_cell(a, g, row, k, gain, drafting_now, full_tokens=r + total)
+        if not may_win:
+            pays = full_block_pays(r, total, plain_s, full_s, gain, drafting_now)
+            assert v == (full if pays else g)
+        outcomes.add((may_win, v not in (g, full)))
+    assert (False, True) not in outcomes
+    assert {(True, True), (False, False), (True, False)} <= outcomes

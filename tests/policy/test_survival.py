@@ -253,3 +253,50 @@ def test_the_running_sum_equals_the_pass_over_the_rows(seed):
     expected = sum(est.estimate_totals(rows, est.step)[0])
     assert est.running_sum(rows, est.step) == pytest.approx(expected, abs=1e-9)
     assert est._sums is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_vectors_at_once_equal_each_rows_own(seed):
+    """estimate_vectors (every row's slot gathered at once) equals the rows priced one by one:
+    estimate_totals' totals and kinds, and each row's vector smoothed over its own blocks (the
+    population's for a request never observed, flat when stale) rescaled to its total, clipped
+    to 1. Requests come and go (freed slots reused, the array grown past its first 64)."""
+    import random
+
+    import numpy as np
+
+    from dspark.policy.survival import FRESH, UNSEEN, SurvivalEstimates
+
+    rng, nrng = random.Random(seed), np.random.default_rng(seed)
+    k = 5
+    est = SurvivalEstimates({g: torch.full((k,), 1.5) for g in (False, True)}, k, keep_vectors=True)
+    w = est._block_weight
+    own, population, running, next_id = {}, np.zeros(k), [], 0
+    for _ in range(200):
+        for _ in range(rng.randint(0, 8)):
+            running.append(f"r{next_id}")
+            next_id += 1
+        for rid in rng.sample(running, min(len(running), rng.randint(0, 6))):
+            running.remove(rid)
+            est.forget(rid)
+            own.pop(rid, None)
+        if running and rng.random() < 0.6:
+            rows = rng.sample(running, rng.randint(1, len(running)))
+            a = np.cumprod(nrng.uniform(0.0, 1.0, (len(rows), k)), axis=1)
+            est.observe_survivals(rows, a, [rng.randint(0, k) for _ in rows], [k] * len(rows))
+            for rid, block in zip(rows, a, strict=True):
+                own[rid] = block if rid not in own else own[rid] + w * (block - own[rid])
+            population = population * est._decay ** len(rows) + a.sum(0)
+        fresh_since = est.step - rng.randint(0, 30)
+        vectors, totals, kinds = est.estimate_vectors(running, fresh_since)
+        want_totals, want_kinds = est.estimate_totals(running, fresh_since)
+        assert kinds.tolist() == want_kinds
+        np.testing.assert_allclose(totals, want_totals, rtol=1e-12, atol=1e-12)
+        with_population = est.population_mean() is not None
+        for i, (rid, total, kind) in enumerate(zip(running, want_totals, want_kinds, strict=True)):
+            shape = (own[rid] if kind == FRESH else population
+                     if kind == UNSEEN and with_population else np.ones(k))  # fmt: skip
+            want = np.minimum(1.0, shape * total / shape.sum()) if shape.sum() > 0 else total / k
+            np.testing.assert_allclose(vectors[i], want, rtol=1e-9, atol=1e-12)
+        est.step += 1
+    assert next_id > 64 + 40 and len(est.vectors.rows) > 66

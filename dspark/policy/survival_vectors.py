@@ -32,13 +32,6 @@ class SurvivalVectors:
         self.slot_of: dict[str, int] = {}
         self._free = list(range(len(self.rows) - 1, _RESERVED - 1, -1))  # (pop() takes the lowest)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.slot_of
-
-    def __getitem__(self, request_id: str) -> np.ndarray:
-        """A request's smoothed survivals [K] (a view)."""
-        return self.rows[self.slot_of[request_id]]
-
     def observe(self, request_ids: list[str], a: np.ndarray, decay: float, step: int) -> None:
         """A step's calibrated survivals [R, K]: each request's row smoothed toward its block
         (weight block_weight; a request's first block is its row), the population's decayed by
